@@ -1,0 +1,16 @@
+"""rltrainer: a thin, Lightning-style Trainer API for RL post-training of LLMs."""
+
+from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
+from rltrainer.data import RolloutBatch, prompt_dataloader
+from rltrainer.module import RLModule
+from rltrainer.modules import GRPO
+from rltrainer.rollout import ENGINES, RolloutEngine, SamplingParams
+from rltrainer.strategies import STRATEGIES, Strategy
+from rltrainer.trainer import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ENGINES", "GRPO", "STRATEGIES", "Callback", "ModelCheckpoint", "ProgressBar", "RLModule", "RolloutBatch",
+    "RolloutEngine", "SamplingParams", "Strategy", "Trainer", "prompt_dataloader",
+]

@@ -1,0 +1,26 @@
+"""The one place the controller calls hooks: module hooks and callback hooks go through here,
+which makes timing, profiling and "record the hook order" trivial."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rltrainer.trainer import Trainer
+
+
+def call_module_hook(trainer: Trainer, name: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module.<name>(*args, **kwargs)`` on the controller."""
+    return getattr(trainer.module, name)(*args, **kwargs)
+
+
+def call_callback_hooks(trainer: Trainer, name: str, *args: Any, **kwargs: Any) -> None:
+    """Call ``callback.<name>(trainer, module, *args, **kwargs)`` on every callback, in order."""
+    for callback in trainer.callbacks:
+        getattr(callback, name)(trainer, trainer.module, *args, **kwargs)
+
+
+def call_hooks(trainer: Trainer, name: str, *args: Any, **kwargs: Any) -> None:
+    """A lifecycle event: the module's hook first, then the callbacks' (Lightning's order)."""
+    call_module_hook(trainer, name, *args, **kwargs)
+    call_callback_hooks(trainer, name, *args, **kwargs)

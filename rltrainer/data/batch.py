@@ -1,0 +1,226 @@
+"""The one batch type passed between stages (verl's ``DataProto`` role), built on tensordict.
+
+A :class:`RolloutBatch` has three parts:
+
+- ``tensors``: a :class:`tensordict.TensorDict` whose batch dimension is ``N`` rows;
+- ``non_tensors``: a dict of numpy object arrays of length ``N`` (text, ground truth, ...);
+- ``meta``: a plain dict of batch-level values (temperature, global token counts, ...).
+
+Indexing with a string returns a field; indexing with an int, slice, list or tensor returns the
+sub-batch of those rows, with every field sliced alike.
+
+Field names and shapes (letters: ``B`` prompts, ``G`` samples per prompt, ``N = B*G`` rows,
+``P`` prompt length, ``T`` response length):
+
+========================  ===========  =======================================================
+field                     shape        meaning
+========================  ===========  =======================================================
+``prompt_ids``            list[int]    non-tensor, one token list per row (prompt stage)
+``prompts``               [N, P]       prompt token ids, left-padded with ``pad_token_id``
+``responses``             [N, T]       response token ids, right-padded
+``response_mask``         [N, T]       1 for generated tokens (EOS included), 0 for padding
+``input_ids``             [N, P+T]     ``cat(prompts, responses)``
+``attention_mask``        [N, P+T]     1 for real tokens in ``input_ids``
+``position_ids``          [N, P+T]     ``cumsum(attention_mask) - 1``, clamped at 0
+``rollout_log_probs``     [N, T]       per-token log-probs reported by the engine
+``old_log_probs``         [N, T]       log-probs of the policy before the update
+``ref_log_probs``         [N, T]       log-probs of the frozen reference model
+``values``                [N, T]       critic values (PPO)
+``scores``                [N]          total reward per sequence
+``advantages``            [N, T]       per-token advantages (0 on padding)
+``returns``               [N, T]       value targets (PPO)
+``uid``                   str          non-tensor group id: rows with one prompt share it
+``response_text``         str          non-tensor decoded response
+========================  ===========  =======================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+Index = int | slice | Sequence[int] | torch.Tensor | np.ndarray
+
+
+def _object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-D object array, even when the values are themselves lists of equal length."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = list(values) if not isinstance(values, np.ndarray) else values
+    return out
+
+
+class RolloutBatch:
+    """``N`` rows of named tensor and non-tensor fields, plus batch-level ``meta``."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor] | TensorDict | None = None,
+        non_tensors: Mapping[str, Sequence[Any]] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        tensors = dict(tensors.items()) if tensors is not None else {}
+        non_tensors = {k: _object_array(v) for k, v in (non_tensors or {}).items()}
+        sizes = {k: int(v.shape[0]) for k, v in tensors.items()} | {k: len(v) for k, v in non_tensors.items()}
+        if batch_size is None:
+            batch_size = next(iter(sizes.values()), 0)
+        wrong = {k: n for k, n in sizes.items() if n != batch_size}
+        if wrong:
+            raise ValueError(f"All fields of a RolloutBatch need {batch_size} rows; these differ: {wrong}")
+        self.tensors = TensorDict(tensors, batch_size=[batch_size])
+        self.non_tensors: dict[str, np.ndarray] = non_tensors
+        self.meta: dict[str, Any] = dict(meta or {})
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_rows(cls, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] | None = None) -> RolloutBatch:
+        """Build a batch from dataset rows (a list of dicts); every value becomes a non-tensor field.
+
+        Raises if the rows do not all have the same fields.
+        """
+        if isinstance(rows, Mapping):  # a dict of columns (e.g. a HF dataset slice)
+            return cls(non_tensors=rows, meta=meta)
+        keys = list(rows[0].keys()) if rows else []
+        for i, row in enumerate(rows):
+            if set(row.keys()) != set(keys):
+                raise ValueError(f"Row {i} has fields {sorted(row)}, but row 0 has {sorted(keys)}.")
+        return cls(non_tensors={k: [row[k] for row in rows] for k in keys}, meta=meta)
+
+    @classmethod
+    def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """Concatenate batches along rows. ``meta`` is taken from the first batch."""
+        if not batches:
+            raise ValueError("RolloutBatch.concat needs at least one batch")
+        keys = set(batches[0].non_tensors)
+        for b in batches[1:]:
+            if set(b.non_tensors) != keys or set(b.tensors.keys()) != set(batches[0].tensors.keys()):
+                raise ValueError("RolloutBatch.concat needs batches with the same fields")
+        tensors = torch.cat([b.tensors for b in batches]) if batches[0].tensors.keys() else None
+        non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in keys}
+        out = cls(non_tensors=non_tensors, meta=batches[0].meta, batch_size=sum(len(b) for b in batches))
+        if tensors is not None:
+            out.tensors = tensors
+        return out
+
+    # -- access --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.tensors.batch_size[0])
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors.keys() or key in self.non_tensors
+
+    def keys(self) -> list[str]:
+        return list(self.tensors.keys()) + list(self.non_tensors)
+
+    def __getitem__(self, index: str | Index) -> Any:
+        if isinstance(index, str):
+            if index in self.non_tensors:
+                return self.non_tensors[index]
+            if index in self.tensors.keys():
+                return self.tensors[index]
+            raise KeyError(f"RolloutBatch has no field {index!r}; fields: {self.keys()}")
+        if isinstance(index, int):
+            index = slice(index, index + 1) if index != -1 else slice(-1, None)
+        np_index = index.cpu().numpy() if isinstance(index, torch.Tensor) else index
+        if isinstance(np_index, (list, tuple)):
+            np_index = np.asarray(np_index, dtype=np.int64)
+        out = RolloutBatch(meta=self.meta)
+        out.tensors = self.tensors[index if not isinstance(index, (list, tuple)) else torch.as_tensor(index)]
+        out.non_tensors = {k: v[np_index] for k, v in self.non_tensors.items()}
+        return out
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.shape[0] != len(self):
+                raise ValueError(f"Field {key!r} has {value.shape[0]} rows; the batch has {len(self)}")
+            self.non_tensors.pop(key, None)
+            self.tensors[key] = value
+        else:
+            if len(value) != len(self):
+                raise ValueError(f"Field {key!r} has {len(value)} rows; the batch has {len(self)}")
+            if key in self.tensors.keys():
+                del self.tensors[key]
+            self.non_tensors[key] = _object_array(value)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    # -- transforms (all return new batches; tensors are shared, not copied, where possible) ----
+    def select(self, *keys: str, strict: bool = True) -> RolloutBatch:
+        """A batch with only ``keys`` (tensor or non-tensor); ``meta`` is kept."""
+        missing = [k for k in keys if k not in self]
+        if missing and strict:
+            raise KeyError(f"RolloutBatch has no fields {missing}; fields: {self.keys()}")
+        out = RolloutBatch(meta=self.meta, batch_size=len(self))
+        out.tensors = self.tensors.select(*[k for k in keys if k in self.tensors.keys()])
+        out.non_tensors = {k: v for k, v in self.non_tensors.items() if k in keys}
+        return out
+
+    def union(self, other: RolloutBatch) -> RolloutBatch:
+        """This batch with ``other``'s fields added (``other`` wins on clashes); same row count."""
+        if len(other) != len(self):
+            raise ValueError(f"Cannot union a batch of {len(other)} rows into one of {len(self)}")
+        out = self.copy()
+        for k in other.tensors.keys():
+            out.tensors[k] = other.tensors[k]
+        out.non_tensors.update(other.non_tensors)
+        out.meta.update(other.meta)
+        return out
+
+    def copy(self) -> RolloutBatch:
+        """A shallow copy: new containers, shared tensors."""
+        out = RolloutBatch(meta=dict(self.meta), batch_size=len(self))
+        out.tensors = self.tensors.clone(recurse=False)
+        out.non_tensors = dict(self.non_tensors)
+        return out
+
+    def repeat(self, repeats: int, interleave: bool = True) -> RolloutBatch:
+        """Repeat every row ``repeats`` times: ``interleave`` gives ``a a b b``, else ``a b a b``."""
+        n = len(self)
+        index = np.repeat(np.arange(n), repeats) if interleave else np.tile(np.arange(n), repeats)
+        return self[torch.from_numpy(index)]
+
+    def chunk(self, chunks: int) -> list[RolloutBatch]:
+        """Split into ``chunks`` parts of near-equal size (the last ones may be smaller)."""
+        if chunks <= 0:
+            raise ValueError(f"chunks must be positive, got {chunks}")
+        size = -(-len(self) // chunks)
+        return self.split(size) if len(self) else [self]
+
+    def split(self, size: int) -> list[RolloutBatch]:
+        """Consecutive parts of ``size`` rows (the last may be smaller)."""
+        if size <= 0:
+            raise ValueError(f"split size must be positive, got {size}")
+        return [self[i : i + size] for i in range(0, len(self), size)]
+
+    def split_by_tokens(self, max_tokens: int, mask_key: str = "attention_mask") -> list[RolloutBatch]:
+        """Consecutive parts whose padded token count (rows x longest row) stays within ``max_tokens``.
+
+        A row longer than ``max_tokens`` gets a part of its own.
+        """
+        lengths = self.tensors[mask_key].sum(-1).tolist()
+        parts, start, longest = [], 0, 0
+        for i, length in enumerate(lengths):
+            new_longest = max(longest, int(length))
+            if i > start and new_longest * (i - start + 1) > max_tokens:
+                parts.append(self[start:i])
+                start, new_longest = i, int(length)
+            longest = new_longest
+        parts.append(self[start:])
+        return parts
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        out = self.copy()
+        out.tensors = self.tensors.to(device)
+        return out
+
+    def __repr__(self) -> str:
+        tensors = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}" for k, v in self.tensors.items())
+        return f"RolloutBatch(rows={len(self)}, tensors={{{tensors}}}, non_tensors={list(self.non_tensors)}, meta={list(self.meta)})"
+
+    def __iter__(self) -> Iterator[Any]:
+        raise TypeError("Iterate over rows with batch.split(1), or over fields with batch.keys()")

@@ -1,0 +1,283 @@
+"""Load prompt datasets and turn them into ``prompt`` / ``prompt_ids`` / ``ground_truth`` rows.
+
+Every ``prepare_*`` function returns a :class:`datasets.Dataset` with the columns
+
+==================  ===========  ==============================================================
+column              type         meaning
+==================  ===========  ==============================================================
+``prompt``          str          the full prompt text (chat template + generation prompt applied)
+``prompt_ids``      list[int]    ``prompt`` tokenised without adding special tokens
+``ground_truth``    str          the gold answer, as the rewards in ``rltrainer.rewards`` expect
+``question``        str          the raw question text
+==================  ===========  ==============================================================
+
+Prompts longer than ``max_prompt_length`` tokens are dropped, never truncated: a truncated
+question has a different answer. Example::
+
+    rows = load_rows("shared/data/gsm8k/train.jsonl")
+    train = prepare_gsm8k(rows, tokenizer, max_prompt_length=256)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # `datasets` is imported where used: it is slow to import
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+PROMPT_COLUMNS = ("prompt", "prompt_ids", "ground_truth", "question")
+
+# Maps one row (and its index, for error messages) to (question text, ground truth).
+RowParser = Callable[[Mapping[str, Any], int], tuple[str, str]]
+
+
+def load_rows(source: str, split: str = "train", data_files: str | Sequence[str] | None = None) -> Dataset:
+    """Load raw rows from a local file or directory, or from the Hugging Face Hub.
+
+    Args:
+        source: a ``.jsonl``/``.json``/``.parquet`` file; a directory holding
+            ``<split>.jsonl``/``<split>.json``/``<split>.parquet``; or a Hub dataset name
+            (needs network access; set ``HF_HUB_OFFLINE=1`` to fail fast without one).
+        split: the split to read from a directory or from the Hub.
+        data_files: explicit files, resolved relative to ``source`` when it is a directory
+            (otherwise passed to the Hub loader).
+    """
+    import datasets
+
+    path = Path(source).expanduser()
+    if path.is_dir() and data_files is not None:
+        names = [data_files] if isinstance(data_files, str) else list(data_files)
+        return _load_local([path / name for name in names])
+    if path.is_file():
+        return _load_local([path])
+    if path.is_dir():
+        candidates = [path / f"{split}{suffix}" for suffix in LOCAL_FORMATS]
+        found = [c for c in candidates if c.is_file()]
+        if not found:
+            raise FileNotFoundError(
+                f"Directory {str(path)!r} has no file for split {split!r}; looked for "
+                f"{[c.name for c in candidates]}, found {sorted(p.name for p in path.iterdir())}."
+            )
+        return _load_local(found[:1])
+    if path.suffix in LOCAL_FORMATS or path.is_absolute() or source.startswith((".", "~")):
+        raise FileNotFoundError(f"Dataset file {source!r} does not exist (resolved to {str(path.resolve())!r}).")
+    try:
+        return datasets.load_dataset(source, split=split, data_files=data_files)
+    except Exception as error:
+        raise RuntimeError(
+            f"Could not load {source!r} (split {split!r}) from the Hugging Face Hub: {error}. "
+            f"If this machine is offline, pass a local file or directory instead: accepted formats are "
+            f"{sorted(LOCAL_FORMATS)} files, or a directory with '<split>.jsonl', '<split>.json' or "
+            "'<split>.parquet'."
+        ) from error
+
+
+def _load_local(paths: Sequence[Path]) -> Dataset:
+    """Read local files of one format with ``datasets.load_dataset("json" | "parquet")``."""
+    import datasets
+
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"Dataset file {str(p)!r} does not exist.")
+    formats = {LOCAL_FORMATS.get(p.suffix) for p in paths}
+    if None in formats or len(formats) != 1:
+        raise ValueError(
+            f"Cannot read {[str(p) for p in paths]}: all files must share one of the formats "
+            f"{sorted(LOCAL_FORMATS)}."
+        )
+    return datasets.load_dataset(formats.pop(), data_files=[str(p) for p in paths], split="train")
+
+
+def gsm8k_row(row: Mapping[str, Any], index: int) -> tuple[str, str]:
+    """GSM8K ``question``/``answer`` -> (question, gold number after ``####`` without ``,``)."""
+    question, answer = _require(row, index, "GSM8K", ("question", "answer"))
+    if "####" not in answer:
+        raise ValueError(
+            f"GSM8K row {index} has an answer without a final '#### <number>' line: {answer[-80:]!r}; "
+            f"fields found: {_fields(row)}."
+        )
+    gold = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    if not gold:
+        raise ValueError(f"GSM8K row {index} has nothing after '####' in its answer; fields found: {_fields(row)}.")
+    return question, gold
+
+
+def math500_row(row: Mapping[str, Any], index: int) -> tuple[str, str]:
+    """MATH-500 ``problem``/``answer`` -> (problem, answer)."""
+    problem, answer = _require(row, index, "MATH-500", ("problem", "answer"))
+    return problem, answer
+
+
+def _fields(row: Mapping[str, Any]) -> list[str]:
+    return [key for key, value in row.items() if value is not None]
+
+
+def _require(row: Mapping[str, Any], index: int, name: str, keys: Sequence[str]) -> list[str]:
+    """The string values of ``keys`` in ``row``; a missing or ``None`` field raises with the row index."""
+    values = []
+    for key in keys:
+        value = row.get(key)
+        if value is None:
+            raise ValueError(f"{name} row {index} has no field {key!r}; fields found: {_fields(row)}.")
+        values.append(str(value))
+    return values
+
+
+def build_prompt(
+    question: str,
+    tokenizer: PreTrainedTokenizerBase,
+    instruction: str | None = None,
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
+) -> str:
+    """The prompt text for one question: the chat template with a generation prompt when the
+    tokenizer has one and ``use_chat_template``, else ``system_prompt\\n\\nquestion instruction``."""
+    content = f"{question} {instruction}" if instruction else question
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": content})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{system_prompt}\n\n{content}" if system_prompt else content
+
+
+def prepare_prompts(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    parse_row: RowParser,
+    max_prompt_length: int | None = 512,
+    instruction: str | None = None,
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
+    return_dropped: bool = False,
+) -> Dataset | tuple[Dataset, int]:
+    """Map raw rows to :data:`PROMPT_COLUMNS` with ``parse_row`` and drop over-long prompts.
+
+    Args:
+        dataset: raw rows.
+        tokenizer: a Hugging Face tokenizer; its chat template is used when it has one.
+        parse_row: ``(row, index) -> (question, ground_truth)``; raises ``ValueError`` on a bad row.
+        max_prompt_length: drop prompts with more tokens than this; ``None`` keeps all.
+        instruction: appended to the question after a space.
+        system_prompt: an optional system message.
+        use_chat_template: ``False`` gives plain ``question instruction`` text.
+        return_dropped: also return the number of dropped prompts.
+
+    Returns:
+        The prepared dataset, or ``(dataset, n_dropped)`` when ``return_dropped``.
+    """
+    if max_prompt_length is not None and (not isinstance(max_prompt_length, int) or max_prompt_length <= 0):
+        raise ValueError(f"max_prompt_length must be a positive int or None; got {max_prompt_length!r}.")
+    columns = list(dataset.column_names)
+
+    def to_prompts(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        rows = [{key: batch[key][i] for key in columns} for i in range(len(indices))]
+        parsed = [parse_row(row, index) for row, index in zip(rows, indices)]
+        prompts = [build_prompt(q, tokenizer, instruction, system_prompt, use_chat_template) for q, _ in parsed]
+        prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        return {
+            "prompt": prompts,
+            "prompt_ids": [list(ids) for ids in prompt_ids],
+            "ground_truth": [truth for _, truth in parsed],
+            "question": [q for q, _ in parsed],
+        }
+
+    from datasets.fingerprint import generate_random_fingerprint
+
+    prepared = dataset.map(
+        to_prompts,
+        batched=True,
+        with_indices=True,
+        remove_columns=columns,
+        keep_in_memory=True,  # small, and avoids hashing the tokenizer for the cache key
+        new_fingerprint=generate_random_fingerprint(),
+        desc="Tokenizing prompts",
+    )
+    prepared, n_dropped = filter_long_prompts(prepared, max_prompt_length)
+    return (prepared, n_dropped) if return_dropped else prepared
+
+
+def filter_long_prompts(dataset: Dataset, max_prompt_length: int | None) -> tuple[Dataset, int]:
+    """Drop rows whose ``prompt_ids`` has more than ``max_prompt_length`` tokens (never truncate).
+
+    Returns:
+        ``(kept_rows, n_dropped)``; the drop count is also logged.
+    """
+    if max_prompt_length is None:
+        return dataset, 0
+    if "prompt_ids" not in dataset.column_names:
+        raise ValueError(
+            f"filter_long_prompts needs a 'prompt_ids' column; the dataset has {dataset.column_names}."
+        )
+    kept = dataset.filter(
+        lambda ids: [len(x) <= max_prompt_length for x in ids],
+        input_columns="prompt_ids",
+        batched=True,
+        keep_in_memory=True,
+        desc=f"Dropping prompts longer than {max_prompt_length} tokens",
+    )
+    n_dropped = len(dataset) - len(kept)
+    level = logging.WARNING if n_dropped else logging.INFO
+    logger.log(level, "Dropped %d of %d prompts longer than %d tokens", n_dropped, len(dataset), max_prompt_length)
+    return kept, n_dropped
+
+
+def prepare_gsm8k(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int | None = 512,
+    instruction: str = GSM8K_INSTRUCTION,
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
+    return_dropped: bool = False,
+) -> Dataset | tuple[Dataset, int]:
+    """GSM8K rows (``question``, ``answer``) -> :data:`PROMPT_COLUMNS`; see :func:`prepare_prompts`.
+
+    ``ground_truth`` is the text after the final ``####`` with thousands separators removed
+    (``"1,080"`` -> ``"1080"``). A row without ``question``/``answer`` or without ``####``
+    raises ``ValueError`` naming its index and the fields it has.
+    """
+    return prepare_prompts(
+        dataset,
+        tokenizer,
+        gsm8k_row,
+        max_prompt_length=max_prompt_length,
+        instruction=instruction,
+        system_prompt=system_prompt,
+        use_chat_template=use_chat_template,
+        return_dropped=return_dropped,
+    )
+
+
+def prepare_math500(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int | None = 512,
+    instruction: str = MATH_INSTRUCTION,
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
+    return_dropped: bool = False,
+) -> Dataset | tuple[Dataset, int]:
+    """MATH-500 rows (``problem``, ``answer``) -> :data:`PROMPT_COLUMNS`; see :func:`prepare_prompts`.
+
+    ``question`` is the ``problem`` text and ``ground_truth`` the ``answer`` column, for
+    :func:`rltrainer.rewards.math_reward`.
+    """
+    return prepare_prompts(
+        dataset,
+        tokenizer,
+        math500_row,
+        max_prompt_length=max_prompt_length,
+        instruction=instruction,
+        system_prompt=system_prompt,
+        use_chat_template=use_chat_template,
+        return_dropped=return_dropped,
+    )

@@ -1,0 +1,101 @@
+"""One RL step, top to bottom: rollout -> reward -> forward passes -> advantage -> policy update
+-> weight sync. Control flow only; every computation is a module hook, a Strategy call or an
+engine call."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from rltrainer.call import call_module_hook
+from rltrainer.data.batch import RolloutBatch
+
+if TYPE_CHECKING:
+    from rltrainer.trainer import Trainer
+
+
+@contextmanager
+def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def training_step(trainer: Trainer, prompts: RolloutBatch) -> dict[str, float]:
+    """Run one step on a batch of ``B`` prompts; return its metrics."""
+    module, strategy, engine = trainer.module, trainer.strategy, trainer.engine
+    metrics = trainer.step_metrics = {}
+    with timer(metrics, "step"):
+        with timer(metrics, "gen"):
+            engine.wake_up()
+            batch = call_module_hook(trainer, "rollout_step", prompts, engine)  # [N = B*G rows]
+            engine.sleep()
+        with timer(metrics, "reward"):
+            batch = call_module_hook(trainer, "reward_step", batch)  # + scores [N]
+        for stage in module.compute_stages():  # old_log_prob, ref, values, ...
+            with timer(metrics, stage):
+                batch = batch.union(strategy.compute(batch, stage))
+        with timer(metrics, "adv"):
+            batch = call_module_hook(trainer, "advantage_step", batch)  # + advantages [N, T]
+        with timer(metrics, "update_actor"):
+            metrics.update(update_policy(trainer, batch))
+        with timer(metrics, "update_weights"):
+            metrics.update({f"sync/{k}": v for k, v in trainer.sync_weights().items()})
+    metrics.update(batch_metrics(batch, metrics["timing_s/step"]))
+    return metrics
+
+
+def update_policy(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
+    """``update_epochs`` passes over the batch in mini-batches of ``mini_batch_size`` rows, one
+    optimizer step each; metrics are averaged over the optimizer steps."""
+    module = trainer.module
+    size = module.mini_batch_size or len(batch)
+    sums: dict[str, float] = {}
+    steps = 0
+    generator = torch.Generator().manual_seed(trainer.seed + trainer.global_step)
+    for epoch in range(module.update_epochs):
+        order = torch.randperm(len(batch), generator=generator) if epoch > 0 or size < len(batch) else None
+        shuffled = batch[order] if order is not None else batch
+        for mini_batch in shuffled.split(size):
+            mini_batch.meta.update(global_tokens=max(float(mini_batch["response_mask"].sum()), 1.0),
+                                   global_rows=float(len(mini_batch)))
+            for k, v in trainer.strategy.train_step(mini_batch).items():
+                sums[k] = sums.get(k, 0.0) + v
+            steps += 1
+    return {k: v / steps for k, v in sums.items()}
+
+
+def batch_metrics(batch: RolloutBatch, step_time: float) -> dict[str, float]:
+    """Length and throughput metrics with verl's names."""
+    response_lengths = batch["response_mask"].sum(-1).float()  # [N]
+    prompt_lengths = (batch["attention_mask"].sum(-1) - batch["response_mask"].sum(-1)).float()
+    clipped = [reason == "length" for reason in batch.get("finish_reason", [])]
+    total_tokens = float(batch["attention_mask"].sum())
+    return {
+        "response_length/mean": response_lengths.mean().item(),
+        "response_length/max": response_lengths.max().item(),
+        "response_length/min": response_lengths.min().item(),
+        "response_length/clip_ratio": sum(clipped) / max(len(clipped), 1),
+        "prompt_length/mean": prompt_lengths.mean().item(),
+        "perf/total_num_tokens": total_tokens,
+        "perf/throughput": total_tokens / max(step_time, 1e-9),
+    }
+
+
+def validation_loop(trainer: Trainer, dataloader: object, limit_batches: int | None = None) -> dict[str, float]:
+    """Run ``validation_step`` over the loader; average metrics weighted by ``val/rows``."""
+    sums: dict[str, float] = {}
+    rows = 0.0
+    for i, raw in enumerate(dataloader):
+        if limit_batches is not None and i >= limit_batches:
+            break
+        out = call_module_hook(trainer, "validation_step", trainer.as_batch(raw), trainer.engine)
+        n = out.pop("val/rows", 1.0)
+        rows += n
+        for k, v in out.items():
+            sums[k] = sums.get(k, 0.0) + v * n
+    return {k: v / rows for k, v in sums.items()} if rows else {}

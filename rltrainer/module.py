@@ -1,0 +1,266 @@
+"""``RLModule``: the algorithm, written as hooks. The docstrings below are the specification.
+
+Where each hook runs is fixed:
+
+==================  =========================================  =================================
+hook                runs on                                    called
+==================  =========================================  =================================
+configure_model     every training rank                        once, before anything else
+configure_optimizers every training rank                       once, after the model is placed
+rollout_step        controller (calls the engine)              every step
+reward_step         controller                                 every step
+compute_step        every training rank, per micro-batch,      every step, before advantages
+                    under ``torch.no_grad()``
+advantage_step      controller                                 every step
+policy_step         every training rank, per micro-batch       every optimizer step
+validation_step     controller (calls the engine)              every ``val_check_interval``
+on_*                controller                                 at those points of ``fit()``
+==================  =========================================  =================================
+
+A module therefore must be picklable, and ``compute_step`` / ``policy_step`` must not touch
+controller state: they see only the micro-batch they are given and the models built by
+``configure_model`` on their own rank.
+
+Shapes use ``B`` prompts, ``G`` samples per prompt, ``N = B*G`` rows, ``P`` prompt length and ``T``
+response length; the fields are listed in :mod:`rltrainer.data.batch`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.rollout.engine import RolloutEngine, SamplingParams
+
+if TYPE_CHECKING:
+    from rltrainer.trainer import Trainer
+
+#: Hooks a subclass must override; ``Trainer.fit`` checks them once before it starts.
+REQUIRED_HOOKS = ("configure_model", "configure_optimizers", "reward_step", "advantage_step", "policy_step")
+
+
+class RLModule(torch.nn.Module):
+    """Base class for RL algorithms. Subclass it and override the hooks.
+
+    Attributes a subclass sets (in ``__init__``), read by the Trainer's loop:
+
+    - ``tokenizer``: a transformers tokenizer (picklable).
+    - ``sampling``: :class:`SamplingParams` for training rollouts (``n`` is the group size ``G``).
+    - ``update_epochs`` (default 1) and ``mini_batch_size`` (rows per optimizer step; default: the
+      whole batch, one optimizer step per training step).
+
+    Models built in :meth:`configure_model` by convention: ``self.policy`` (required; its weights are
+    what the rollout engine receives), ``self.ref_policy`` (optional, frozen), ``self.critic``
+    (optional, PPO).
+    """
+
+    update_epochs: int = 1
+    mini_batch_size: int | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampling = SamplingParams()
+        self.tokenizer: Any = None
+        self._trainer: Trainer | None = None
+
+    # -- where the module lives -----------------------------------------------------------------
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer (call trainer.fit(module, ...)).")
+        return self._trainer
+
+    def log(self, name: str, value: float) -> None:
+        """Record a scalar for the current step (controller hooks only)."""
+        self.trainer.step_metrics[name] = float(value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_trainer"] = None  # the controller's trainer never travels to workers
+        return state
+
+    # -- models ---------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Build the models on this training rank. Required.
+
+        Runs on every training rank, once, before anything else; the Strategy then places (and
+        shards) them. Set ``self.policy`` to a transformers causal LM (``PreTrainedModel``); set
+        ``self.ref_policy`` for a frozen reference, ``self.critic`` for a value model.
+
+        Example::
+
+            def configure_model(self):
+                self.policy = AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")
+        """
+        raise NotImplementedError
+
+    def configure_optimizers(self) -> Any:
+        """Return the optimizer for the trainable models. Required.
+
+        Runs on every training rank after the Strategy has placed the models. Return an optimizer,
+        or a dict ``{"optimizer": opt, "lr_scheduler": sched}`` (the scheduler steps once per
+        optimizer step).
+
+        Example::
+
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.policy.parameters(), lr=1e-6)
+        """
+        raise NotImplementedError
+
+    def trainable_models(self) -> dict[str, torch.nn.Module]:
+        """Models trained by ``policy_step`` (default: ``policy``, plus ``critic`` if set)."""
+        models = {"policy": self.policy}
+        if getattr(self, "critic", None) is not None:
+            models["critic"] = self.critic
+        return models
+
+    # -- control flow (controller) --------------------------------------------------------------
+    def rollout_step(self, batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
+        """Generate ``G`` responses per prompt. Runs on the controller, every step.
+
+        Receives ``B`` rows with the non-tensor field ``prompt_ids`` (and every dataset column).
+        Returns ``N = B*G`` rows (each prompt row repeated ``G`` times, samples adjacent) with the
+        tensors ``prompts [N, P]``, ``responses [N, T]``, ``response_mask [N, T]``,
+        ``input_ids / attention_mask / position_ids [N, P+T]``, ``rollout_log_probs [N, T]`` and the
+        non-tensors ``uid`` and ``response_text``.
+
+        The default samples with ``self.sampling``; override it for multi-turn or tool use.
+        """
+        return generate_rollouts(batch, engine, self.sampling, self.tokenizer.pad_token_id)
+
+    def reward_step(self, batch: RolloutBatch) -> RolloutBatch:
+        """Score the responses. Required. Runs on the controller, every step.
+
+        Receives the ``N`` rows from :meth:`rollout_step`; returns them with ``scores [N]`` (float).
+        Log extra metrics with ``self.log(name, value)``.
+        """
+        raise NotImplementedError
+
+    def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
+        """Compute advantages. Required. Runs on the controller, every step, after
+        :meth:`compute_step`, with the whole batch (so groups are complete).
+
+        Returns the batch with ``advantages [N, T]`` (0 on padding), and ``returns [N, T]`` if a
+        critic is trained.
+        """
+        raise NotImplementedError
+
+    # -- compute flow (every training rank) -----------------------------------------------------
+    def compute_stages(self) -> list[str]:
+        """Names of the forward passes to run before the update, in order (controller).
+
+        Each stage is one call of :meth:`compute_step` over the whole batch, timed as
+        ``timing_s/<stage>``. Default: ``["old_log_prob"]``, plus ``"ref"`` if the module sets
+        ``use_reference = True`` (and builds ``self.ref_policy`` in :meth:`configure_model`).
+        """
+        stages = ["old_log_prob"]
+        if getattr(self, "use_reference", False):
+            stages.append("ref")
+        return stages
+
+    def compute_step(self, micro_batch: RolloutBatch, stage: str) -> dict[str, torch.Tensor]:
+        """Forward passes needed before the update. Runs on every training rank, per micro-batch,
+        under ``torch.no_grad()``, once per stage of :meth:`compute_stages`, after
+        :meth:`reward_step` and before :meth:`advantage_step`.
+
+        Returns tensors with the micro-batch's rows as first dimension; the Strategy gathers them
+        into the batch. The default handles ``"old_log_prob"`` (``old_log_probs [n, T]`` from
+        ``self.policy``) and ``"ref"`` (``ref_log_probs [n, T]`` from ``self.ref_policy``).
+        """
+        from rltrainer.models import response_log_probs
+
+        temperature = micro_batch.meta.get("temperature") or 1.0
+        if stage == "old_log_prob":
+            return {"old_log_probs": response_log_probs(self.policy, micro_batch, temperature)[0]}
+        if stage == "ref":
+            return {"ref_log_probs": response_log_probs(self.ref_policy, micro_batch, temperature)[0]}
+        raise ValueError(f"{type(self).__name__}.compute_step has no stage {stage!r}; override it to add one")
+
+    def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss. Required. Runs on every training rank, per micro-batch, with gradients.
+
+        Returns ``(loss, metrics)``. Normalise by the counts of the whole mini-batch, given in
+        ``micro_batch.meta`` as ``global_tokens`` (response tokens) and ``global_rows``, not by the
+        micro-batch's own: the Strategy sums the gradients of all micro-batches on all ranks, so the
+        result does not depend on micro-batching or the number of ranks. For the same reason each
+        metric must be a contribution that sums to the mini-batch value (e.g. ``clipped.sum() /
+        global_tokens``).
+
+        Example (REINFORCE)::
+
+            def policy_step(self, mb):
+                logp, _ = response_log_probs(self.policy, mb)
+                loss = -(mb["advantages"] * logp * mb["response_mask"]).sum() / mb.meta["global_tokens"]
+                return loss, {"actor/pg_loss": loss.item()}
+        """
+        raise NotImplementedError
+
+    # -- validation ------------------------------------------------------------------------------
+    def validation_step(self, batch: RolloutBatch, engine: RolloutEngine) -> dict[str, float]:
+        """Evaluate one validation batch. Runs on the controller.
+
+        The default samples one greedy response per prompt, scores it with :meth:`reward_step` and
+        returns ``{"val/score": mean score, "val/accuracy": fraction with score > 0}`` weighted by
+        rows (the Trainer averages over batches weighted by ``"val/rows"``).
+        """
+        sampling = SamplingParams(n=1, max_new_tokens=self.sampling.max_new_tokens, temperature=0.0,
+                                  stop_token_ids=self.sampling.stop_token_ids)
+        rollouts = self.reward_step(generate_rollouts(batch, engine, sampling, self.tokenizer.pad_token_id))
+        scores = rollouts["scores"].float()
+        return {"val/score": scores.mean().item(), "val/accuracy": (scores > 0).float().mean().item(),
+                "val/rows": float(len(scores))}
+
+    # -- lifecycle (controller) ------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        """Called once on the controller after setup, before the first step."""
+
+    def on_fit_end(self) -> None:
+        """Called once on the controller after the last step."""
+
+    def on_step_start(self, batch: RolloutBatch) -> None:
+        """Called on the controller with the prompt batch before ``rollout_step``."""
+
+    def on_step_end(self, metrics: dict[str, float]) -> None:
+        """Called on the controller after the weight sync with this step's metrics."""
+
+    def on_validation_start(self) -> None:
+        """Called on the controller before the first validation batch."""
+
+    def on_validation_end(self, metrics: dict[str, float]) -> None:
+        """Called on the controller with the aggregated validation metrics."""
+
+
+def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: SamplingParams,
+                      pad_token_id: int) -> RolloutBatch:
+    """Sample ``sampling.n`` responses per prompt row and lay them out as the batch fields."""
+    if "prompt_ids" not in batch:
+        raise KeyError(f"The prompt batch needs a 'prompt_ids' field (token ids per row); it has {batch.keys()}")
+    gen = engine.generate(list(batch["prompt_ids"]), sampling)
+    n = sampling.n
+    uids = [uuid.uuid4().hex for _ in range(len(batch))]
+    out = batch.repeat(n, interleave=True)
+    out["uid"] = [u for u in uids for _ in range(n)]
+    prompt_lists = list(out["prompt_ids"])
+    P = max(len(p) for p in prompt_lists)
+    prompts = torch.full((len(out), P), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(out), P), dtype=torch.long)
+    for i, ids in enumerate(prompt_lists):  # left padding
+        prompts[i, P - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+        prompt_mask[i, P - len(ids):] = 1
+    response_mask = gen.response_mask.long()
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    out["prompts"] = prompts  # [N, P]
+    out["responses"] = gen.response_ids.long()  # [N, T]
+    out["response_mask"] = response_mask  # [N, T]
+    out["input_ids"] = torch.cat([prompts, gen.response_ids.long()], dim=1)  # [N, P+T]
+    out["attention_mask"] = attention_mask  # [N, P+T]
+    out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
+    out["rollout_log_probs"] = gen.log_probs.float() * response_mask  # [N, T]
+    out["response_text"] = gen.text
+    out["finish_reason"] = gen.finish_reason
+    out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})
+    return out

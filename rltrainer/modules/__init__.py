@@ -1,0 +1,5 @@
+"""Built-in algorithms: each an ``RLModule`` subclass."""
+
+from rltrainer.modules.grpo import GRPO
+
+__all__ = ["GRPO"]

@@ -1,0 +1,170 @@
+"""GRPO (and its relatives: Dr. GRPO, DAPO's loss settings, RLOO) as an ``RLModule`` subclass."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rltrainer.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, aggregate, kl_penalty, ppo_clip_loss
+from rltrainer.algorithms.aggregation import masked_sum_over
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
+from rltrainer.module import RLModule
+from rltrainer.rewards import RewardManager, resolve_reward
+from rltrainer.rollout.engine import SamplingParams
+
+#: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
+ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason"})
+
+
+class GRPO(RLModule):
+    """Group Relative Policy Optimization (Shao et al. 2024) with the knobs of its successors.
+
+    Args:
+        model: hub id or local path, a transformers ``PretrainedConfig`` (random init), or a
+            callable returning a causal LM.
+        tokenizer: the transformers tokenizer of ``model``.
+        reward_funcs: a callable ``fn(completions, **dataset_fields) -> list[float]``, a
+            registered name (``"gsm8k"``, ``"math"``, ...), or a list of those.
+        reward_weights: one weight per reward function (default 1.0 each).
+        num_generations: group size ``G``: samples per prompt.
+        max_new_tokens, temperature, top_p, top_k: rollout sampling (``top_k=0`` is off).
+        lr, weight_decay, warmup_steps: AdamW with linear warm-up, then constant.
+        clip_ratio_low, clip_ratio_high: the asymmetric PPO clip range ``[1-low, 1+high]``
+            (DAPO's clip-higher: ``high=0.28``).
+        clip_ratio_c: dual-clip cap for negative advantages (``None``: off).
+        kl_coef: weight of the KL-to-reference loss (0: no reference model is built).
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (``"low_var_kl"``).
+        entropy_coef: weight of the entropy bonus.
+        loss_agg_mode: ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"`` or
+            ``"seq-mean-token-sum-norm"`` (Dr. GRPO).
+        norm_adv_by_std: divide advantages by the group std (``False``: Dr. GRPO).
+        advantage_estimator: ``"grpo"``, ``"rloo"`` or ``"reinforce"``.
+        update_epochs, mini_batch_size: passes over each batch, and rows per optimizer step.
+        model_seed: seed for a randomly initialised ``model`` config.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        tokenizer: Any,
+        reward_funcs: Callable[..., list[float]] | str | Sequence[Callable[..., list[float]] | str],
+        reward_weights: Sequence[float] | None = None,
+        num_generations: int = 8,
+        max_new_tokens: int = 512,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        lr: float = 1e-6,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 0,
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.2,
+        clip_ratio_c: float | None = 3.0,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        entropy_coef: float = 0.0,
+        loss_agg_mode: str = "token-mean",
+        norm_adv_by_std: bool = True,
+        advantage_estimator: str = "grpo",
+        update_epochs: int = 1,
+        mini_batch_size: int | None = None,
+        model_seed: int | None = 0,
+    ) -> None:
+        super().__init__()
+        AGGREGATIONS.get(loss_agg_mode), KL_ESTIMATORS.get(kl_estimator)  # unknown names raise here
+        self._advantage_fn = ADVANTAGES.get(advantage_estimator)
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        if not 0 <= clip_ratio_low < 1 or clip_ratio_high < 0:
+            raise ValueError(f"Need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {clip_ratio_low}, "
+                             f"{clip_ratio_high}")
+        if clip_ratio_c is not None and clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip cap) or None to disable it, got {clip_ratio_c}")
+        if tokenizer is None or getattr(tokenizer, "pad_token_id", None) is None:
+            raise ValueError("GRPO needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self.rewards = RewardManager([resolve_reward(f) for f in funcs], reward_weights)
+        self.model_spec = model
+        self.model_seed = model_seed
+        self.tokenizer = tokenizer
+        self.sampling = SamplingParams(n=num_generations, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       top_p=top_p, top_k=top_k)
+        self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
+        self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c = clip_ratio_low, clip_ratio_high, clip_ratio_c
+        self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
+        self.loss_agg_mode, self.norm_adv_by_std = loss_agg_mode, norm_adv_by_std
+        self.advantage_estimator = advantage_estimator
+        self.update_epochs, self.mini_batch_size = update_epochs, mini_batch_size
+
+    # -- models ---------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        self.policy = build_causal_lm(self.model_spec, seed=self.model_seed)
+        self.ref_policy = frozen_copy(self.policy) if self.kl_coef > 0 else None
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        warmup = max(self.warmup_steps, 0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        return {"optimizer": opt, "lr_scheduler": sched}
+
+    # -- control flow ---------------------------------------------------------------------------
+    def reward_step(self, batch: RolloutBatch) -> RolloutBatch:
+        fields = {k: list(v) for k, v in batch.non_tensors.items() if k not in ROLLOUT_FIELDS}
+        result = self.rewards(list(batch["response_text"]), fields)
+        batch["scores"] = result.scores  # [N]
+        for name, value in result.metrics().items():
+            self.log(name, value)
+        scores = result.scores
+        self.log("critic/score/mean", scores.mean().item())
+        self.log("critic/score/max", scores.max().item())
+        self.log("critic/score/min", scores.min().item())
+        return batch
+
+    def compute_stages(self) -> list[str]:
+        """``old_log_prob`` unless there is one optimizer step per batch (then the old log-probs
+        equal the current ones and ``policy_step`` uses those, detached), and ``ref`` if
+        ``kl_coef > 0``."""
+        stages = [] if self.update_epochs == 1 and self.mini_batch_size is None else ["old_log_prob"]
+        return stages + (["ref"] if self.kl_coef > 0 else [])
+
+    def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
+        kwargs = {"norm_by_std": self.norm_adv_by_std}
+        accepted = inspect.signature(self._advantage_fn).parameters
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        advantages, returns = self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], **kwargs)
+        batch["advantages"] = advantages  # [N, T]
+        batch["returns"] = returns  # [N, T]
+        mask = batch["response_mask"].bool()
+        self.log("critic/advantages/mean", advantages[mask].mean().item() if mask.any() else 0.0)
+        return batch
+
+    # -- compute flow ---------------------------------------------------------------------------
+    def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        mb, meta = micro_batch, micro_batch.meta
+        temperature = meta.get("temperature") or 1.0
+        counts = {"global_tokens": meta["global_tokens"], "global_rows": meta["global_rows"],
+                  "max_response_length": self.sampling.max_new_tokens}
+        mask = mb["response_mask"]
+        log_probs, entropy = response_log_probs(self.policy, mb, temperature, with_entropy=True,
+                                                entropy_grad=self.entropy_coef != 0)
+        old_log_probs = mb["old_log_probs"] if "old_log_probs" in mb else log_probs.detach()
+        pg_loss, metrics = ppo_clip_loss(
+            log_probs, old_log_probs, mb["advantages"], mask, self.clip_ratio_low, self.clip_ratio_high,
+            self.clip_ratio_c, self.loss_agg_mode, **counts,
+        )
+        loss = pg_loss
+        metrics["actor/pg_loss"] = pg_loss.detach()
+        metrics["actor/entropy"] = masked_sum_over(entropy.detach(), mask, meta["global_tokens"])
+        if self.entropy_coef != 0:
+            loss = loss - self.entropy_coef * aggregate(entropy, mask, self.loss_agg_mode, **counts)
+        if self.kl_coef > 0:
+            kl_loss = aggregate(kl_penalty(log_probs, mb["ref_log_probs"], self.kl_estimator), mask,
+                                self.loss_agg_mode, **counts)
+            loss = loss + self.kl_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.detach()
+        return loss, metrics

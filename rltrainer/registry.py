@@ -1,0 +1,78 @@
+"""One small registry used by every pluggable family (strategies, engines, advantages, losses...).
+
+Entries are looked up by string name. A name can be a *preset*: the same factory with different
+default keyword arguments (Lightning's ``"fsdp_cpu_offload"`` pattern).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps names to factories (classes or functions) plus preset keyword arguments.
+
+    Example::
+
+        STRATEGIES = Registry("strategy")
+
+        @STRATEGIES.register("single")
+        class SingleDeviceStrategy: ...
+
+        STRATEGIES.register_preset("single_bf16", "single", precision="bf16-true")
+        STRATEGIES.build("single_bf16")
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, tuple[Callable[..., T], dict[str, Any]]] = {}
+        self._descriptions: dict[str, str] = {}
+
+    def register(self, name: str, description: str = "") -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """Decorator registering ``fn`` under ``name``."""
+
+        def decorator(fn: Callable[..., T]) -> Callable[..., T]:
+            self.add(name, fn, description=description)
+            return fn
+
+        return decorator
+
+    def add(self, name: str, fn: Callable[..., T], description: str = "", **defaults: Any) -> None:
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._entries[name] = (fn, defaults)
+        self._descriptions[name] = description or (fn.__doc__ or "").strip().split("\n")[0]
+
+    def register_preset(self, name: str, base: str, description: str = "", **defaults: Any) -> None:
+        """Register ``name`` as ``base`` with different default keyword arguments."""
+        fn, base_defaults = self._entries[base]
+        self.add(name, fn, description=description, **{**base_defaults, **defaults})
+
+    def get(self, name: str) -> Callable[..., T]:
+        return self._lookup(name)[0]
+
+    def build(self, name: str, **kwargs: Any) -> T:
+        """Instantiate ``name`` with its preset defaults, overridden by ``kwargs``."""
+        fn, defaults = self._lookup(name)
+        return fn(**{**defaults, **kwargs})
+
+    def _lookup(self, name: str) -> tuple[Callable[..., T], dict[str, Any]]:
+        if not isinstance(name, str) or name not in self._entries:
+            raise ValueError(
+                f"Unknown {self.kind} {name!r}. Available {self.kind} names: {', '.join(sorted(self._entries))}."
+            )
+        return self._entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._entries))
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def describe(self) -> dict[str, str]:
+        return {name: self._descriptions[name] for name in self.names()}

@@ -1,0 +1,104 @@
+"""The rollout engine interface: generation, weight updates, and memory release.
+
+An engine owns its own copy of the model in its own (inference) layout. The Trainer only ever
+changes the engine's weights through :meth:`RolloutEngine.update_weights`, even in one process:
+the engine never shares parameter objects with the training strategy.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rltrainer.registry import Registry
+
+ENGINES: Registry[RolloutEngine] = Registry("rollout engine")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. Names and meanings follow vLLM's ``SamplingParams``.
+
+    ``temperature=0`` means greedy. ``top_k=0`` / ``top_p=1.0`` switch those filters off.
+    Generation stops at any of ``stop_token_ids`` (the tokenizer's EOS by default) or after
+    ``max_new_tokens``. Each prompt is sampled ``n`` times; samples of one prompt are adjacent.
+    """
+
+    n: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n < 1:
+            problems.append(f"n={self.n} (need >= 1)")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} (need >= 1)")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} (need >= 0; 0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} (need 0 < top_p <= 1)")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k} (need >= 0; 0 is off)")
+        if problems:
+            raise ValueError("Invalid SamplingParams: " + ", ".join(problems))
+
+
+@dataclass
+class Generation:
+    """What :meth:`RolloutEngine.generate` returns for ``R = len(prompts) * n`` samples.
+
+    Row ``i * n + j`` is sample ``j`` of prompt ``i``.
+    """
+
+    response_ids: torch.Tensor  # [R, T] int64, right-padded with pad_token_id
+    response_mask: torch.Tensor  # [R, T] int64, 1 on generated tokens (a final EOS included)
+    log_probs: torch.Tensor  # [R, T] float32, log p(token) under softmax(raw_logits / temperature)
+    text: list[str]  # [R] decoded responses, special tokens skipped
+    finish_reason: list[str]  # [R] "stop" (hit a stop token) or "length" (hit max_new_tokens)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutEngine(abc.ABC):
+    """Owns generation. Lifecycle: ``setup`` once, then ``generate`` / ``update_weights``
+    alternately, with ``sleep`` / ``wake_up`` around training when memory is shared.
+    """
+
+    tokenizer: Any = None
+
+    @abc.abstractmethod
+    def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
+        """Build the inference model from a transformers config (weights arrive by ``update_weights``)."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
+        """Sample ``sampling.n`` responses for each prompt (a list of token ids, no padding)."""
+
+    @abc.abstractmethod
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Load ``(hf_name, full_tensor)`` pairs into the inference model; return stats
+        (``tensors``, ``bytes``). Tensors may be reused by the caller afterwards: copy them."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Release memory while training runs (level 1: KV cache; level 2: weights too)."""
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` released."""
+
+    def teardown(self) -> None:
+        """Free everything; the engine is not used again."""
+
+
+def build_engine(engine: str | RolloutEngine, **kwargs: Any) -> RolloutEngine:
+    """Resolve a name (``"hf"``, ...) through the registry, or pass an engine instance through."""
+    if isinstance(engine, RolloutEngine):
+        return engine
+    return ENGINES.build(engine, **kwargs)

@@ -1,0 +1,279 @@
+"""A rollout engine on plain transformers: its own model copy and its own KV-cache decode loop.
+
+The loop is written here rather than calling ``model.generate`` so that sampling is exactly the
+distribution the trainer scores (``softmax(raw_logits / temperature)``, no hidden processors such
+as transformers' default ``top_k=50``) and the reported log-probs are those of that distribution.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rltrainer.models import token_log_probs
+from rltrainer.rollout.engine import ENGINES, Generation, RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPE_ALIASES = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class _Chunk:
+    """The responses of one chunk of rows (at most ``max_batch_size``), on the engine's device."""
+
+    ids: torch.Tensor  # [b, T_c] int64, pad after the end
+    mask: torch.Tensor  # [b, T_c] int64
+    log_probs: torch.Tensor  # [b, T_c] float32, 0 on padding
+
+
+@ENGINES.register("hf")
+class HFEngine(RolloutEngine):
+    """Generation with a transformers causal LM and a ``DynamicCache``, one token per step.
+
+    Args:
+        max_batch_size: rows (prompts x ``n``) decoded at once; larger requests run in chunks.
+        dtype: dtype of the engine's model (``torch.bfloat16`` or ``"bf16"``, ...); default: the
+            transformers default for ``from_config``. Log-probs match the trainer's only when both
+            run the same dtype.
+        compile: wrap the model's forward in ``torch.compile(dynamic=True)``.
+
+    Rows that finish are dropped from the running batch (and its KV cache) once a quarter of the
+    batch has finished, so long tails do not pay for finished rows. Each prompt is prefilled once
+    and its cache shared by its ``n`` samples.
+    """
+
+    def __init__(self, max_batch_size: int = 256, dtype: torch.dtype | str | None = None, compile: bool = False) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size}; need >= 1")
+        self.max_batch_size = max_batch_size
+        self.dtype = _resolve_dtype(dtype)
+        self.compile = compile
+        self.model: torch.nn.Module | None = None
+        self.device = torch.device("cpu")
+        self._forward: Any = None
+        self._sleep_level = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
+        """Build a randomly initialised model from ``model_config``; weights come by ``update_weights``."""
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(model_config)
+        config.use_cache = True
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        kwargs = {"dtype": self.dtype} if self.dtype is not None else {}
+        with self.device:  # allocate directly on the device
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self._forward = torch.compile(self.model, dynamic=True) if self.compile else self.model
+        self.tokenizer = tokenizer
+        self._sleep_level = 0
+        log.debug("HFEngine: built %s on %s", type(model).__name__, self.device)
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees cached allocator blocks (the KV cache); level 2 also moves weights to CPU."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights); got {level}")
+        if self.model is not None and level == 2 and self.device.type != "cpu":
+            self.model.to("cpu")
+        self._sleep_level = level
+        _empty_cache(self.device)
+
+    def wake_up(self) -> None:
+        if self.model is not None and self._sleep_level == 2 and self.device.type != "cpu":
+            self.model.to(self.device)
+        self._sleep_level = 0
+
+    def teardown(self) -> None:
+        self.model = None
+        self._forward = None
+        _empty_cache(self.device)
+
+    def _require_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("HFEngine has no model: call setup(model_config, tokenizer) first (or it was torn down).")
+        return self.model
+
+    # -- weights -------------------------------------------------------------------------------
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Copy each ``(hf_name, tensor)`` into the parameter or buffer of that name (cast to the
+        engine's dtype and device). Tied weights may be sent under either name."""
+        model = self._require_model()
+        targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+        targets.update(model.named_buffers())
+        state: dict[str, torch.Tensor] | None = None  # built only if a tied alias shows up
+        count, nbytes = 0, 0
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = targets.get(name)
+                if target is None:
+                    state = state if state is not None else model.state_dict(keep_vars=True)
+                    target = state.get(name)
+                if target is None:
+                    raise KeyError(f"HFEngine.update_weights: the model has no parameter or buffer {name!r}; "
+                                   f"valid names look like {list(targets)[:4]} ({len(targets)} in all)")
+                if target.shape != tensor.shape:
+                    raise ValueError(f"HFEngine.update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the engine's model expects {tuple(target.shape)}")
+                target.data.copy_(tensor)
+                count += 1
+                nbytes += tensor.numel() * tensor.element_size()
+        return {"tensors": count, "bytes": nbytes}
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
+        self._require_model()
+        if self._sleep_level == 2:
+            raise RuntimeError("HFEngine is asleep at level 2 (weights on CPU): call wake_up() before generate().")
+        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+        if not prompts or empty:
+            raise ValueError(f"HFEngine.generate needs non-empty prompts; got {len(prompts)} prompts, "
+                             f"empty at indices {empty[:8]}")
+        stop_ids = self._stop_token_ids(sampling)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(stop_ids[0])
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        owners = [i for i in range(len(prompts)) for _ in range(sampling.n)]  # row -> prompt
+        start = time.perf_counter()
+        with torch.inference_mode():
+            chunks = [
+                self._decode_chunk(prompts, owners[lo : lo + self.max_batch_size], sampling, stop_ids, pad_id, generator)
+                for lo in range(0, len(owners), self.max_batch_size)
+            ]
+        T = max(c.ids.shape[1] for c in chunks)
+        ids = torch.cat([F.pad(c.ids, (0, T - c.ids.shape[1]), value=pad_id) for c in chunks]).cpu()  # [R, T]
+        mask = torch.cat([F.pad(c.mask, (0, T - c.mask.shape[1])) for c in chunks]).cpu()  # [R, T]
+        log_probs = torch.cat([F.pad(c.log_probs, (0, T - c.log_probs.shape[1])) for c in chunks]).cpu()  # [R, T]
+        elapsed = time.perf_counter() - start
+        lengths = mask.sum(1).tolist()
+        responses = [row[:n] for row, n in zip(ids.tolist(), lengths)]
+        stops = set(stop_ids.tolist())
+        finish_reason = ["stop" if r and r[-1] in stops else "length" for r in responses]
+        gen_tokens = int(sum(lengths))
+        return Generation(
+            response_ids=ids,
+            response_mask=mask,
+            log_probs=log_probs,
+            text=self.tokenizer.batch_decode(responses, skip_special_tokens=True),
+            finish_reason=finish_reason,
+            metrics={"gen_tokens": gen_tokens, "gen_time_s": elapsed, "tokens_per_s": gen_tokens / max(elapsed, 1e-9)},
+        )
+
+    def _stop_token_ids(self, sampling: SamplingParams) -> torch.Tensor:
+        stop = sampling.stop_token_ids
+        if stop is None:
+            eos = self.tokenizer.eos_token_id
+            stop = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if not stop:
+            raise ValueError("No stop tokens: pass SamplingParams(stop_token_ids=[...]) or use a tokenizer with an EOS.")
+        return torch.tensor(stop, dtype=torch.long, device=self.device)
+
+    def _decode_chunk(self, prompts: Sequence[Sequence[int]], owners: list[int], sampling: SamplingParams,
+                      stop_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None) -> _Chunk:
+        """Decode the rows ``owners`` (prompt index per row; samples of one prompt adjacent)."""
+        b, max_new = len(owners), sampling.max_new_tokens
+        logits, cache, attention_mask = self._prefill(prompts, owners, pad_id)  # [b, V], cache, [b, P]
+        positions = attention_mask.sum(-1)  # [b] position of the next token
+        out_ids = torch.full((b, max_new), pad_id, dtype=torch.long, device=self.device)
+        out_mask = torch.zeros((b, max_new), dtype=torch.long, device=self.device)
+        out_logp = torch.zeros((b, max_new), dtype=torch.float32, device=self.device)
+        live = torch.arange(b, device=self.device)  # chunk row of each running row
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)  # [b_run]
+        for step in range(max_new):
+            tokens, logp = _sample(logits, sampling, generator)  # [b_run], [b_run]
+            alive = ~done
+            out_ids[live, step] = torch.where(alive, tokens, pad_id)
+            out_mask[live, step] = alive.long()
+            out_logp[live, step] = torch.where(alive, logp, 0.0)
+            done = done | torch.isin(tokens, stop_ids)
+            n_done = int(done.sum())
+            if n_done == len(done) or step + 1 == max_new:
+                break
+            if 4 * n_done >= len(done):  # drop finished rows from the batch and the cache
+                keep = (~done).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                live, done, tokens = live[keep], done[keep], tokens[keep]
+                attention_mask, positions = attention_mask[keep], positions[keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
+            logits = self._forward(input_ids=tokens[:, None], attention_mask=attention_mask,
+                                   position_ids=positions[:, None], cache=cache, use_cache=True).logits[:, -1]
+            positions = positions + 1
+        T = step + 1
+        return _Chunk(out_ids[:, :T], out_mask[:, :T], out_logp[:, :T])
+
+    def _prefill(self, prompts: Sequence[Sequence[int]], owners: list[int], pad_id: int) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """Run each distinct prompt once (left-padded), then share its cache with its samples."""
+        from transformers import DynamicCache
+
+        unique, inverse = torch.unique_consecutive(torch.tensor(owners), return_inverse=True)
+        rows = [prompts[i] for i in unique.tolist()]
+        P = max(len(p) for p in rows)
+        input_ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), P), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            input_ids[i, P - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[i, P - len(ids):] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+                               cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [u, V]
+        if len(rows) < len(owners):
+            inverse = inverse.to(self.device)
+            cache.batch_select_indices(inverse)
+            logits, attention_mask = logits[inverse], attention_mask[inverse]
+        return logits, cache, attention_mask
+
+
+def _sample(logits: torch.Tensor, sampling: SamplingParams,
+            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token per row from raw ``logits [b, V]``, and its log-prob under
+    ``softmax(logits / temperature)`` (before top-k / top-p; temperature 1 when greedy)."""
+    logits = logits.float()
+    if sampling.temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, token_log_probs(logits, tokens)
+    scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+    filtered = _filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
+    # Gumbel-max: argmax(x - log E), E ~ Exp(1), is a draw from softmax(x), without normalising x
+    noise = torch.empty_like(filtered).exponential_(generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+    tokens = (filtered - noise.log_()).argmax(-1)
+    return tokens, token_log_probs(scaled, tokens)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the ``top_k`` largest, and outside the smallest set holding ``top_p`` of
+    the probability mass, to ``-inf``. ``top_k=0`` and ``top_p=1`` switch each filter off."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # the mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = _DTYPE_ALIASES.get(dtype, getattr(torch, dtype, None))
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"Unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_DTYPE_ALIASES)}, "
+                         "'bfloat16', 'float16', 'float32'")
+    return resolved
+
+
+def _empty_cache(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()

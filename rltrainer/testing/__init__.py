@@ -1,0 +1,42 @@
+"""Tiny models and offline data used by tests, notebooks and CPU presets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+#: The data shipped with the repository (``recipes/data``); ``RLTRAINER_DATA`` overrides it.
+DATA_DIR = Path(os.environ.get("RLTRAINER_DATA", Path(__file__).resolve().parents[2] / "recipes" / "data"))
+
+
+def data_path(*parts: str) -> Path:
+    """A path under the offline data folder; raises with what is there if it is missing."""
+    path = DATA_DIR.joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} does not exist. rltrainer's offline data lives in recipes/data of the repository "
+            f"(set RLTRAINER_DATA to another folder with the same layout)."
+        )
+    return path
+
+
+def load_tokenizer(name: str = "gsm8k-bpe4k") -> Any:
+    """A shipped tokenizer: ``"gsm8k-bpe4k"`` (4k entries, fast) or ``"qwen2.5-instruct"``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(data_path("tokenizers", name)))
+
+
+def tiny_qwen2_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                      num_kv_heads: int = 2, intermediate_size: int | None = None, max_positions: int = 1024,
+                      **overrides: Any) -> Any:
+    """A Qwen2-architecture config for a randomly initialised tiny model (grouped-query attention,
+    tied embeddings)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=True, use_cache=False, **overrides,
+    )

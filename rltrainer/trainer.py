@@ -1,0 +1,303 @@
+"""``Trainer``: validates its arguments, wires module, strategy and engine, and drives ``fit()``.
+It coordinates and never computes; the step itself is in :mod:`rltrainer.loop`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rltrainer.call import call_callback_hooks, call_hooks
+from rltrainer.callbacks import Callback, ProgressBar
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.loggers import build_loggers
+from rltrainer.loop import training_step, validation_loop
+from rltrainer.module import REQUIRED_HOOKS, RLModule
+from rltrainer.rollout.engine import RolloutEngine, build_engine
+from rltrainer.strategies.strategy import Strategy, build_strategy
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Runs RL post-training on one controller process.
+
+    Args:
+        strategy: ``"single"`` (one device, in-process), a registered preset, or a ``Strategy``.
+        rollout: ``"hf"`` (transformers, runs anywhere), a registered engine, or a ``RolloutEngine``.
+        devices: devices for training (``1`` for ``"single"``).
+        num_nodes: nodes for distributed strategies.
+        max_steps: stop after this many steps (``-1``: no limit).
+        max_epochs: stop after this many passes over the prompts (default 1 when ``max_steps`` is
+            unset).
+        val_check_interval: validate every N steps (``None``: only at the end of ``fit``).
+        limit_val_batches: validate on at most this many batches.
+        log_every_n_steps: send metrics to the loggers every N steps.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``, for a strategy
+            built from its name.
+        seed: seeds Python, numpy and torch at the start of ``fit``.
+        default_root_dir: where logs and checkpoints go (default: the working directory).
+        callbacks: a list of :class:`~rltrainer.callbacks.Callback`.
+        logger: ``True`` (CSV), ``False``, a name (``"csv"``, ``"tensorboard"``, ``"wandb"``,
+            ``"mlflow"``), a Lightning logger, or a list.
+        fast_dev_run: run 1 step (or N if an int) and 1 validation batch, with no logger.
+        enable_progress_bar: show a progress bar with the step, reward and step time.
+    """
+
+    def __init__(
+        self,
+        strategy: str | Strategy = "single",
+        rollout: str | RolloutEngine = "hf",
+        devices: int | str = 1,
+        num_nodes: int = 1,
+        max_steps: int = -1,
+        max_epochs: int | None = None,
+        val_check_interval: int | None = None,
+        limit_val_batches: int | None = None,
+        log_every_n_steps: int = 1,
+        precision: str = "32-true",
+        seed: int = 0,
+        default_root_dir: str | Path | None = None,
+        callbacks: list[Callback] | None = None,
+        logger: Any = True,
+        fast_dev_run: bool | int = False,
+        enable_progress_bar: bool = True,
+    ) -> None:
+        for name, value in (("max_steps", max_steps), ("log_every_n_steps", log_every_n_steps)):
+            if not isinstance(value, int) or (value < 1 and not (name == "max_steps" and value == -1)):
+                raise ValueError(f"{name} must be a positive int{' or -1' if name == 'max_steps' else ''}, got {value!r}")
+        if max_epochs is not None and max_epochs < 1:
+            raise ValueError(f"max_epochs must be >= 1 or None, got {max_epochs}")
+        if val_check_interval is not None and val_check_interval < 1:
+            raise ValueError(f"val_check_interval must be a positive number of steps or None, got {val_check_interval}")
+        strategy_kwargs = {"devices": devices, "precision": precision}
+        if num_nodes != 1:
+            strategy_kwargs["num_nodes"] = num_nodes
+        self.strategy = build_strategy(strategy, **strategy_kwargs)
+        if isinstance(strategy, Strategy) and precision != "32-true" and precision != strategy.precision:
+            raise ValueError(f"Trainer(precision={precision!r}) conflicts with the strategy's own "
+                             f"precision={strategy.precision!r}; set it in one place.")
+        self.engine = build_engine(rollout)
+        self.fast_dev_run = int(fast_dev_run)
+        if self.fast_dev_run:
+            max_steps, limit_val_batches, logger = self.fast_dev_run, 1, False
+        self.max_steps = max_steps
+        self.max_epochs = max_epochs if max_epochs is not None else (1 if max_steps == -1 else None)
+        self.val_check_interval, self.limit_val_batches = val_check_interval, limit_val_batches
+        self.log_every_n_steps, self.seed = log_every_n_steps, seed
+        self.default_root_dir = str(default_root_dir or os.getcwd())
+        self.callbacks: list[Callback] = list(callbacks or [])
+        if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
+            self.callbacks.append(ProgressBar())
+        self.loggers = build_loggers(logger, self.default_root_dir)
+        self.module: RLModule | None = None
+        self.global_step = 0
+        self.current_epoch = 0
+        self.batches_seen_in_epoch = 0
+        self.step_metrics: dict[str, float] = {}
+        self.callback_metrics: dict[str, float] = {}
+        self.estimated_total_steps: int | None = None
+        self._is_setup = False
+
+    # -- public API -----------------------------------------------------------------------------
+    def fit(self, module: RLModule, train_dataloaders: Iterable[Any] | None = None,
+            val_dataloaders: Iterable[Any] | None = None, datamodule: Any = None,
+            ckpt_path: str | Path | None = None) -> None:
+        """Train ``module`` on prompts from ``train_dataloaders`` (or ``datamodule``)."""
+        check_hooks(module)
+        train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
+        self._seed_everything()
+        self._setup(module)
+        if ckpt_path is not None:
+            self._restore(ckpt_path)
+        self.estimated_total_steps = self._estimate_total_steps(train_loader)
+        try:
+            call_hooks(self, "on_fit_start")
+            self._fit_loop(train_loader, val_loader)
+            if val_loader is not None and not self._validated_this_step:
+                self._run_validation(val_loader)
+            call_hooks(self, "on_fit_end")
+        except BaseException as exc:
+            call_callback_hooks(self, "on_exception", exc)
+            self.teardown()
+            raise
+        finally:
+            for logger in self.loggers:
+                logger.save()
+
+    def validate(self, module: RLModule | None = None, dataloaders: Iterable[Any] | None = None,
+                 datamodule: Any = None) -> dict[str, float]:
+        """Run ``validation_step`` over the validation prompts; return the averaged metrics."""
+        if module is None and self.module is None:
+            raise ValueError("validate() needs a module the first time it is called")
+        if module is not None and module is not self.module:
+            check_hooks(module)
+            self._seed_everything()
+            self._setup(module)
+        _, loader = resolve_dataloaders(None, dataloaders, datamodule, need_train=False)
+        if loader is None:
+            raise ValueError("validate() needs val dataloaders (or a datamodule with val_dataloader())")
+        return self._run_validation(loader)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push the policy's weights from the strategy to the engine (``update_weights`` only)."""
+        return self.engine.update_weights(self.strategy.export_weights()) or {}
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Write the training state (models, optimizers, step counters) to ``path``."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint = {"global_step": self.global_step, "current_epoch": self.current_epoch,
+                      "batches_seen_in_epoch": self.batches_seen_in_epoch, "strategy": self.strategy.state_dict(),
+                      "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                              "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+        call_callback_hooks(self, "on_save_checkpoint", checkpoint)
+        torch.save(checkpoint, path)
+
+    def teardown(self) -> None:
+        """Release the engine and the strategy's processes and memory."""
+        if self._is_setup:
+            self.engine.teardown()
+            self.strategy.teardown()
+            self._is_setup = False
+
+    def as_batch(self, raw: Any) -> RolloutBatch:
+        """A dataloader's batch as a :class:`RolloutBatch` (from a batch, a list of rows, or columns)."""
+        if isinstance(raw, RolloutBatch):
+            return raw
+        if isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], Mapping):
+            return RolloutBatch.from_rows(raw)
+        if isinstance(raw, Mapping):
+            return RolloutBatch.from_rows(raw)
+        raise TypeError(
+            "A dataloader batch must be a RolloutBatch, a list of dict rows, or a dict of columns; got "
+            f"{type(raw).__name__}. Use rltrainer.data.prompt_dataloader(dataset, batch_size) to build one."
+        )
+
+    # -- internals ------------------------------------------------------------------------------
+    def _setup(self, module: RLModule) -> None:
+        if self._is_setup and module is self.module:
+            return
+        self.module = module
+        module._trainer = self
+        self.strategy.setup(module, seed=self.seed)
+        self.engine.setup(self.strategy.model_config(), module.tokenizer, device=self.strategy.device)
+        self.sync_weights()
+        self._is_setup = True
+
+    def _fit_loop(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None) -> None:
+        self._validated_this_step = False
+        while not self._done():
+            for raw in self._epoch_batches(train_loader):
+                prompts = self.as_batch(raw)
+                call_hooks(self, "on_step_start", prompts)
+                metrics = training_step(self, prompts)
+                self.global_step += 1
+                self.batches_seen_in_epoch += 1
+                metrics["training/epoch"] = float(self.current_epoch)
+                self._validated_this_step = False
+                if val_loader is not None and self.val_check_interval and self.global_step % self.val_check_interval == 0:
+                    metrics.update(self._run_validation(val_loader, log=False))
+                self.callback_metrics = metrics
+                if self.global_step % self.log_every_n_steps == 0:
+                    self._log(metrics)
+                call_hooks(self, "on_step_end", metrics)
+                if self._done():
+                    return
+            self.current_epoch += 1
+            self.batches_seen_in_epoch = 0
+
+    def _epoch_batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """The loader's batches for this epoch, skipping those a restored checkpoint has seen."""
+        if hasattr(getattr(loader, "sampler", None), "set_epoch"):
+            loader.sampler.set_epoch(self.current_epoch)
+        got_any = False
+        for i, raw in enumerate(loader):
+            got_any = True
+            if i >= self.batches_seen_in_epoch:
+                yield raw
+        if not got_any:
+            raise ValueError("The train dataloader yielded no batches (is the dataset empty after filtering?)")
+
+    def _done(self) -> bool:
+        if self.max_steps != -1 and self.global_step >= self.max_steps:
+            return True
+        return self.max_epochs is not None and self.current_epoch >= self.max_epochs
+
+    def _run_validation(self, loader: Iterable[Any], log: bool = True) -> dict[str, float]:
+        call_hooks(self, "on_validation_start")
+        self.engine.wake_up()
+        metrics = validation_loop(self, loader, self.limit_val_batches)
+        call_hooks(self, "on_validation_end", metrics)
+        self._validated_this_step = True
+        if log:
+            self._log(metrics)
+        return metrics
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=self.global_step)
+
+    def _restore(self, ckpt_path: str | Path) -> None:
+        path = Path(ckpt_path)
+        if str(ckpt_path) == "last":
+            path = Path(self.default_root_dir) / "checkpoints" / "last.ckpt"
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        self.strategy.load_state_dict(checkpoint["strategy"])
+        self.global_step = checkpoint["global_step"]
+        self.current_epoch = checkpoint["current_epoch"]
+        self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
+        rng = checkpoint["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        call_callback_hooks(self, "on_load_checkpoint", checkpoint)
+        self.sync_weights()
+
+    def _seed_everything(self) -> None:
+        random.seed(self.seed)
+        np.random.seed(self.seed)
+        torch.manual_seed(self.seed)
+
+    def _estimate_total_steps(self, loader: Any) -> int | None:
+        try:
+            per_epoch = len(loader)
+        except TypeError:
+            per_epoch = None
+        by_epochs = per_epoch * self.max_epochs if per_epoch is not None and self.max_epochs else None
+        candidates = [n for n in (by_epochs, self.max_steps if self.max_steps != -1 else None) if n is not None]
+        return min(candidates) if candidates else None
+
+
+def check_hooks(module: RLModule) -> None:
+    """Raise if ``module`` is not an RLModule or leaves a required hook unimplemented."""
+    if not isinstance(module, RLModule):
+        raise TypeError(f"fit() needs an rltrainer.RLModule, got {type(module).__name__}")
+    missing = [h for h in REQUIRED_HOOKS if getattr(type(module), h) is getattr(RLModule, h)]
+    if missing:
+        raise NotImplementedError(
+            f"{type(module).__name__} must override these RLModule hooks: {', '.join(missing)}. "
+            "See the RLModule docstrings for what each receives and returns."
+        )
+
+
+def resolve_dataloaders(train: Any, val: Any, datamodule: Any, need_train: bool = True) -> tuple[Any, Any]:
+    """Take loaders directly or from a datamodule (anything with ``train_dataloader()``)."""
+    if datamodule is not None:
+        if train is not None or val is not None:
+            raise ValueError("Pass either dataloaders or a datamodule, not both")
+        train = datamodule.train_dataloader() if need_train else None
+        val = datamodule.val_dataloader() if hasattr(datamodule, "val_dataloader") else None
+    if need_train and train is None:
+        raise ValueError("fit() needs train_dataloaders or a datamodule with train_dataloader()")
+    return train, val

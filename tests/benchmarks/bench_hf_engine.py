@@ -1,0 +1,107 @@
+"""Micro benchmark: HFEngine's decode loop vs ``model.generate`` (tokens/s), tiny random Qwen2.
+
+Run from the repository root: ``PYTHONPATH=. python tests/benchmarks/bench_hf_engine.py [--batch-sizes 16 64] [--new-tokens 128] [--device cpu]``.
+Both sample at temperature 1 with no top-k/top-p and stop at EOS; tokens/s counts generated tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from rltrainer.rollout.engine import SamplingParams
+from rltrainer.rollout.hf import HFEngine
+
+ROOT = Path(__file__).resolve().parents[2].parent / "shared/data"
+TOKENIZER_DIR = ROOT / "tokenizers/gsm8k-bpe4k"
+
+
+def build(device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(device).eval()
+    return config, tokenizer, model
+
+
+def load_prompts(tokenizer, count: int) -> list[list[int]]:
+    path = ROOT / "gsm8k/test.jsonl"
+    if path.exists():
+        questions = [json.loads(line)["question"] for line in path.read_text().splitlines()[:count]]
+    else:
+        questions = [f"Question {i}: what is {i} plus {2 * i}?" * (1 + i % 3) for i in range(count)]
+    return [tokenizer.encode(q) for q in questions]
+
+
+class Timer:
+    """Wall-clock and process CPU seconds (CPU time is the steadier figure on a shared machine)."""
+
+    def __enter__(self) -> Timer:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def time_engine(engine: HFEngine, prompts: list[list[int]], new_tokens: int) -> tuple[int, Timer]:
+    with Timer() as timer:
+        gen = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))
+    return int(gen.metrics["gen_tokens"]), timer
+
+
+def time_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> tuple[int, Timer]:
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(model.device)
+    with Timer() as timer, torch.inference_mode():
+        out = model.generate(**batch, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                             max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+    new = out[:, batch["input_ids"].shape[1]:]
+    ended = (new == tokenizer.eos_token_id).int().cumsum(1)
+    tokens = int(((ended == 0) | ((ended == 1) & (new == tokenizer.eos_token_id))).sum())  # up to and incl. EOS
+    return tokens, timer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config, tokenizer, model = build(args.device)
+    engine = HFEngine()
+    engine.setup(config, tokenizer, device=args.device)
+    engine.update_weights(model.named_parameters())
+    print(f"torch threads={torch.get_num_threads()} device={args.device} new_tokens={args.new_tokens} "
+          f"(tok/s, best of {args.repeats}, interleaved)")
+    print(f"{'batch':>5} | {'engine wall':>11} {'generate wall':>13} {'ratio':>5} | "
+          f"{'engine cpu':>10} {'generate cpu':>12} {'ratio':>5}")
+    for bs in args.batch_sizes:
+        prompts = load_prompts(tokenizer, bs)
+        time_engine(engine, prompts, 8), time_generate(model, tokenizer, prompts, 8)  # warm-up
+        best = {"engine": [0.0, 0.0], "generate": [0.0, 0.0]}  # [wall tok/s, cpu tok/s]
+        for _ in range(args.repeats):  # interleaved, so both see the same machine load
+            for name, (tokens, t) in (("engine", time_engine(engine, prompts, args.new_tokens)),
+                                      ("generate", time_generate(model, tokenizer, prompts, args.new_tokens))):
+                best[name] = [max(best[name][0], tokens / t.wall), max(best[name][1], tokens / t.cpu)]
+        (ew, ec), (gw, gc) = best["engine"], best["generate"]
+        print(f"{bs:>5} | {ew:>11.0f} {gw:>13.0f} {ew / gw:>5.2f} | {ec:>10.0f} {gc:>12.0f} {ec / gc:>5.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Shared fixtures: the shipped tokenizers, tiny model configs, small prompt datasets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rltrainer.testing import load_tokenizer, tiny_qwen2_config
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Two cores on CI: one intra-op thread per test process avoids OpenMP oversubscription."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(before, 2))
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer():
+    """The 4k-entry GSM8K BPE with a ChatML template (fast for tests)."""
+    return load_tokenizer("gsm8k-bpe4k")
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    """The real Qwen2.5-Instruct tokenizer (151,665 entries)."""
+    return load_tokenizer("qwen2.5-instruct")
+
+
+@pytest.fixture
+def tiny_config(bpe_tokenizer):
+    return tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def gsm8k_prompts(bpe_tokenizer):
+    """24 GSM8K train prompts, chat-templated and tokenised with the 4k BPE."""
+    from rltrainer.data import load_rows, prepare_gsm8k
+    from rltrainer.testing import data_path
+
+    rows = load_rows(str(data_path("gsm8k", "train.jsonl"))).select(range(32))
+    return prepare_gsm8k(rows, bpe_tokenizer, max_prompt_length=160).select(range(24))

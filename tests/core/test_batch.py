@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+import torch
+
+from rltrainer.data.batch import RolloutBatch
+
+
+def make(n=6, T=4):
+    return RolloutBatch(
+        {"x": torch.arange(n * T).view(n, T), "s": torch.arange(n).float()},
+        {"text": [f"t{i}" for i in range(n)], "ids": [[i] * (i + 1) for i in range(n)]},
+        meta={"k": 1},
+    )
+
+
+def test_fields_and_shapes():
+    b = make()
+    assert len(b) == 6 and set(b.keys()) == {"x", "s", "text", "ids"}
+    assert b["x"].shape == (6, 4) and list(b["ids"][2]) == [2, 2, 2]
+    with pytest.raises(KeyError, match="no field 'nope'"):
+        b["nope"]
+    with pytest.raises(ValueError, match="rows"):
+        RolloutBatch({"x": torch.zeros(3)}, {"t": ["a", "b"]})
+
+
+def test_index_slice_select_union():
+    b = make()
+    sub = b[torch.tensor([4, 1])]
+    assert sub["s"].tolist() == [4.0, 1.0] and list(sub["text"]) == ["t4", "t1"] and sub.meta == {"k": 1}
+    assert list(b[1:3]["text"]) == ["t1", "t2"]
+    assert b.select("x", "text").keys() == ["x", "text"]
+    other = RolloutBatch({"y": torch.ones(6)}, {"gt": list("abcdef")})
+    u = b.union(other)
+    assert "y" in u and "gt" in u and "y" not in b
+
+
+def test_repeat_chunk_split_concat():
+    b = make()
+    r = b.repeat(3)
+    assert len(r) == 18 and list(r["text"][:4]) == ["t0", "t0", "t0", "t1"]
+    assert list(b.repeat(2, interleave=False)["text"][:7]) == ["t0", "t1", "t2", "t3", "t4", "t5", "t0"]
+    chunks = b.chunk(4)
+    assert [len(c) for c in chunks] == [2, 2, 2]
+    assert [len(p) for p in b.split(4)] == [4, 2]
+    back = RolloutBatch.concat(b.split(4))
+    assert torch.equal(back["x"], b["x"]) and list(back["text"]) == list(b["text"])
+
+
+def test_split_by_tokens_balances_budget():
+    mask = torch.zeros(5, 10, dtype=torch.long)
+    for i, n in enumerate([2, 3, 9, 1, 4]):
+        mask[i, :n] = 1
+    b = RolloutBatch({"attention_mask": mask})
+    parts = b.split_by_tokens(10)
+    assert sum(len(p) for p in parts) == 5
+    for p in parts:
+        longest = int(p["attention_mask"].sum(-1).max())
+        assert len(p) == 1 or longest * len(p) <= 10
+
+
+def test_setitem_and_from_rows_checks():
+    b = make()
+    b["new"] = torch.zeros(6)
+    b["names"] = np.array(["a"] * 6)
+    with pytest.raises(ValueError, match="has 2 rows"):
+        b["bad"] = torch.zeros(2)
+    rb = RolloutBatch.from_rows([{"a": 1, "b": 2}, {"a": 3, "b": 4}])
+    assert list(rb["a"]) == [1, 3]
+    with pytest.raises(ValueError, match="Row 1 has fields"):
+        RolloutBatch.from_rows([{"a": 1}, {"b": 2}])

@@ -1,0 +1,196 @@
+"""The Trainer's contract: hook order, argument and input errors, end-to-end GRPO, resume."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rltrainer import GRPO, Callback, ModelCheckpoint, RLModule, Trainer, prompt_dataloader
+from rltrainer.models import response_log_probs
+
+
+def zero_reward(completions, **kwargs):
+    return [float(len(c) % 2) for c in completions]
+
+
+def make_module(config, tokenizer, **kwargs):
+    defaults = dict(reward_funcs=zero_reward, num_generations=2, max_new_tokens=8, lr=1e-3)
+    return GRPO(config, tokenizer, **{**defaults, **kwargs})
+
+
+class Recorder(Callback):
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            return lambda trainer, module, *a: object.__getattribute__(self, "calls").append("cb:" + name)
+        return object.__getattribute__(self, name)
+
+
+MODULE_HOOKS = ["configure_model", "configure_optimizers", "rollout_step", "reward_step", "compute_step",
+                "advantage_step", "policy_step", "validation_step", "on_fit_start", "on_fit_end", "on_step_start",
+                "on_step_end", "on_validation_start", "on_validation_end"]
+
+
+def recording_module(config, tokenizer, calls, **kwargs):
+    class RecordingGRPO(GRPO):
+        pass
+
+    for name in MODULE_HOOKS:
+        def hook(self, *args, __name=name, **kw):
+            calls.append(__name if __name != "compute_step" else f"compute_step:{args[1]}")
+            return getattr(GRPO, __name)(self, *args, **kw)
+        setattr(RecordingGRPO, name, hook)
+    return RecordingGRPO(config, tokenizer, **{**dict(reward_funcs=zero_reward, num_generations=2,
+                                                      max_new_tokens=4), **kwargs})
+
+
+def test_hook_order(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    calls: list[str] = []
+    module = recording_module(tiny_config, bpe_tokenizer, calls, kl_coef=0.1, mini_batch_size=4)
+    trainer = Trainer(max_steps=2, val_check_interval=2, limit_val_batches=1, logger=False,
+                      enable_progress_bar=False, callbacks=[Recorder(calls)])
+    loader = prompt_dataloader(gsm8k_prompts, batch_size=4)
+    trainer.fit(module, loader, val_dataloaders=prompt_dataloader(gsm8k_prompts, 2, shuffle=False))
+    # 4 prompts x 2 samples = 8 rows; micro_batch_size 8 -> one compute micro-batch; mini-batches of 4 -> 2 updates
+    step = ["on_step_start", "cb:on_step_start", "rollout_step", "reward_step", "compute_step:old_log_prob",
+            "compute_step:ref", "advantage_step", "policy_step", "policy_step"]
+    validation = ["on_validation_start", "cb:on_validation_start", "validation_step", "reward_step",
+                  "on_validation_end", "cb:on_validation_end"]
+    expected = (["configure_model", "configure_optimizers", "on_fit_start", "cb:on_fit_start"]
+                + step + ["on_step_end", "cb:on_step_end"]
+                + step + validation + ["on_step_end", "cb:on_step_end"]
+                + ["on_fit_end", "cb:on_fit_end"])
+    assert calls == expected
+
+
+def test_grpo_end_to_end_metrics_and_sync(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path):
+    module = make_module(tiny_config, bpe_tokenizer, kl_coef=0.05, entropy_coef=0.01, num_generations=4)
+    trainer = Trainer(max_steps=3, logger="csv", default_root_dir=tmp_path, enable_progress_bar=False, seed=1)
+    trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=4))
+    m = trainer.callback_metrics
+    for key in ["timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
+                "timing_s/update_weights", "timing_s/step", "perf/throughput", "actor/pg_loss", "actor/pg_clipfrac",
+                "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "critic/score/mean",
+                "response_length/mean", "response_length/max", "response_length/clip_ratio"]:
+        assert key in m and math.isfinite(m[key]), key
+    assert m["actor/grad_norm"] > 0 and m["actor/kl_loss"] > 0  # the policy moved away from the reference
+    assert trainer.global_step == 3
+    assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").exists()
+    # after update_weights the engine's logits equal the policy's, without sharing parameters
+    ids = torch.tensor([gsm8k_prompts[0]["prompt_ids"]])
+    engine_model = trainer.engine.model
+    with torch.no_grad():
+        assert torch.equal(engine_model(ids).logits, module.policy(ids).logits)
+    engine_ptrs = {p.data_ptr() for p in engine_model.parameters()}
+    assert not engine_ptrs & {p.data_ptr() for p in module.policy.parameters()}
+
+
+def test_engine_log_probs_match_policy(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    """The log-probs the engine reports are those the policy computes for the same tokens."""
+    module = make_module(tiny_config, bpe_tokenizer, temperature=0.8, num_generations=3, max_new_tokens=12)
+    trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False)
+    trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    prompts = trainer.as_batch([gsm8k_prompts[i] for i in range(3)])
+    rollouts = module.rollout_step(prompts, trainer.engine)
+    with torch.no_grad():
+        policy_lp, _ = response_log_probs(module.policy, rollouts, temperature=0.8)
+    mask = rollouts["response_mask"].bool()
+    torch.testing.assert_close(policy_lp[mask], rollouts["rollout_log_probs"][mask], atol=1e-4, rtol=0)
+
+
+def test_fit_is_reproducible(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    def run():
+        module = make_module(tiny_config, bpe_tokenizer)
+        Trainer(max_steps=2, logger=False, enable_progress_bar=False, seed=3).fit(
+            module, prompt_dataloader(gsm8k_prompts, batch_size=2, seed=3))
+        return [p.detach().clone() for p in module.policy.parameters()]
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_resume(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path):
+    loader = lambda: prompt_dataloader(gsm8k_prompts, batch_size=2, seed=0)  # noqa: E731
+    full = make_module(tiny_config, bpe_tokenizer)
+    Trainer(max_steps=4, logger=False, enable_progress_bar=False).fit(full, loader())
+
+    first = make_module(tiny_config, bpe_tokenizer)
+    Trainer(max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
+            callbacks=[ModelCheckpoint(every_n_steps=2)]).fit(first, loader())
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    resumed = make_module(tiny_config, bpe_tokenizer)
+    trainer = Trainer(max_steps=4, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(resumed, loader(), ckpt_path="last")
+    assert trainer.global_step == 4
+    # the RNG state is restored too, so the resumed run ends with the uninterrupted run's weights
+    for p, q in zip(full.policy.parameters(), resumed.policy.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+def test_validate_before_fit(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    module = make_module(tiny_config, bpe_tokenizer)
+    trainer = Trainer(logger=False, enable_progress_bar=False)
+    metrics = trainer.validate(module, prompt_dataloader(gsm8k_prompts, 6, shuffle=False))
+    assert set(metrics) == {"val/score", "val/accuracy"} and 0 <= metrics["val/accuracy"] <= 1
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def test_unknown_strategy_and_engine_list_available():
+    with pytest.raises(ValueError, match=r"Unknown strategy 'nope'.*single"):
+        Trainer(strategy="nope")
+    with pytest.raises(ValueError, match=r"Unknown rollout engine 'nope'.*hf"):
+        Trainer(rollout="nope")
+    with pytest.raises(ValueError, match="Unknown precision"):
+        Trainer(precision="fp8")
+    with pytest.raises(ValueError, match="one device"):
+        Trainer(devices=4)
+    with pytest.raises(ValueError, match="max_steps"):
+        Trainer(max_steps=0)
+
+
+def test_missing_hooks_are_named(gsm8k_prompts):
+    class Half(RLModule):
+        def configure_model(self):
+            pass
+
+    with pytest.raises(NotImplementedError, match="configure_optimizers, reward_step, advantage_step, policy_step"):
+        Trainer(logger=False).fit(Half(), prompt_dataloader(gsm8k_prompts, 2))
+
+
+def test_bad_algorithm_names(tiny_config, bpe_tokenizer):
+    with pytest.raises(ValueError, match="Unknown loss aggregation mode 'mean'.*token-mean"):
+        make_module(tiny_config, bpe_tokenizer, loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="Unknown KL estimator 'k4'.*k3"):
+        make_module(tiny_config, bpe_tokenizer, kl_estimator="k4")
+    with pytest.raises(ValueError, match="Unknown advantage estimator"):
+        make_module(tiny_config, bpe_tokenizer, advantage_estimator="ppo")
+    with pytest.raises(ValueError, match="Unknown reward 'gsm9k'"):
+        make_module(tiny_config, bpe_tokenizer, reward_funcs="gsm9k")
+
+
+def test_raising_reward_scores_zero_and_run_goes_on(tiny_config, bpe_tokenizer, gsm8k_prompts, caplog):
+    bad_question = gsm8k_prompts[0]["question"]
+
+    def flaky(completions, question, **kwargs):
+        return [1 / 0 if q == bad_question else 1.0 for q in question]
+
+    module = make_module(tiny_config, bpe_tokenizer, reward_funcs=[flaky])
+    trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False)
+    with caplog.at_level("WARNING"):
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False))
+    assert trainer.global_step == 1
+    assert trainer.callback_metrics["reward/errors"] == 2  # 2 prompts x 2 samples; the first prompt's raised
+    assert trainer.callback_metrics["critic/score/mean"] == 0.5
+    assert sum("ZeroDivisionError" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
+def test_bad_dataloader_batch(tiny_config, bpe_tokenizer):
+    trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False)
+    with pytest.raises(TypeError, match="dataloader batch must be"):
+        trainer.fit(make_module(tiny_config, bpe_tokenizer), [torch.zeros(3)])
+    with pytest.raises(KeyError, match="prompt_ids"):
+        trainer.fit(make_module(tiny_config, bpe_tokenizer), [[{"question": "hi"}]])
