@@ -52,6 +52,7 @@ class Config:
     group_size: int = 8  # samples per prompt (G)
     lr: float = 3e-4
     temperature: float = 1.0
+    threads: int = 1  # torch threads; the matrices are tiny, so one is as fast and shares the CPU best
     print_every: int = 20
     progress_bar: bool = False
 
@@ -152,6 +153,15 @@ class PrintReward(rltrainer.Callback):
 
 
 def run(config: Config) -> dict[str, float]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _run(config)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: Config) -> dict[str, float]:
     start = time.perf_counter()
     torch.manual_seed(config.seed)
     tokenizer = build_tokenizer()

@@ -8,6 +8,8 @@ as transformers' default ``top_k=50``) and the reported log-probs are those of t
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -50,7 +52,8 @@ class HFEngine(RolloutEngine):
     and its cache shared by its ``n`` samples.
     """
 
-    def __init__(self, max_batch_size: int = 256, dtype: torch.dtype | str | None = None, compile: bool = False) -> None:
+    def __init__(self, max_batch_size: int = 256, dtype: torch.dtype | str | None = None,
+                 compile: bool = False) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}; need >= 1")
         self.max_batch_size = max_batch_size
@@ -59,6 +62,7 @@ class HFEngine(RolloutEngine):
         self.model: torch.nn.Module | None = None
         self.device = torch.device("cpu")
         self._forward: Any = None
+        self._cache_kwarg = "cache"
         self._sleep_level = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -74,6 +78,8 @@ class HFEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self._forward = torch.compile(self.model, dynamic=True) if self.compile else self.model
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
         self.tokenizer = tokenizer
         self._sleep_level = 0
         log.debug("HFEngine: built %s on %s", type(model).__name__, self.device)
@@ -99,7 +105,8 @@ class HFEngine(RolloutEngine):
 
     def _require_model(self) -> torch.nn.Module:
         if self.model is None:
-            raise RuntimeError("HFEngine has no model: call setup(model_config, tokenizer) first (or it was torn down).")
+            raise RuntimeError("HFEngine has no model: call setup(model_config, tokenizer) first "
+                               "(or it was torn down).")
         return self.model
 
     # -- weights -------------------------------------------------------------------------------
@@ -145,14 +152,12 @@ class HFEngine(RolloutEngine):
         owners = [i for i in range(len(prompts)) for _ in range(sampling.n)]  # row -> prompt
         start = time.perf_counter()
         with torch.inference_mode():
-            chunks = [
-                self._decode_chunk(prompts, owners[lo : lo + self.max_batch_size], sampling, stop_ids, pad_id, generator)
-                for lo in range(0, len(owners), self.max_batch_size)
-            ]
+            chunks = [self._decode_chunk(prompts, owners[lo : lo + self.max_batch_size], sampling, stop_ids, pad_id,
+                                         generator) for lo in range(0, len(owners), self.max_batch_size)]
         T = max(c.ids.shape[1] for c in chunks)
         ids = torch.cat([F.pad(c.ids, (0, T - c.ids.shape[1]), value=pad_id) for c in chunks]).cpu()  # [R, T]
         mask = torch.cat([F.pad(c.mask, (0, T - c.mask.shape[1])) for c in chunks]).cpu()  # [R, T]
-        log_probs = torch.cat([F.pad(c.log_probs, (0, T - c.log_probs.shape[1])) for c in chunks]).cpu()  # [R, T]
+        log_probs = torch.cat([F.pad(c.log_probs, (0, T - c.log_probs.shape[1])) for c in chunks]).cpu()
         elapsed = time.perf_counter() - start
         lengths = mask.sum(1).tolist()
         responses = [row[:n] for row, n in zip(ids.tolist(), lengths)]
@@ -165,7 +170,8 @@ class HFEngine(RolloutEngine):
             log_probs=log_probs,
             text=self.tokenizer.batch_decode(responses, skip_special_tokens=True),
             finish_reason=finish_reason,
-            metrics={"gen_tokens": gen_tokens, "gen_time_s": elapsed, "tokens_per_s": gen_tokens / max(elapsed, 1e-9)},
+            metrics={"gen_tokens": gen_tokens, "gen_time_s": elapsed,
+                     "tokens_per_s": gen_tokens / max(elapsed, 1e-9)},
         )
 
     def _stop_token_ids(self, sampling: SamplingParams) -> torch.Tensor:
@@ -174,14 +180,15 @@ class HFEngine(RolloutEngine):
             eos = self.tokenizer.eos_token_id
             stop = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if not stop:
-            raise ValueError("No stop tokens: pass SamplingParams(stop_token_ids=[...]) or use a tokenizer with an EOS.")
+            raise ValueError("No stop tokens: pass SamplingParams(stop_token_ids=[...]) or use a tokenizer with "
+                             "an EOS token.")
         return torch.tensor(stop, dtype=torch.long, device=self.device)
 
     def _decode_chunk(self, prompts: Sequence[Sequence[int]], owners: list[int], sampling: SamplingParams,
                       stop_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None) -> _Chunk:
         """Decode the rows ``owners`` (prompt index per row; samples of one prompt adjacent)."""
         b, max_new = len(owners), sampling.max_new_tokens
-        logits, cache, attention_mask = self._prefill(prompts, owners, pad_id)  # [b, V], cache, [b, P]
+        logits, cache, attention_mask = self._prefill(prompts, owners, pad_id, max_new)  # [b, V], cache, [b, P]
         positions = attention_mask.sum(-1)  # [b] position of the next token
         out_ids = torch.full((b, max_new), pad_id, dtype=torch.long, device=self.device)
         out_mask = torch.zeros((b, max_new), dtype=torch.long, device=self.device)
@@ -205,15 +212,15 @@ class HFEngine(RolloutEngine):
                 attention_mask, positions = attention_mask[keep], positions[keep]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
             logits = self._forward(input_ids=tokens[:, None], attention_mask=attention_mask,
-                                   position_ids=positions[:, None], cache=cache, use_cache=True).logits[:, -1]
+                                   position_ids=positions[:, None], use_cache=True,
+                                   **{self._cache_kwarg: cache}).logits[:, -1]
             positions = positions + 1
         T = step + 1
         return _Chunk(out_ids[:, :T], out_mask[:, :T], out_logp[:, :T])
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], owners: list[int], pad_id: int) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    def _prefill(self, prompts: Sequence[Sequence[int]], owners: list[int], pad_id: int,
+                 max_new_tokens: int) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """Run each distinct prompt once (left-padded), then share its cache with its samples."""
-        from transformers import DynamicCache
-
         unique, inverse = torch.unique_consecutive(torch.tensor(owners), return_inverse=True)
         rows = [prompts[i] for i in unique.tolist()]
         P = max(len(p) for p in rows)
@@ -223,15 +230,68 @@ class HFEngine(RolloutEngine):
             input_ids[i, P - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
             attention_mask[i, P - len(ids):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        cache = DynamicCache(config=self.model.config)
+        cache = _preallocated_cache(self._require_model().config, capacity=P + max_new_tokens)
         logits = self._forward(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
-                               cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [u, V]
+                               use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache}).logits[:, -1]  # [u, V]
         if len(rows) < len(owners):
             inverse = inverse.to(self.device)
             cache.batch_select_indices(inverse)
             logits, attention_mask = logits[inverse], attention_mask[inverse]
         return logits, cache, attention_mask
+
+
+def _preallocated_cache(config: Any, capacity: int) -> Any:
+    """A ``DynamicCache`` whose full-attention layers write into buffers of ``capacity`` positions
+    instead of concatenating (``torch.cat`` copies the whole cache at every step)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    layer_class = _preallocated_layer_class()
+    cache.layers = [layer_class(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _preallocated_layer_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """``keys`` / ``values`` are views of the first ``n`` positions of larger buffers."""
+
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = capacity
+            self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:  # the prefill: DynamicLayer sets itself up
+                return super().update(key_states, value_states, *args, **kwargs)
+            assert self.keys is not None and self.values is not None
+            n, t = self.get_seq_length(), key_states.shape[-2]
+            # a new buffer on the first decode step, after rows were selected (new tensors), or when full
+            if self.buffers is None or self.keys.data_ptr() != self.buffers[0].data_ptr() or n + t > self.capacity:
+                if n + t > self.capacity:
+                    self.capacity = 2 * (n + t)
+                self.buffers = (_grown(self.keys, key_states, n, self.capacity),
+                                _grown(self.values, value_states, n, self.capacity))
+            keys, values = self.buffers
+            keys[..., n : n + t, :] = key_states
+            values[..., n : n + t, :] = value_states
+            self.keys, self.values = keys[..., : n + t, :], values[..., : n + t, :]
+            return self.keys, self.values
+
+    return PreallocatedLayer
+
+
+def _grown(old: torch.Tensor, new: torch.Tensor, n: int, capacity: int) -> torch.Tensor:
+    """A ``[b, h, capacity, d]`` buffer like ``new`` holding the first ``n`` positions of ``old``."""
+    buffer = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
+    if n:
+        buffer[..., :n, :] = old
+    return buffer
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingParams,
@@ -244,9 +304,11 @@ def _sample(logits: torch.Tensor, sampling: SamplingParams,
         return tokens, token_log_probs(logits, tokens)
     scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
     filtered = _filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
-    # Gumbel-max: argmax(x - log E), E ~ Exp(1), is a draw from softmax(x), without normalising x
-    noise = torch.empty_like(filtered).exponential_(generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
-    tokens = (filtered - noise.log_()).argmax(-1)
+    # inverse CDF: one uniform per row (b x V exponentials, as in multinomial, are slow on CPU); the
+    # float64 cumsum keeps each token's interval exact to ~1e-16, so tail tokens keep their probability
+    cdf = torch.softmax(filtered, dim=-1).cumsum(-1, dtype=torch.float64)  # [b, V]
+    u = torch.rand((len(cdf), 1), generator=generator, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
     return tokens, token_log_probs(scaled, tokens)
 
 

@@ -1,6 +1,9 @@
 """Micro benchmark: HFEngine's decode loop vs ``model.generate`` (tokens/s), tiny random Qwen2.
 
-Run from the repository root: ``PYTHONPATH=. python tests/benchmarks/bench_hf_engine.py [--batch-sizes 16 64] [--new-tokens 128] [--device cpu]``.
+Run from the repository root::
+
+    PYTHONPATH=. python tests/benchmarks/bench_hf_engine.py [--batch-sizes 16 64] [--new-tokens 128] [--threads 1]
+
 Both sample at temperature 1 with no top-k/top-p and stop at EOS; tokens/s counts generated tokens.
 """
 

@@ -194,3 +194,30 @@ def test_bad_dataloader_batch(tiny_config, bpe_tokenizer):
         trainer.fit(make_module(tiny_config, bpe_tokenizer), [torch.zeros(3)])
     with pytest.raises(KeyError, match="prompt_ids"):
         trainer.fit(make_module(tiny_config, bpe_tokenizer), [[{"question": "hi"}]])
+
+
+def test_datamodule_fast_dev_run_and_bf16(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    class DataModule:
+        def train_dataloader(self):
+            return prompt_dataloader(gsm8k_prompts, batch_size=2)
+
+        def val_dataloader(self):
+            return prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False)
+
+    module = make_module(tiny_config, bpe_tokenizer)
+    trainer = Trainer(fast_dev_run=True, precision="bf16-mixed", enable_progress_bar=False)
+    trainer.fit(module, datamodule=DataModule())
+    assert trainer.global_step == 1 and trainer.loggers == []
+    assert math.isfinite(trainer.callback_metrics["actor/grad_norm"])
+    with pytest.raises(ValueError, match="either dataloaders or a datamodule"):
+        trainer.fit(module, [], datamodule=DataModule())
+
+
+def test_logger_names():
+    from rltrainer.loggers import build_loggers
+
+    assert build_loggers(False, ".") == [] and build_loggers(None, ".") == []
+    with pytest.raises(ValueError, match=r"Unknown logger 'neptune'.*csv, mlflow, tensorboard, wandb"):
+        build_loggers("neptune", ".")
+    with pytest.raises(TypeError, match="log_metrics"):
+        build_loggers(object(), ".")

@@ -17,9 +17,18 @@ from rltrainer.rollout.hf import HFEngine
 TOKENIZER_DIR = Path(__file__).resolve().parents[2].parent / "shared/data/tokenizers/gsm8k-bpe4k"
 pytestmark = pytest.mark.skipif(not TOKENIZER_DIR.exists(), reason=f"tokenizer not found at {TOKENIZER_DIR}")
 
-TEXTS = ["Natalia sold clips to 48 of her friends.", "2 + 2 =", "Q", "What is the sum of 17 and 25? Think step by step.",
-         "Weng earns $12 an hour"]
+TEXTS = ["Natalia sold clips to 48 of her friends.", "2 + 2 =", "Q",
+         "What is the sum of 17 and 25? Think step by step.", "Weng earns $12 an hour"]
 EVERY_20TH = list(range(0, 4096, 20))  # ~5 % of the vocabulary: random models stop at varied lengths
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, which spin-wait (100x slower) on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -226,5 +235,25 @@ def test_sampling_follows_the_filtered_softmax(temperature, top_k, top_p, keep):
     probs = torch.softmax(logits[0] / temperature, -1)
     expected = torch.zeros(5)
     expected[:keep] = probs[:keep] / probs[:keep].sum()
+    assert (tokens < keep).all(), "a filtered-out token was sampled"
     torch.testing.assert_close(torch.bincount(tokens, minlength=5) / len(tokens), expected, rtol=0, atol=0.01)
     torch.testing.assert_close(log_probs, probs.log()[tokens])  # before filtering
+
+
+def test_preallocated_cache_matches_dynamic_cache(config):
+    from transformers import DynamicCache
+
+    from rltrainer.rollout.hf import _preallocated_cache
+
+    ours, theirs = _preallocated_cache(config, capacity=4), DynamicCache(config=config)
+    torch.manual_seed(0)
+    for step, t in enumerate([3, 1, 1, 2, 1]):  # prefill, decode, then past the capacity
+        if step == 3:  # drop a row, as the engine does when rows finish
+            for cache in (ours, theirs):
+                cache.batch_select_indices(torch.tensor([0, 2]))
+        b = 3 if step < 3 else 2
+        k, v = torch.randn(b, 2, t, 16), torch.randn(b, 2, t, 16)
+        for layer in range(config.num_hidden_layers):
+            got, expected = ours.update(k, v, layer), theirs.update(k, v, layer)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert ours.get_seq_length() == theirs.get_seq_length() == 8

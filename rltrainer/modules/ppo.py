@@ -1,0 +1,116 @@
+"""PPO: GRPO's clipped actor loss plus a critic (value model) trained alongside the policy, and
+GAE advantages. The same Trainer, Strategy and engine run it; only hooks differ."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rltrainer.algorithms import clipped_value_loss, gae_advantages, kl_penalty
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.models import ModelSpec
+from rltrainer.modules.grpo import GRPO
+
+
+def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Module:
+    """A transformers token-classification model with one output (a value per position) from a
+    hub id or path (backbone weights loaded, head random), a config, or a callable."""
+    from transformers import AutoModelForTokenClassification, PretrainedConfig
+
+    if isinstance(spec, PretrainedConfig):
+        if seed is not None:
+            torch.manual_seed(seed)
+        config = copy.deepcopy(spec)
+        config.num_labels = 1
+        return AutoModelForTokenClassification.from_config(config)
+    if isinstance(spec, str):
+        return AutoModelForTokenClassification.from_pretrained(spec, num_labels=1)
+    return spec()
+
+
+def response_values(critic: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """``V [n, T]``: the critic's value at each position that predicts a response token."""
+    T = batch["responses"].shape[1]
+    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 position_ids=batch["position_ids"]).logits[..., 0]  # [n, P+T]
+    return out[:, -T - 1 : -1].float()
+
+
+class PPO(GRPO):
+    """Proximal Policy Optimization with a learned critic (Schulman et al. 2017; Ouyang et al. 2022).
+
+    Takes every :class:`GRPO` argument (``num_generations`` defaults to 1 here) plus:
+
+    Args:
+        critic_model: the critic's spec (default: the policy's ``model``, with a value head).
+        critic_lr: the critic's learning rate.
+        vf_coef: weight of the value loss in the combined loss.
+        cliprange_value: the value clip range around the old values.
+        gamma, lam: GAE's discount and trace decay.
+        kl_in_reward_coef: subtract ``coef * KL(policy || ref)`` (k1, per token) from the token
+            rewards, InstructGPT style; needs a reference model, so it builds one.
+    """
+
+    def __init__(self, model: ModelSpec, tokenizer: Any,
+                 reward_funcs: Callable[..., list[float]] | str | Sequence[Callable[..., list[float]] | str],
+                 critic_model: ModelSpec | None = None, critic_lr: float = 1e-5, vf_coef: float = 0.5,
+                 cliprange_value: float = 0.5, gamma: float = 1.0, lam: float = 0.95,
+                 kl_in_reward_coef: float = 0.0, num_generations: int = 1, **grpo_kwargs: Any) -> None:
+        super().__init__(model, tokenizer, reward_funcs, num_generations=num_generations, **grpo_kwargs)
+        self.critic_spec = critic_model if critic_model is not None else model
+        self.critic_lr, self.vf_coef, self.cliprange_value = critic_lr, vf_coef, cliprange_value
+        self.gamma, self.lam, self.kl_in_reward_coef = gamma, lam, kl_in_reward_coef
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.ref_policy is None and self.kl_in_reward_coef > 0:
+            from rltrainer.models import frozen_copy
+
+            self.ref_policy = frozen_copy(self.policy)
+        self.critic = build_value_model(self.critic_spec, seed=self.model_seed)
+
+    def configure_optimizers(self) -> list[dict[str, Any]]:
+        critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=self.critic_lr, weight_decay=self.weight_decay)
+        return [super().configure_optimizers(), {"optimizer": critic_opt}]
+
+    def compute_stages(self) -> list[str]:
+        """Old log-probs only when the policy moves within a batch; ``ref`` for the KL; always the
+        critic's ``values`` (the old values the value loss clips around, and GAE's baseline)."""
+        stages = [s for s in super().compute_stages() if s != "ref"]
+        uses_ref = self.kl_coef > 0 or self.kl_in_reward_coef > 0
+        if self.kl_in_reward_coef > 0 and "old_log_prob" not in stages:
+            stages.append("old_log_prob")  # the KL penalty in the reward needs the policy's log-probs
+        return stages + (["ref"] if uses_ref else []) + ["values"]
+
+    def compute_step(self, micro_batch: RolloutBatch, stage: str) -> dict[str, torch.Tensor]:
+        if stage == "values":
+            return {"values": response_values(self.critic, micro_batch)}
+        return super().compute_step(micro_batch, stage)
+
+    def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
+        mask = batch["response_mask"]  # [N, T]
+        last = (mask.sum(-1) - 1).clamp(min=0)  # index of each row's last response token
+        token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
+        token_rewards[torch.arange(len(batch)), last] = batch["scores"].float()
+        if self.kl_in_reward_coef > 0:
+            kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
+            token_rewards = token_rewards - self.kl_in_reward_coef * kl
+            self.log("critic/kl_in_reward", (kl.sum() / mask.sum().clamp(min=1)).item())
+        advantages, returns = gae_advantages(token_rewards, batch["values"], mask, self.gamma, self.lam)
+        batch["advantages"], batch["returns"] = advantages, returns  # [N, T] each
+        self.log("critic/values/mean", (batch["values"] * mask).sum().item() / max(mask.sum().item(), 1))
+        return batch
+
+    def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        actor_loss, metrics = super().policy_step(micro_batch)
+        meta = micro_batch.meta
+        vf_loss, vf_metrics = clipped_value_loss(
+            response_values(self.critic, micro_batch), micro_batch["values"], micro_batch["returns"],
+            micro_batch["response_mask"], self.cliprange_value, self.loss_agg_mode, meta["global_tokens"],
+            meta["global_rows"], self.sampling.max_new_tokens)
+        metrics.update(vf_metrics)
+        metrics["critic/vf_loss"] = vf_loss.detach()
+        return actor_loss + self.vf_coef * vf_loss, metrics
