@@ -45,7 +45,7 @@ class Config:
     warmup_target: float = 0.1  # stop at this greedy accuracy on recent training batches
     warmup_max_steps: int = 3000
     warmup_batch_size: int = 64
-    warmup_lr: float = 1e-3
+    warmup_lr: float = 3e-3
     # GRPO
     steps: int = 200
     batch_size: int = 32  # prompts per step (B)
@@ -54,6 +54,7 @@ class Config:
     temperature: float = 1.0
     threads: int = 1  # torch threads; the matrices are tiny, so one is as fast and shares the CPU best
     print_every: int = 20
+    val_every: int = 0  # also measure held-out accuracy every N GRPO steps (0: only before and after)
     progress_bar: bool = False
 
 
@@ -140,7 +141,8 @@ def warm_up(config: Config, problems: Problems, tokenizer: Any) -> tuple[torch.n
 
 # -- 2. GRPO, with held-out accuracy before and after ----------------------------------------------
 class PrintReward(rltrainer.Callback):
-    """Print the mean training reward (the sampled accuracy) every ``every`` steps."""
+    """Print the mean training reward (the sampled accuracy) every ``every`` steps, and the
+    held-out accuracy when the Trainer has just validated."""
 
     def __init__(self, every: int) -> None:
         self.every, self.rewards = every, []
@@ -150,6 +152,8 @@ class PrintReward(rltrainer.Callback):
         if trainer.global_step % self.every == 0:
             print(f"step {trainer.global_step}: mean reward {sum(self.rewards[-self.every:]) / self.every:.3f} "
                   f"({metrics['timing_s/step']:.2f}s/step)", flush=True)
+        if "val/accuracy" in metrics:
+            print(f"step {trainer.global_step}: held-out accuracy {metrics['val/accuracy']:.1%}", flush=True)
 
 
 def run(config: Config) -> dict[str, float]:
@@ -182,11 +186,11 @@ def _run(config: Config) -> dict[str, float]:
             temperature=config.temperature, lr=config.lr, weight_decay=0.0,
         )
         trainer = rltrainer.Trainer(strategy="single", rollout="hf", max_steps=config.steps, seed=config.seed,
-                                    logger=False, enable_progress_bar=config.progress_bar,
+                                    val_check_interval=config.val_every or None, logger=False, enable_progress_bar=config.progress_bar,
                                     callbacks=[PrintReward(every=config.print_every)])
         acc_before = trainer.validate(module, val_loader)["val/accuracy"]
         print(f"warm-up: {warmup_steps} steps, {warmup_s:.0f}s; held-out accuracy before GRPO: {acc_before:.1%}", flush=True)
-        trainer.fit(module, train_loader)
+        trainer.fit(module, train_loader, val_loader if config.val_every else None)
         acc_after = trainer.validate(module, val_loader)["val/accuracy"]
     seconds = time.perf_counter() - start
     print(f"held-out accuracy after GRPO: {acc_after:.1%} ({acc_after - acc_before:+.1%} points) "

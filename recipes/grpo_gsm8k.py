@@ -27,10 +27,11 @@ from rltrainer.testing import data_path, tiny_qwen2_config
 PRESETS = {
     "gpu": dict(model="Qwen/Qwen2.5-0.5B-Instruct", tokenizer="Qwen/Qwen2.5-0.5B-Instruct", precision="bf16-mixed",
                 batch_size=32, num_generations=8, max_new_tokens=512, max_prompt_length=512, lr=1e-6,
-                kl_coef=0.001, max_steps=200, micro_batch_size=16, val_check_interval=25, val_batches=10),
+                kl_coef=0.001, max_steps=200, micro_batch_size=16, val_check_interval=25, val_batches=10,
+                threads=None),
     "cpu": dict(model="tiny-qwen2", tokenizer=None, precision="32-true", batch_size=4, num_generations=4,
                 max_new_tokens=48, max_prompt_length=256, lr=1e-4, kl_coef=0.001, max_steps=20,
-                micro_batch_size=8, val_check_interval=10, val_batches=2),
+                micro_batch_size=8, val_check_interval=10, val_batches=2, threads=None),
 }
 
 
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        ("micro_batch_size", int), ("val_check_interval", int), ("val_batches", int)]:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help="default: the preset's")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the preset's; gpu: torch's default)")
     p.add_argument("--output-dir", default="outputs/grpo_gsm8k")
     p.add_argument("--no-progress-bar", action="store_true")
     args = p.parse_args(argv)
@@ -64,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(data_path("tokenizers", "qwen2.5-instruct")))

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from rltrainer.data.batch import RolloutBatch
 
@@ -71,20 +70,19 @@ def response_log_probs(
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    log_probs = token_log_probs(logits, responses)
+    log_softmax = logits.log_softmax(-1)  # one fused pass; faster than logsumexp on CPU
+    log_probs = log_softmax.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        entropy = entropy_from_log_softmax(log_softmax if entropy_grad else log_softmax.detach())
     return log_probs, entropy
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)[..., tokens]`` without materialising the full log-softmax twice."""
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    """``log_softmax(logits)[..., tokens]``."""
+    return logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` over the last dimension."""
-    probs = F.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+def entropy_from_log_softmax(log_softmax: torch.Tensor) -> torch.Tensor:
+    """Entropy ``-sum(p * log p)`` over the last dimension, from ``log_softmax(logits)``."""
+    return -(log_softmax.exp() * log_softmax).sum(-1)

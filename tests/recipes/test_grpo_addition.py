@@ -1,0 +1,72 @@
+"""The RL proof: ``recipes/grpo_addition.py`` (SFT warm-up of a tiny model, then GRPO) must raise
+held-out addition accuracy. The fast tests check the task's pieces; the slow one runs a short
+version of the recipe end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "grpo_addition.py"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("recipes_grpo_addition", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickle look the module up by name
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_problem_text_is_reversed_and_zero_padded(recipe):
+    assert recipe.problem_text(42, 917, 3) == ("240+719=", "9590")
+    assert recipe.problem_text(999, 999, 3) == ("999+999=", "8991")
+    assert recipe.problem_text(0, 5, 2) == ("00+50=", "500")
+
+
+def test_tokenizer_is_character_level_and_picklable(recipe):
+    tokenizer = pickle.loads(pickle.dumps(recipe.build_tokenizer()))
+    ids = tokenizer("240+719=", add_special_tokens=False).input_ids
+    assert tokenizer.convert_ids_to_tokens(ids) == list("240+719=")
+    assert tokenizer.decode(ids + [tokenizer.eos_token_id, tokenizer.pad_token_id], skip_special_tokens=True) == "240+719="
+    assert len({tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id}) == 3
+
+
+def test_held_out_problems_never_sampled_for_training(recipe):
+    problems = recipe.Problems(digits=2, num_val=300, seed=0)
+    assert len(problems.val) == 300
+    assert not problems.val & set(problems.sample(5000))  # 5000 of the 9700 others
+    rows = problems.rows([(42, 7)], recipe.build_tokenizer())
+    assert rows[0]["answer"] == "940" and rows[0]["prompt_ids"][0] == recipe.build_tokenizer().bos_token_id
+
+
+def test_exact_match_reward(recipe):
+    assert recipe.exact_match(["9590", " 9590", "959", "95900"], answer=["9590"] * 4) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_grpo_module_with_the_recipe_reward_pickles(recipe):
+    import rltrainer
+    from rltrainer.testing import tiny_qwen2_config
+
+    tokenizer = recipe.build_tokenizer()
+    module = rltrainer.GRPO(model=tiny_qwen2_config(len(tokenizer)), tokenizer=tokenizer,
+                            reward_funcs=recipe.exact_match)
+    clone = pickle.loads(pickle.dumps(module))
+    assert clone.rewards(["9590", "1"], {"answer": ["9590", "2"]}).scores.tolist() == [1.0, 0.0]
+
+
+@pytest.mark.slow
+def test_grpo_raises_held_out_accuracy(recipe):
+    """A shortened run (about a minute): GRPO must add at least 15 points of held-out accuracy.
+
+    Seed-fixed; with these settings seeds 0, 1, 2 gave SEE_REPORT."""
+    config = recipe.Config(seed=1, num_val=300, steps=150, print_every=50)
+    result = recipe.run(config)
+    gain = result["acc_after"] - result["acc_before"]
+    assert gain >= 0.15, f"GRPO raised held-out accuracy by only {gain:+.1%}: {result}"
