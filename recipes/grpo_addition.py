@@ -1,21 +1,21 @@
-"""GRPO teaches a tiny model to add: the end-to-end proof that the RL loop learns, on a CPU.
+"""GRPO teaches a tiny model to add: the end-to-end proof, on a CPU, that the RL loop learns.
 
-The task is ``a+b=`` with ``a, b`` in ``[0, 10**digits)``, written zero-padded (``042+917=``); the
-answer is the sum zero-padded to ``digits + 1`` digits and written *reversed* (959 -> ``0959`` ->
-``9590``), then ``<eos>``. Reversed, each answer digit depends only on the digits at its own
-position plus a carry coming from the digit just emitted, which a 2-layer transformer learns in
-minutes; in reading order it would have to plan the carries before writing the first digit.
+The task is 3-digit addition with every number written zero-padded and *least significant digit
+first*: 42 + 917 = 959 is the prompt ``<bos>240+719=`` and the answer ``9590<eos>``. Written that
+way, answer digit ``k`` needs only operand digits ``k`` (always the same distance back) and the
+carry from digit ``k-1``, just emitted, so a 2-layer transformer learns it in minutes on a CPU.
 
-1. A tiny Qwen2 is made from scratch and trained by plain supervised learning for a few steps, on
-   purpose stopped while its held-out accuracy is still low (it has to answer right *sometimes*
-   when sampled, or GRPO gets no signal).
-2. ``rltrainer.GRPO`` then trains it with reward 1 for an exact match and 0 otherwise, driven by
-   ``Trainer(strategy="single", rollout="hf").fit(...)``.
-3. Held-out accuracy (greedy decoding, exact match, on problems never seen in training) is measured
-   with ``trainer.validate`` before and after GRPO.
+1. Warm-up: a tiny Qwen2 made from scratch is trained by plain supervised learning, stopped on
+   purpose as soon as it answers about 10 % of its training problems right: it must be right
+   *sometimes* when sampled, or GRPO gets no signal, and far from always, or there is nothing left
+   to learn.
+2. GRPO: ``rltrainer.GRPO`` with reward 1 for an exact match and 0 otherwise, driven by
+   ``Trainer(strategy="single", rollout="hf").fit(...)``. It never sees a worked answer.
+3. Held-out accuracy (greedy decoding, exact match, on ``num_val`` problems that are in neither
+   training set) is measured with ``trainer.validate`` before and after GRPO.
 
-    PYTHONPATH=. python recipes/grpo_addition.py            # defaults: about 5 minutes on 2 CPU cores
-    PYTHONPATH=. python recipes/grpo_addition.py --seed 1 --steps 100
+    PYTHONPATH=. python recipes/grpo_addition.py                     # about 4 minutes on 2 CPU cores
+    PYTHONPATH=. python recipes/grpo_addition.py --seed 1 --steps 300 --val-every 50
 """
 
 from __future__ import annotations
@@ -38,54 +38,57 @@ from rltrainer.testing import tiny_qwen2_config
 class Config:
     seed: int = 0
     digits: int = 3  # operands in [0, 10**digits)
-    num_val: int = 500  # held-out problems, never in a training set
+    num_val: int = 500  # held-out problems
     hidden_size: int = 64
     num_layers: int = 2
     # supervised warm-up
-    warmup_target: float = 0.1  # stop at this greedy accuracy on recent training batches
+    warmup_target: float = 0.1  # stop at this greedy accuracy on the last 10 training batches
     warmup_max_steps: int = 3000
     warmup_batch_size: int = 64
     warmup_lr: float = 3e-3
     # GRPO
-    steps: int = 200
+    steps: int = 800
     batch_size: int = 32  # prompts per step (B)
     group_size: int = 8  # samples per prompt (G)
+    mini_batch_size: int = 64  # rows per optimizer step: B*G/64 = 4 updates per batch of samples
     lr: float = 3e-4
-    temperature: float = 1.0
-    threads: int = 1  # torch threads; the matrices are tiny, so one is as fast and shares the CPU best
-    print_every: int = 20
+    temperature: float = 0.7
+    # running
+    threads: int = 1  # torch threads: the matrices are tiny, so one is as fast and shares the CPU best
+    print_every: int = 100
     val_every: int = 0  # also measure held-out accuracy every N GRPO steps (0: only before and after)
     progress_bar: bool = False
 
 
-# -- task ------------------------------------------------------------------------------------------
+# -- the task ----------------------------------------------------------------------------------------
 def build_tokenizer() -> Any:
-    """A character-level tokenizer over digits, ``+`` and ``=``; nothing is downloaded."""
+    """One token per character: the digits, ``+``, ``=`` and three special tokens. No downloads."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate(["<pad>", "<bos>", "<eos>", *"0123456789+="])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     tok.decoder = decoders.Fuse()  # decode to "9590", not "9 5 9 0"
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 
 def problem_text(a: int, b: int, digits: int) -> tuple[str, str]:
-    """``(42, 917) -> ("240+719=", "9590")``: every number zero-padded and written reversed."""
+    """``(42, 917, 3) -> ("240+719=", "9590")``: every number zero-padded, then reversed."""
     a_text, b_text = str(a).zfill(digits)[::-1], str(b).zfill(digits)[::-1]
     return f"{a_text}+{b_text}=", str(a + b).zfill(digits + 1)[::-1]
 
 
 class Problems:
-    """Random problems from a seeded stream, minus a held-out set drawn first."""
+    """Problems ``(a, b)`` from one seeded stream; the held-out set is drawn first and never again."""
 
     def __init__(self, digits: int, num_val: int, seed: int) -> None:
         self.digits, self.rng = digits, random.Random(seed)
         self.val: set[tuple[int, int]] = set()
-        self.val = set(self.sample(num_val))  # sample() skips self.val, so draw it before filling it
+        self.val = set(self.sample(num_val))
 
     def sample(self, n: int) -> list[tuple[int, int]]:
+        """``n`` distinct problems, none of them held out."""
         out: set[tuple[int, int]] = set()
         while len(out) < n:
             pair = (self.rng.randrange(10**self.digits), self.rng.randrange(10**self.digits))
@@ -94,7 +97,7 @@ class Problems:
         return sorted(out)
 
     def rows(self, pairs: list[tuple[int, int]], tokenizer: Any) -> list[dict[str, Any]]:
-        """Dataset rows for GRPO: ``prompt_ids`` (``<bos>`` + prompt) and the ``answer`` string."""
+        """Dataset rows: ``prompt_ids`` (``<bos>`` + prompt tokens) and the ``answer`` text."""
         rows = []
         for a, b in pairs:
             prompt, answer = problem_text(a, b, self.digits)
@@ -108,25 +111,25 @@ def exact_match(completions: list[str], answer: list[str], **kwargs: Any) -> lis
     return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
 
-# -- 1. supervised warm-up -------------------------------------------------------------------------
+# -- 1. supervised warm-up ---------------------------------------------------------------------------
 def warm_up(config: Config, problems: Problems, tokenizer: Any) -> tuple[torch.nn.Module, int]:
-    """Next-token cross-entropy on the answer (and ``<eos>``) tokens, stopped as soon as the model
-    answers ``warmup_target`` of its recent training problems right. Returns the model and the steps.
+    """Cross-entropy on the answer and ``<eos>`` tokens until the model gets ``warmup_target`` of
+    its last 10 training batches right; returns the model and the number of steps.
 
-    A problem is answered right by greedy decoding exactly when every teacher-forced argmax is the
-    target token, so that is what is counted (on the batch just trained on, before the update)."""
+    Greedy decoding gets a problem right exactly when every teacher-forced argmax is the target
+    token, so that is what is counted (on each batch, before its update)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(config.seed)
-    model_config = tiny_qwen2_config(len(tokenizer), hidden_size=config.hidden_size, num_layers=config.num_layers,
-                                     max_positions=64)
-    model = AutoModelForCausalLM.from_config(model_config).train()
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(
+        len(tokenizer), hidden_size=config.hidden_size, num_layers=config.num_layers, max_positions=64))
     opt = torch.optim.AdamW(model.parameters(), lr=config.warmup_lr, weight_decay=0.01)
+    model.train()
     recent: list[float] = []
     for step in range(1, config.warmup_max_steps + 1):
         rows = problems.rows(problems.sample(config.warmup_batch_size), tokenizer)
         ids = torch.tensor([r["prompt_ids"] + tokenizer(r["answer"], add_special_tokens=False).input_ids
-                            + [tokenizer.eos_token_id] for r in rows])  # [B, P+T], all the same length
+                            + [tokenizer.eos_token_id] for r in rows])  # [B, P+T], one length for all
         P = len(rows[0]["prompt_ids"])
         logits = model(input_ids=ids).logits[:, P - 1 : -1]  # [B, T, V]: position P-1+t predicts token t
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, P:].flatten())
@@ -136,13 +139,15 @@ def warm_up(config: Config, problems: Problems, tokenizer: Any) -> tuple[torch.n
         recent = recent[-9:] + [(logits.argmax(-1) == ids[:, P:]).all(-1).float().mean().item()]
         if len(recent) == 10 and sum(recent) / 10 >= config.warmup_target:
             break
+    else:
+        print(f"warning: the warm-up did not reach {config.warmup_target:.0%} in {step} steps", flush=True)
     return model.eval(), step
 
 
-# -- 2. GRPO, with held-out accuracy before and after ----------------------------------------------
-class PrintReward(rltrainer.Callback):
-    """Print the mean training reward (the sampled accuracy) every ``every`` steps, and the
-    held-out accuracy when the Trainer has just validated."""
+# -- 2. GRPO, and held-out accuracy before and after ------------------------------------------------
+class PrintProgress(rltrainer.Callback):
+    """Every ``every`` steps, the mean training reward (= sampled accuracy) of those steps; and the
+    held-out accuracy whenever the Trainer has just validated."""
 
     def __init__(self, every: int) -> None:
         self.every, self.rewards = every, []
@@ -157,44 +162,42 @@ class PrintReward(rltrainer.Callback):
 
 
 def run(config: Config) -> dict[str, float]:
-    threads = torch.get_num_threads()
+    """Warm up, then GRPO; returns held-out accuracy before and after GRPO, and the total seconds."""
+    start, threads = time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:
-        return _run(config)
+        tokenizer = build_tokenizer()
+        problems = Problems(config.digits, config.num_val, config.seed)
+        model, warmup_steps = warm_up(config, problems, tokenizer)
+        warmup_s = time.perf_counter() - start
+
+        train_rows = problems.rows(problems.sample(config.steps * config.batch_size), tokenizer)
+        val_rows = problems.rows(sorted(problems.val), tokenizer)
+        train_loader = rltrainer.prompt_dataloader(train_rows, config.batch_size, seed=config.seed)
+        val_loader = rltrainer.prompt_dataloader(val_rows, 256, shuffle=False, drop_last=False)
+        with tempfile.TemporaryDirectory() as model_dir:
+            model.save_pretrained(model_dir)  # GRPO's policy starts from the warmed-up weights
+            module = rltrainer.GRPO(
+                model=model_dir, tokenizer=tokenizer, reward_funcs=exact_match,
+                num_generations=config.group_size, mini_batch_size=config.mini_batch_size,
+                max_new_tokens=config.digits + 2,  # the answer and <eos>
+                temperature=config.temperature, lr=config.lr, weight_decay=0.0,
+            )
+            trainer = rltrainer.Trainer(
+                strategy="single", rollout="hf", max_steps=config.steps, seed=config.seed,
+                val_check_interval=config.val_every or None, logger=False,
+                enable_progress_bar=config.progress_bar, callbacks=[PrintProgress(config.print_every)],
+            )
+            acc_before = trainer.validate(module, val_loader)["val/accuracy"]
+            print(f"warm-up: {warmup_steps} steps in {warmup_s:.0f}s; "
+                  f"held-out accuracy before GRPO: {acc_before:.1%}", flush=True)
+            trainer.fit(module, train_loader, val_loader if config.val_every else None)
+            acc_after = trainer.validate(module, val_loader)["val/accuracy"]
     finally:
         torch.set_num_threads(threads)
-
-
-def _run(config: Config) -> dict[str, float]:
-    start = time.perf_counter()
-    torch.manual_seed(config.seed)
-    tokenizer = build_tokenizer()
-    problems = Problems(config.digits, config.num_val, config.seed)
-    model, warmup_steps = warm_up(config, problems, tokenizer)
-    warmup_s = time.perf_counter() - start
-
-    train_rows = problems.rows(problems.sample(config.steps * config.batch_size), tokenizer)
-    val_rows = problems.rows(sorted(problems.val), tokenizer)
-    train_loader = rltrainer.prompt_dataloader(train_rows, config.batch_size, seed=config.seed)
-    val_loader = rltrainer.prompt_dataloader(val_rows, 256, shuffle=False, drop_last=False)
-
-    with tempfile.TemporaryDirectory() as model_dir:
-        model.save_pretrained(model_dir)  # GRPO builds its policy from these warmed-up weights
-        module = rltrainer.GRPO(
-            model=model_dir, tokenizer=tokenizer, reward_funcs=exact_match,
-            num_generations=config.group_size, max_new_tokens=config.digits + 2,  # answer + <eos>
-            temperature=config.temperature, lr=config.lr, weight_decay=0.0,
-        )
-        trainer = rltrainer.Trainer(strategy="single", rollout="hf", max_steps=config.steps, seed=config.seed,
-                                    val_check_interval=config.val_every or None, logger=False, enable_progress_bar=config.progress_bar,
-                                    callbacks=[PrintReward(every=config.print_every)])
-        acc_before = trainer.validate(module, val_loader)["val/accuracy"]
-        print(f"warm-up: {warmup_steps} steps, {warmup_s:.0f}s; held-out accuracy before GRPO: {acc_before:.1%}", flush=True)
-        trainer.fit(module, train_loader, val_loader if config.val_every else None)
-        acc_after = trainer.validate(module, val_loader)["val/accuracy"]
     seconds = time.perf_counter() - start
-    print(f"held-out accuracy after GRPO: {acc_after:.1%} ({acc_after - acc_before:+.1%} points) "
-          f"in {seconds:.0f}s total", flush=True)
+    print(f"held-out accuracy after GRPO: {acc_after:.1%}, {100 * (acc_after - acc_before):+.1f} points "
+          f"(before: {acc_before:.1%}); {seconds:.0f}s in all", flush=True)
     return {"acc_before": acc_before, "acc_after": acc_after, "seconds": seconds}
 
 
@@ -206,6 +209,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # no bars for saving and loading the tiny model
     return run(Config(**vars(parser.parse_args(argv))))
 
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from rltrainer.rollout.engine import SamplingParams
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.testing import DATA_DIR
 
-ROOT = Path(__file__).resolve().parents[2].parent / "shared/data"
+ROOT = DATA_DIR
 TOKENIZER_DIR = ROOT / "tokenizers/gsm8k-bpe4k"
 
 

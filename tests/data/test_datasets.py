@@ -5,6 +5,8 @@ from typing import Any
 
 import pytest
 
+from rltrainer.testing import DATA_DIR, data_path
+
 from rltrainer.data.datasets import (
     GSM8K_INSTRUCTION,
     filter_long_prompts,
@@ -13,16 +15,12 @@ from rltrainer.data.datasets import (
     prepare_math500,
 )
 
-# /work/main/tests/data/this_file -> /work/shared/data (shared/ is the repository's sibling)
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+SHARED = DATA_DIR  # the offline copies shipped in recipes/data
 DATASETS_LOGGER = "rltrainer.data.datasets"
 
 
 def _shared(*parts: str) -> Path:
-    path = SHARED.joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"shared data not found at {path}")
-    return path
+    return data_path(*parts)  # raises (never skips) if the shipped data is missing
 
 
 def _rows(*parts: str, n: int | None = None) -> list[dict[str, Any]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +12,9 @@ from rltrainer.models import response_log_probs
 from rltrainer.module import generate_rollouts
 from rltrainer.rollout.engine import Generation, SamplingParams, build_engine
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.testing import DATA_DIR
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[2].parent / "shared/data/tokenizers/gsm8k-bpe4k"
-pytestmark = pytest.mark.skipif(not TOKENIZER_DIR.exists(), reason=f"tokenizer not found at {TOKENIZER_DIR}")
+TOKENIZER_DIR = DATA_DIR / "tokenizers" / "gsm8k-bpe4k"
 
 TEXTS = ["Natalia sold clips to 48 of her friends.", "2 + 2 =", "Q",
          "What is the sum of 17 and 25? Think step by step.", "Weng earns $12 an hour"]
