@@ -31,7 +31,7 @@ PRESETS = {
                 threads=None),
     "cpu": dict(model="tiny-qwen2", tokenizer=None, precision="32-true", batch_size=4, num_generations=4,
                 max_new_tokens=48, max_prompt_length=256, lr=1e-4, kl_coef=0.001, max_steps=20,
-                micro_batch_size=8, val_check_interval=10, val_batches=2, threads=None),
+                micro_batch_size=8, val_check_interval=10, val_batches=2, threads=1),
 }
 
 
