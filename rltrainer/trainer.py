@@ -104,6 +104,7 @@ class Trainer:
         self.callback_metrics: dict[str, float] = {}
         self.estimated_total_steps: int | None = None
         self._is_setup = False
+        self._validated_this_step = False
 
     # -- public API -----------------------------------------------------------------------------
     def fit(self, module: RLModule, train_dataloaders: Iterable[Any] | None = None,
@@ -117,6 +118,7 @@ class Trainer:
         if ckpt_path is not None:
             self._restore(ckpt_path)
         self.estimated_total_steps = self._estimate_total_steps(train_loader)
+        self._validated_this_step = False
         try:
             call_hooks(self, "on_fit_start")
             self._fit_loop(train_loader, val_loader)
@@ -192,7 +194,6 @@ class Trainer:
         self._is_setup = True
 
     def _fit_loop(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None) -> None:
-        self._validated_this_step = False
         while not self._done():
             for raw in self._epoch_batches(train_loader):
                 prompts = self.as_batch(raw)
