@@ -8,7 +8,7 @@ import torch
 from rltrainer.testing import load_tokenizer, tiny_qwen2_config
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _torch_threads():
     """Tiny models: one intra-op thread is as fast as two, and never stalls in OpenMP barriers when
     another process shares the two cores (seen here: 2 threads under load, ~100x slower small ops)."""

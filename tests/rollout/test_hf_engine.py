@@ -21,15 +21,6 @@ TEXTS = ["Natalia sold clips to 48 of her friends.", "2 + 2 =", "Q",
 EVERY_20TH = list(range(0, 4096, 20))  # ~5 % of the vocabulary: random models stop at varied lengths
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, which spin-wait (100x slower) on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
