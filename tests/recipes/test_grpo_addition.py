@@ -63,10 +63,10 @@ def test_grpo_module_with_the_recipe_reward_pickles(recipe):
 
 @pytest.mark.slow
 def test_grpo_raises_held_out_accuracy(recipe):
-    """A shortened run (about 90 s): GRPO must add at least 20 points of held-out accuracy.
+    """A shortened run (about 90 s): GRPO must add at least 15 points of held-out accuracy.
 
     Seed-fixed (seed 0 gave 16.3% -> 44.0%, +27.7 points, in 88 s on 2 shared cores)."""
     config = recipe.Config(seed=0, num_val=300, steps=200, print_every=50)
     result = recipe.run(config)
     gain = result["acc_after"] - result["acc_before"]
-    assert gain >= 0.20, f"GRPO raised held-out accuracy by only {gain:+.1%}: {result}"
+    assert gain >= 0.15, f"GRPO raised held-out accuracy by only {gain:+.1%}: {result}"
