@@ -193,6 +193,7 @@ def run(config: Config) -> dict[str, float]:
                   f"held-out accuracy before GRPO: {acc_before:.1%}", flush=True)
             trainer.fit(module, train_loader, val_loader if config.val_every else None)
             acc_after = trainer.validate(module, val_loader)["val/accuracy"]
+            trainer.teardown()
     finally:
         torch.set_num_threads(threads)
     seconds = time.perf_counter() - start

@@ -34,7 +34,8 @@ def test_tokenizer_is_character_level_and_picklable(recipe):
     tokenizer = pickle.loads(pickle.dumps(recipe.build_tokenizer()))
     ids = tokenizer("240+719=", add_special_tokens=False).input_ids
     assert tokenizer.convert_ids_to_tokens(ids) == list("240+719=")
-    assert tokenizer.decode(ids + [tokenizer.eos_token_id, tokenizer.pad_token_id], skip_special_tokens=True) == "240+719="
+    with_specials = ids + [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    assert tokenizer.decode(with_specials, skip_special_tokens=True) == "240+719="
     assert len({tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id}) == 3
 
 
@@ -65,7 +66,8 @@ def test_grpo_module_with_the_recipe_reward_pickles(recipe):
 def test_grpo_raises_held_out_accuracy(recipe):
     """A shortened run (about 90 s): GRPO must add at least 15 points of held-out accuracy.
 
-    Seed-fixed (seed 0 gave 16.3% -> 44.0%, +27.7 points, in 88 s on 2 shared cores)."""
+    Seed-fixed. With these settings seed 0 gave 16.3% -> 44.0% (+27.7 points, 80-90 s on 2 shared
+    cores), seed 1 +68.7 and seed 2 +38.6; seed 0 is the weakest of the three, hence it is used."""
     config = recipe.Config(seed=0, num_val=300, steps=200, print_every=50)
     result = recipe.run(config)
     gain = result["acc_after"] - result["acc_before"]
