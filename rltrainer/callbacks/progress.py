@@ -41,4 +41,5 @@ class ProgressBar(Callback):
             self._bar.close()
             self._bar = None
 
-    on_exception = lambda self, trainer, module, exception: self.on_fit_end(trainer, module)  # noqa: E731
+    def on_exception(self, trainer: Trainer, module: RLModule, exception: BaseException) -> None:
+        self.on_fit_end(trainer, module)
