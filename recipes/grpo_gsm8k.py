@@ -2,6 +2,7 @@
 
     python recipes/grpo_gsm8k.py                 # GPU: Qwen2.5-0.5B-Instruct (CPU preset without CUDA)
     python recipes/grpo_gsm8k.py --preset cpu    # offline CPU run: tiny random Qwen2 + the real tokenizer
+    python recipes/grpo_gsm8k.py --preset cpu --strategy fsdp2 --devices 2   # the same on 2 FSDP2 ranks (Ray)
 
 The CPU preset builds a tiny Qwen2-architecture model from a config (random init) with the real
 Qwen2.5 tokenizer and the GSM8K copy shipped in recipes/data, so it runs anywhere with no hub
@@ -41,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: gpu if CUDA is available, else cpu")
     p.add_argument("--strategy", default="single", help="a registered strategy name")
     p.add_argument("--rollout", default="hf", help="a registered rollout engine name")
-    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--devices", type=int, default=1, help="training ranks (fsdp2: Ray workers when > 1)")
+    p.add_argument("--weight-sync", choices=["sync", "async"], default="sync")
     p.add_argument("--model", help="hub id or local path (default: the preset's)")
     p.add_argument("--tokenizer", help="hub id or local path (default: the preset's)")
     p.add_argument("--train-file", default=str(data_path("gsm8k", "train.jsonl")))
@@ -77,15 +79,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     val = prepare_gsm8k(load_rows(args.val_file), tokenizer, max_prompt_length=args.max_prompt_length)
     module = GRPO(model, tokenizer, reward_funcs="gsm8k", num_generations=args.num_generations,
                   max_new_tokens=args.max_new_tokens, lr=args.lr, kl_coef=args.kl_coef)
+    per_rank = {"threads_per_worker": args.threads} if args.strategy.startswith("fsdp2") and args.threads else {}
     strategy = build_strategy(args.strategy, devices=args.devices, precision=args.precision,
-                              micro_batch_size=args.micro_batch_size)
-    trainer = Trainer(strategy=strategy, rollout=args.rollout, max_steps=args.max_steps, seed=args.seed,
-                      val_check_interval=args.val_check_interval, limit_val_batches=args.val_batches,
-                      default_root_dir=args.output_dir, enable_progress_bar=not args.no_progress_bar)
+                              micro_batch_size=args.micro_batch_size, **per_rank)
     start = time.perf_counter()
-    trainer.fit(module, prompt_dataloader(train, args.batch_size, seed=args.seed),
-                val_dataloaders=prompt_dataloader(val, args.batch_size, shuffle=False, drop_last=False))
-    summary = {k: v for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "critic/score", "timing_s/step"))}
+    with Trainer(strategy=strategy, rollout=args.rollout, max_steps=args.max_steps, seed=args.seed,
+                 val_check_interval=args.val_check_interval, limit_val_batches=args.val_batches,
+                 default_root_dir=args.output_dir, enable_progress_bar=not args.no_progress_bar,
+                 weight_sync=args.weight_sync) as trainer:
+        trainer.fit(module, prompt_dataloader(train, args.batch_size, seed=args.seed),
+                    val_dataloaders=prompt_dataloader(val, args.batch_size, shuffle=False, drop_last=False))
+    keep = ("val/", "critic/score", "timing_s/step")
+    summary = {k: v for k, v in trainer.callback_metrics.items() if k.startswith(keep)}
     summary["wall_s"] = time.perf_counter() - start
     logging.getLogger("grpo_gsm8k").info("preset=%s done: %s", args.preset, json.dumps(summary))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)

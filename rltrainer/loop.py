@@ -30,6 +30,7 @@ def training_step(trainer: Trainer, prompts: RolloutBatch) -> dict[str, float]:
     module, strategy, engine = trainer.module, trainer.strategy, trainer.engine
     metrics = trainer.step_metrics = {}
     with timer(metrics, "step"):
+        metrics.update(trainer._await_weights())  # async sync: the previous step's push
         with timer(metrics, "gen"):
             engine.wake_up()
             batch = call_module_hook(trainer, "rollout_step", prompts, engine)  # [N = B*G rows]
@@ -44,7 +45,7 @@ def training_step(trainer: Trainer, prompts: RolloutBatch) -> dict[str, float]:
         with timer(metrics, "update_actor"):
             metrics.update(update_policy(trainer, batch))
         with timer(metrics, "update_weights"):
-            metrics.update({f"sync/{k}": v for k, v in trainer.sync_weights().items()})
+            metrics.update(trainer._start_sync())
     metrics.update(batch_metrics(batch, metrics["timing_s/step"]))
     return metrics
 

@@ -74,8 +74,10 @@ class RLModule(torch.nn.Module):
         return self._trainer
 
     def log(self, name: str, value: float) -> None:
-        """Record a scalar for the current step (controller hooks only)."""
-        self.trainer.step_metrics[name] = float(value)
+        """Record a scalar for the current step (controller hooks only). Outside a Trainer (a hook
+        called by hand, e.g. in a notebook) the value is kept in ``self.logged_metrics``."""
+        target = self._trainer.step_metrics if self._trainer is not None else self.__dict__.setdefault("logged_metrics", {})
+        target[name] = float(value)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

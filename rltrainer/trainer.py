@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,9 @@ class Trainer:
             ``"mlflow"``), a Lightning logger, or a list.
         fast_dev_run: run 1 step (or N if an int) and 1 validation batch, with no logger.
         enable_progress_bar: show a progress bar with the step, reward and step time.
+        weight_sync: ``"sync"`` (push new weights at the end of each step and wait) or ``"async"``
+            (push in a background thread; logging, callbacks and loading the next prompts overlap
+            with it, and the next rollout, validation or checkpoint waits for it).
     """
 
     def __init__(
@@ -68,6 +73,7 @@ class Trainer:
         logger: Any = True,
         fast_dev_run: bool | int = False,
         enable_progress_bar: bool = True,
+        weight_sync: str = "sync",
     ) -> None:
         for name, value in (("max_steps", max_steps), ("log_every_n_steps", log_every_n_steps)):
             if not isinstance(value, int) or (value < 1 and not (name == "max_steps" and value == -1)):
@@ -76,6 +82,8 @@ class Trainer:
             raise ValueError(f"max_epochs must be >= 1 or None, got {max_epochs}")
         if val_check_interval is not None and val_check_interval < 1:
             raise ValueError(f"val_check_interval must be a positive number of steps or None, got {val_check_interval}")
+        if weight_sync not in ("sync", "async"):
+            raise ValueError(f"weight_sync must be 'sync' or 'async', got {weight_sync!r}")
         strategy_kwargs = {"devices": devices, "precision": precision}
         if num_nodes != 1:
             strategy_kwargs["num_nodes"] = num_nodes
@@ -83,7 +91,11 @@ class Trainer:
         if isinstance(strategy, Strategy) and precision != "32-true" and precision != strategy.precision:
             raise ValueError(f"Trainer(precision={precision!r}) conflicts with the strategy's own "
                              f"precision={strategy.precision!r}; set it in one place.")
-        self.engine = build_engine(rollout)
+        self._engine_spec = build_engine(rollout)
+        self.engine: RolloutEngine = self._engine_spec  # after setup: the engine the strategy connected
+        self.weight_sync = weight_sync
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending_sync: Future | None = None
         self.fast_dev_run = int(fast_dev_run)
         if self.fast_dev_run:
             max_steps, limit_val_batches, logger = self.fast_dev_run, 1, False
@@ -122,6 +134,7 @@ class Trainer:
         try:
             call_hooks(self, "on_fit_start")
             self._fit_loop(train_loader, val_loader)
+            self._await_weights()
             if val_loader is not None and not self._validated_this_step:
                 self._run_validation(val_loader)
             call_hooks(self, "on_fit_end")
@@ -148,13 +161,22 @@ class Trainer:
         return self._run_validation(loader)
 
     def sync_weights(self) -> dict[str, float]:
-        """Push the policy's weights from the strategy to the engine (``update_weights`` only)."""
-        return self.engine.update_weights(self.strategy.export_weights()) or {}
+        """Push the policy's changed weights from the strategy to the engine and wait. Returns
+        ``tensors``, ``bytes``, ``skipped`` (unchanged since the last sync) and ``seconds``."""
+        self._await_weights()
+        return self.strategy.sync_weights(self.engine)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.teardown()
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Write the training state (models, optimizers, step counters) to ``path``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._await_weights()
         checkpoint = {"global_step": self.global_step, "current_epoch": self.current_epoch,
                       "batches_seen_in_epoch": self.batches_seen_in_epoch, "strategy": self.strategy.state_dict(),
                       "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
@@ -163,11 +185,23 @@ class Trainer:
         torch.save(checkpoint, path)
 
     def teardown(self) -> None:
-        """Release the engine and the strategy's processes and memory."""
+        """Release the engine and the strategy's processes (Ray workers) and memory."""
+        if self._pending_sync is not None:
+            try:
+                self._pending_sync.result()
+            except Exception:  # already failing; teardown must still release everything
+                pass
+            self._pending_sync = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         if self._is_setup:
-            self.engine.teardown()
-            self.strategy.teardown()
-            self._is_setup = False
+            try:
+                self.engine.teardown()
+            finally:
+                self.strategy.teardown()
+                self.engine = self._engine_spec
+                self._is_setup = False
 
     def as_batch(self, raw: Any) -> RolloutBatch:
         """A dataloader's batch as a :class:`RolloutBatch` (from a batch, a list of rows, or columns)."""
@@ -186,12 +220,33 @@ class Trainer:
     def _setup(self, module: RLModule) -> None:
         if self._is_setup and module is self.module:
             return
+        if self._is_setup:
+            self.teardown()
         self.module = module
         module._trainer = self
         self.strategy.setup(module, seed=self.seed)
-        self.engine.setup(self.strategy.model_config(), module.tokenizer, device=self.strategy.device)
-        self.sync_weights()
         self._is_setup = True
+        self.engine = self.strategy.connect_engine(self._engine_spec, module.tokenizer)
+        self.sync_weights()
+
+    def _start_sync(self) -> dict[str, float]:
+        """End of a step: sync now (returns its metrics) or start it in the background."""
+        if self.weight_sync == "sync":
+            return sync_metrics(self.sync_weights())
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltrainer-weight-sync")
+        self._pending_sync = self._executor.submit(self.strategy.sync_weights, self.engine)
+        return {}
+
+    def _await_weights(self) -> dict[str, float]:
+        """Wait for a background sync (if any); its metrics plus ``timing_s/wait_weights``."""
+        if self._pending_sync is None:
+            return {}
+        start = time.perf_counter()
+        pending, self._pending_sync = self._pending_sync, None
+        metrics = sync_metrics(pending.result())
+        metrics["timing_s/wait_weights"] = time.perf_counter() - start
+        return metrics
 
     def _fit_loop(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None) -> None:
         while not self._done():
@@ -232,6 +287,7 @@ class Trainer:
         return self.max_epochs is not None and self.current_epoch >= self.max_epochs
 
     def _run_validation(self, loader: Iterable[Any], log: bool = True) -> dict[str, float]:
+        self._await_weights()
         call_hooks(self, "on_validation_start")
         self.engine.wake_up()
         metrics = validation_loop(self, loader, self.limit_val_batches)
@@ -278,6 +334,15 @@ class Trainer:
         by_epochs = per_epoch * self.max_epochs if per_epoch is not None and self.max_epochs else None
         candidates = [n for n in (by_epochs, self.max_steps if self.max_steps != -1 else None) if n is not None]
         return min(candidates) if candidates else None
+
+
+def sync_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """A sync's stats as step metrics: ``sync/tensors``, ``sync/bytes``, ``sync/skipped``, ``sync/gb_per_s``."""
+    out = {f"sync/{k}": float(v) for k, v in stats.items() if k != "seconds"}
+    seconds = stats.get("seconds")
+    if seconds and "bytes" in stats:
+        out["sync/gb_per_s"] = stats["bytes"] / seconds / 1e9
+    return out
 
 
 def check_hooks(module: RLModule) -> None:

@@ -43,3 +43,20 @@ def gsm8k_prompts(bpe_tokenizer):
 
     rows = load_rows(str(data_path("gsm8k", "train.jsonl"))).select(range(32))
     return prepare_gsm8k(rows, bpe_tokenizer, max_prompt_length=160).select(range(24))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test run (it takes seconds to start). Four logical
+    CPUs, so a 2-rank group plus a rollout replica can be placed on a 2-core machine."""
+    import os
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 otherwise expects token auth setup
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()

@@ -224,3 +224,28 @@ class RolloutBatch:
 
     def __iter__(self) -> Iterator[Any]:
         raise TypeError("Iterate over rows with batch.split(1), or over fields with batch.keys()")
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle tensors as numpy arrays: Ray moves those through its shared-memory object store
+        without copying them into the pickle stream (dtypes numpy lacks, e.g. bf16, stay tensors)."""
+        arrays = {k: _to_numpy(v) for k, v in self.tensors.items()}
+        return _rebuild_batch, (arrays, self.non_tensors, self.meta, len(self))
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
+    t = t.detach().cpu()
+    return t.numpy() if t.dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def _rebuild_batch(arrays: dict[str, Any], non_tensors: dict[str, np.ndarray], meta: dict[str, Any],
+                   rows: int) -> RolloutBatch:
+    tensors = {}
+    for k, a in arrays.items():
+        if isinstance(a, np.ndarray):  # zero-copy arrays from Ray's store are read-only: copy those once
+            a = a if a.flags.writeable else a.copy()
+            tensors[k] = torch.from_numpy(a)
+        else:
+            tensors[k] = a
+    out = RolloutBatch(tensors, batch_size=rows, meta=meta)
+    out.non_tensors = dict(non_tensors)
+    return out

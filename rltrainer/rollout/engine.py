@@ -73,6 +73,7 @@ class RolloutEngine(abc.ABC):
     """
 
     tokenizer: Any = None
+    dtype: torch.dtype | None = None  # weights are cast to this before they are sent (None: as trained)
 
     @abc.abstractmethod
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.strategies.strategy import STRATEGIES, Strategy, autocast_context, param_dtype
+from rltrainer.strategies.strategy import (STRATEGIES, Strategy, autocast_context, normalize_optimizers, param_dtype,
+                                          run_compute, run_train_step)
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -59,48 +59,28 @@ class SingleDeviceStrategy(Strategy):
         return list(self.module.trainable_models().values())
 
     def compute(self, batch: RolloutBatch, stage: str) -> RolloutBatch:
-        module = self.module
-        for m in self._models():
-            m.eval()
-        outputs: list[dict[str, torch.Tensor]] = []
-        with torch.no_grad(), autocast_context(self.precision, self.device):
-            for mb in self.micro_batches(batch.to(self.device)):
-                outputs.append(module.compute_step(mb, stage))
-        keys = outputs[0].keys() if outputs else []
-        return RolloutBatch({k: torch.cat([o[k].float().cpu() for o in outputs]) for k in keys}, batch_size=len(batch))
+        micro_batches = self.micro_batches(batch.to(self.device))
+        out = run_compute(self.module, micro_batches, stage, self._models(), autocast_context(self.precision, self.device))
+        return RolloutBatch(out, batch_size=len(batch))
 
     def train_step(self, mini_batch: RolloutBatch) -> dict[str, float]:
-        module = self.module
-        models = self._models()
-        for m in models:
-            m.train()
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor | float] = {}
-        for mb in self.micro_batches(mini_batch.to(self.device)):
-            with autocast_context(self.precision, self.device):
-                loss, metrics = module.policy_step(mb)
-            loss.backward()
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else v)
-        params = [p for m in models for p in m.parameters() if p.requires_grad]
-        grad_norm = clip_gradients(params, self.gradient_clip_val)
-        out = {k: float(v) for k, v in totals.items()}
-        out["actor/grad_norm"] = grad_norm
-        out["actor/lr"] = self.optimizers[0].param_groups[0]["lr"]
-        if math.isfinite(grad_norm):
-            for opt in self.optimizers:
-                opt.step()
-            for sched in self.schedulers:
-                sched.step()
-        else:
-            log.warning("Non-finite gradient norm (%s): optimizer step skipped", grad_norm)
-        return out
+        micro_batches = self.micro_batches(mini_batch.to(self.device))
+        metrics, stepped = run_train_step(self.module, micro_batches, self._models(), self.optimizers, self.schedulers,
+                                          self.gradient_clip_val,
+                                          lambda: autocast_context(self.precision, self.device))
+        self.versions.bump(stepped)
+        return metrics
 
-    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        policy = self.module.policy
-        for name, tensor in policy.named_parameters():
-            yield name, tensor.detach().to(dtype) if dtype else tensor.detach()
+    def export_weights(self, dtype: torch.dtype | None = None,
+                       only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        params = dict(self.module.policy.named_parameters())
+        names = self.versions.changed(params) if only_changed else list(params)
+        for name in names:
+            tensor = params[name].detach()
+            yield name, tensor.to(dtype) if dtype else tensor
+
+    def weight_names(self) -> list[str]:
+        return [n for n, _ in self.module.policy.named_parameters()]
 
     def model_config(self) -> Any:
         return self.module.policy.config
@@ -119,30 +99,4 @@ class SingleDeviceStrategy(Strategy):
             opt.load_state_dict(s)
         for sched, s in zip(self.schedulers, state["schedulers"]):
             sched.load_state_dict(s)
-
-
-def normalize_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
-    """Accept an optimizer, ``{"optimizer", "lr_scheduler"}``, or a list of either."""
-    items = config if isinstance(config, (list, tuple)) else [config]
-    optimizers, schedulers = [], []
-    for item in items:
-        if isinstance(item, dict):
-            optimizers.append(item["optimizer"])
-            if item.get("lr_scheduler") is not None:
-                schedulers.append(item["lr_scheduler"])
-        elif isinstance(item, torch.optim.Optimizer):
-            optimizers.append(item)
-        else:
-            raise TypeError(
-                "configure_optimizers() must return an optimizer, a dict with 'optimizer' (and "
-                f"optionally 'lr_scheduler'), or a list of those; got {type(item).__name__}"
-            )
-    if not optimizers:
-        raise ValueError("configure_optimizers() returned no optimizer")
-    return optimizers, schedulers
-
-
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
-    """Clip to ``max_norm`` (if set) and return the total norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-    return float(norm)
+        self.versions.forget_synced()

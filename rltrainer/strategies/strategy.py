@@ -8,6 +8,9 @@ A Strategy never knows the algorithm: it runs the module's ``compute_step`` (no 
 from __future__ import annotations
 
 import abc
+import logging
+import math
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -15,9 +18,13 @@ import torch
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.registry import Registry
+from rltrainer.strategies.weights import ParamVersions, stepped_parameter_names
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
+    from rltrainer.rollout.engine import RolloutEngine
+
+log = logging.getLogger(__name__)
 
 STRATEGIES: Registry[Strategy] = Registry("strategy")
 
@@ -45,6 +52,7 @@ class Strategy(abc.ABC):
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.gradient_clip_val = gradient_clip_val
         self.precision = precision
+        self.versions = ParamVersions()
 
     @property
     def world_size(self) -> int:
@@ -71,8 +79,41 @@ class Strategy(abc.ABC):
         and ``actor/lr``."""
 
     @abc.abstractmethod
-    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, full_tensor)`` for the policy, cast to ``dtype`` if given."""
+    def export_weights(self, dtype: torch.dtype | None = None,
+                       only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` for the policy, cast to ``dtype`` if given; with
+        ``only_changed``, only the parameters whose version moved since the last sync."""
+
+    @abc.abstractmethod
+    def weight_names(self) -> list[str]:
+        """The policy's parameter names, as :meth:`export_weights` yields them."""
+
+    def connect_engine(self, engine: RolloutEngine, tokenizer: Any) -> RolloutEngine:
+        """Set up ``engine`` where this strategy places rollout (here: this process, this device)
+        and return the engine the controller calls. The next sync sends every weight."""
+        engine.setup(self.model_config(), tokenizer, device=self.device)
+        self.versions.forget_synced()
+        return engine
+
+    def sync_weights(self, engine: RolloutEngine) -> dict[str, float]:
+        """Push the policy's changed weights into ``engine``, cast to the engine's dtype.
+
+        Returns ``tensors`` and ``bytes`` sent, ``skipped`` (unchanged since the last sync) and
+        ``seconds``.
+        """
+        start = time.perf_counter()
+        sent: list[str] = []
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in self.export_weights(dtype=getattr(engine, "dtype", None), only_changed=True):
+                sent.append(name)
+                yield name, tensor
+
+        stats = dict(engine.update_weights(stream()) or {})
+        self.versions.mark_synced(sent)
+        stats["skipped"] = len(self.weight_names()) - len(sent)
+        stats["seconds"] = time.perf_counter() - start
+        return stats
 
     @abc.abstractmethod
     def model_config(self) -> Any:
@@ -94,6 +135,82 @@ class Strategy(abc.ABC):
         if self.max_tokens_per_micro_batch:
             return batch.split_by_tokens(self.max_tokens_per_micro_batch)
         return batch.split(self.micro_batch_size)
+
+
+def run_compute(module: RLModule, micro_batches: list[RolloutBatch], stage: str, models: list[torch.nn.Module],
+                autocast: Any) -> dict[str, torch.Tensor]:
+    """Rank-side: ``compute_step`` over ``micro_batches`` under no_grad; outputs concatenated on CPU."""
+    for m in models:
+        m.eval()
+    outputs: list[dict[str, torch.Tensor]] = []
+    with torch.no_grad(), autocast:
+        for mb in micro_batches:
+            outputs.append(module.compute_step(mb, stage))
+    keys = outputs[0].keys() if outputs else []
+    return {k: torch.cat([o[k].float().cpu() for o in outputs]) for k in keys}
+
+
+def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: list[torch.nn.Module],
+                   optimizers: list[torch.optim.Optimizer], schedulers: list[Any], clip: float | None,
+                   autocast_factory: Any) -> tuple[dict[str, float], list[str]]:
+    """Rank-side: ``policy_step`` + backward per micro-batch, clip, step. Returns the summed metrics
+    (with ``actor/grad_norm``, ``actor/lr``) and the policy parameters the step changed."""
+    for m in models:
+        m.train()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    totals: dict[str, Any] = {}
+    for mb in micro_batches:
+        with autocast_factory():
+            loss, metrics = module.policy_step(mb)
+        loss.backward()
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else v)
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
+    grad_norm = clip_gradients(params, clip)
+    out = {k: float(v) for k, v in totals.items()}
+    out["actor/grad_norm"] = grad_norm
+    out["actor/lr"] = optimizers[0].param_groups[0]["lr"]
+    stepped: list[str] = []
+    if math.isfinite(grad_norm):
+        stepped = stepped_parameter_names(module.policy.named_parameters())
+        for opt in optimizers:
+            opt.step()
+        for sched in schedulers:
+            sched.step()
+    else:
+        log.warning("Non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+    return out, stepped
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Clip to ``max_norm`` (if set) and return the total norm before clipping (global across
+    ranks for sharded DTensor parameters)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def normalize_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+    """Accept an optimizer, ``{"optimizer", "lr_scheduler"}``, or a list of either."""
+    items = config if isinstance(config, (list, tuple)) else [config]
+    optimizers, schedulers = [], []
+    for item in items:
+        if isinstance(item, dict):
+            optimizers.append(item["optimizer"])
+            if item.get("lr_scheduler") is not None:
+                schedulers.append(item["lr_scheduler"])
+        elif isinstance(item, torch.optim.Optimizer):
+            optimizers.append(item)
+        else:
+            raise TypeError(
+                "configure_optimizers() must return an optimizer, a dict with 'optimizer' (and "
+                f"optionally 'lr_scheduler'), or a list of those; got {type(item).__name__}"
+            )
+    if not optimizers:
+        raise ValueError("configure_optimizers() returned no optimizer")
+    return optimizers, schedulers
 
 
 def build_strategy(strategy: str | Strategy, **kwargs: Any) -> Strategy:

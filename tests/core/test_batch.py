@@ -68,3 +68,17 @@ def test_setitem_and_from_rows_checks():
     assert list(rb["a"]) == [1, 3]
     with pytest.raises(ValueError, match="Row 1 has fields"):
         RolloutBatch.from_rows([{"a": 1}, {"b": 2}])
+
+
+def test_pickles_through_numpy_and_ray_object_store(ray_session):
+    import pickle
+
+    batch = make(n=512, T=512)  # 2 MiB: Ray stores it out of band and hands back a read-only view
+    batch["bf16"] = torch.ones(len(batch), 2, dtype=torch.bfloat16)
+    batch.meta["temperature"] = 0.7
+    for copy in (pickle.loads(pickle.dumps(batch)), ray_session.get(ray_session.put(batch))):
+        assert copy.keys() == batch.keys() and copy.meta == batch.meta
+        for key in batch.tensors.keys():
+            assert copy[key].dtype == batch[key].dtype and torch.equal(copy[key], batch[key])
+        copy["x"].add_(1)  # writable: no read-only view of the object store leaks out
+    assert list(copy["ids"][3]) == [3] * 4

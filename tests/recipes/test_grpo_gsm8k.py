@@ -24,3 +24,12 @@ def test_cpu_preset_runs_offline(tmp_path):
     assert all(math.isfinite(v) for v in summary.values())
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert list(tmp_path.glob("lightning_logs/version_*/metrics.csv"))
+
+
+def test_cpu_preset_on_two_fsdp2_ranks(tmp_path, ray_session):
+    recipe = load_recipe()
+    summary = recipe.main(["--preset", "cpu", "--strategy", "fsdp2", "--devices", "2", "--max-steps", "2",
+                           "--val-check-interval", "2", "--val-batches", "1", "--max-new-tokens", "16",
+                           "--output-dir", str(tmp_path), "--no-progress-bar"])
+    assert {"val/accuracy", "val/score", "critic/score/mean", "timing_s/step"} <= set(summary)
+    assert all(math.isfinite(v) for v in summary.values())

@@ -1,0 +1,122 @@
+"""The rank-side process object. One ``Worker`` per process, created by a worker group; the
+controller calls its methods by name. This base class holds the rollout role (an engine replica)
+and the process setup; a Strategy's worker (e.g. ``FSDP2Worker``) adds the training role, so one
+process can hold both (the colocated "hybrid engine").
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+
+from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
+from rltrainer.strategies.weights import PackedBucket, unpack_bucket
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    """Args:
+        rank / world_size: this process's place in its group.
+        threads: ``torch.set_num_threads`` for this process (CPU ranks should not oversubscribe).
+        device: ``"auto"`` (this process's GPU if it has one, else CPU), or an explicit device.
+    """
+
+    def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto") -> None:
+        self.rank, self.world_size = rank, world_size
+        if threads:
+            torch.set_num_threads(threads)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.engine: RolloutEngine | None = None
+        self._own_process_group = False
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def device_type(self) -> str:
+        return self.device.type
+
+    # -- torch.distributed ---------------------------------------------------------------------
+    def node_ip(self) -> str:
+        try:
+            import ray
+
+            return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        except Exception:  # not under Ray
+            return "127.0.0.1"
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's address and a free port (asked of rank 0 before ``init_distributed``)."""
+        return self.node_ip(), _free_port()
+
+    def init_distributed(self, master_addr: str, master_port: int, timeout_s: float = 1800.0) -> None:
+        """Join the group's torch.distributed process group: gloo on CPU, NCCL on GPU."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # e.g. a user-launched group in this process
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.world_size == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                    world_size=self.world_size, timeout=timeout)
+        self._own_process_group = True
+
+    def destroy_distributed(self) -> None:
+        import torch.distributed as dist
+
+        if self._own_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._own_process_group = False
+
+    # -- rollout role ----------------------------------------------------------------------------
+    def setup_engine(self, engine: RolloutEngine, model_config: Any, tokenizer: Any) -> None:
+        engine.setup(model_config, tokenizer, device=self.device)
+        self.engine = engine
+
+    def _require_engine(self) -> RolloutEngine:
+        if self.engine is None:
+            raise RuntimeError(f"Worker rank {self.rank} holds no rollout engine (setup_engine was not called)")
+        return self.engine
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Generation:
+        return self._require_engine().generate(prompts, sampling)
+
+    def engine_sleep(self, level: int = 1) -> None:
+        self._require_engine().sleep(level)
+
+    def engine_wake_up(self) -> None:
+        self._require_engine().wake_up()
+
+    def engine_teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.teardown()
+            self.engine = None
+
+    def load_bucket(self, packed: PackedBucket) -> dict[str, float]:
+        """Load one packed bucket of ``(hf_name, tensor)`` into this process's engine."""
+        return self._require_engine().update_weights(unpack_bucket(packed))
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the engine's parameters (for checks and debugging)."""
+        model = getattr(self._require_engine(), "model", None)
+        if model is None:
+            raise RuntimeError(f"{type(self.engine).__name__} exposes no .model to read weights from")
+        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}

@@ -1,0 +1,235 @@
+"""Worker groups: the controller's handle on the processes that do the compute.
+
+Dispatch is explicit and typed: :meth:`WorkerGroup.execute_all` (same arguments to every rank),
+:meth:`WorkerGroup.dispatch` (rank ``r`` gets ``per_rank[r]``, e.g. its data-parallel share of a
+batch), :meth:`WorkerGroup.execute_rank_zero`. Each has an ``_async`` twin returning futures that
+:meth:`WorkerGroup.get` resolves.
+
+:class:`InProcessWorkerGroup` runs one worker in the controller's process (no Ray, breakpoints
+work); :class:`RayWorkerGroup` runs ``world_size`` Ray actors in one placement group. Either way,
+a worker that raises or dies surfaces in the controller as a :class:`WorkerError` naming the
+worker, the method and the remote traceback; the Ray group then kills all its actors, since the
+surviving ranks may be blocked in a collective with the failed one.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died while running a method."""
+
+    def __init__(self, group: str, rank: int, method: str, detail: str) -> None:
+        self.group, self.rank, self.method = group, rank, method
+        super().__init__(f"Worker {group}[rank {rank}] failed in {method}():\n{detail}")
+
+
+class _Done:
+    """An in-process 'future': the result or the exception of a call already made."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None, tb: str = "") -> None:
+        self.value, self.error, self.tb = value, error, tb
+
+
+class WorkerGroup:
+    """``world_size`` workers of one class, addressed by rank."""
+
+    name: str = "workers"
+    world_size: int = 1
+
+    def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.dispatch_async(method, [(args, kwargs)] * self.world_size)
+
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.get(self.execute_all_async(method, *args, **kwargs), method)
+
+    def dispatch(self, method: str, per_rank: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        return self.get(self.dispatch_async(method, per_rank), method)
+
+    def execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.get(self._call_async([0], method, [(args, kwargs)]), method)[0]
+
+    def dispatch_async(self, method: str, per_rank: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        if len(per_rank) != self.world_size:
+            raise ValueError(f"dispatch of {method}() needs one argument set per rank ({self.world_size}), got {len(per_rank)}")
+        return self._call_async(list(range(self.world_size)), method, per_rank)
+
+    def _call_async(self, ranks: list[int], method: str, per_rank: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        raise NotImplementedError
+
+    def get(self, futures: Sequence[Any], method: str) -> list[Any]:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+
+
+class InProcessWorkerGroup(WorkerGroup):
+    """One worker, constructed and called in this process."""
+
+    def __init__(self, worker_cls: type, name: str = "workers", **init_kwargs: Any) -> None:
+        self.name = name
+        self.world_size = 1
+        self.worker = worker_cls(rank=0, world_size=1, **init_kwargs)
+
+    def _call_async(self, ranks: list[int], method: str, per_rank: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        args, kwargs = per_rank[0]
+        try:
+            return [_Done(getattr(self.worker, method)(*args, **kwargs))]
+        except Exception as exc:  # re-raised by get(), as Ray would
+            return [_Done(error=exc, tb=traceback.format_exc())]
+
+    def get(self, futures: Sequence[Any], method: str) -> list[Any]:
+        for f in futures:
+            if f.error is not None:
+                raise f.error  # same process: the original exception and traceback
+        return [f.value for f in futures]
+
+
+def ensure_ray(init_kwargs: dict[str, Any] | None = None) -> bool:
+    """Connect to Ray (``ray.init``) unless already connected; return True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+    kwargs.update(init_kwargs or {})
+    ray.init(**kwargs)
+    log.info("Started Ray: %s", ray.cluster_resources())
+    return True
+
+
+def _summary(resources: dict[str, float]) -> str:
+    return ", ".join(f"{resources.get(k, 0.0):g} {k}" for k in ("CPU", "GPU"))
+
+
+class RayWorkerGroup(WorkerGroup):
+    """``world_size`` Ray actors of ``worker_cls``, one per bundle of a placement group.
+
+    Args:
+        worker_cls: the class to run (constructed with ``rank``, ``world_size`` and ``init_kwargs``).
+        world_size: number of actors.
+        cpus_per_worker / gpus_per_worker: the resources of each bundle.
+        placement: Ray placement strategy: ``"PACK"`` (fill a node first) or ``"SPREAD"``...
+        ready_timeout_s: how long to wait for the cluster to grant the resources.
+    """
+
+    failure_grace_s = 3.0  # after a first failure, how long the other ranks get to report theirs
+
+    def __init__(self, worker_cls: type, world_size: int, name: str = "workers", cpus_per_worker: float = 1.0,
+                 gpus_per_worker: float = 0.0, placement: str = "PACK", ready_timeout_s: float = 60.0,
+                 **init_kwargs: Any) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name, self.world_size = name, world_size
+        self.actors: list[Any] = []
+        self._broken: str | None = None
+        bundle = {"CPU": cpus_per_worker} | ({"GPU": gpus_per_worker} if gpus_per_worker else {})
+        total = ray.cluster_resources()
+        short = {k: v * world_size for k, v in bundle.items() if v * world_size > total.get(k, 0.0)}
+        if short:
+            raise RuntimeError(
+                f"{world_size} {name} workers with {bundle} each need {short}, but the whole Ray cluster has "
+                f"{_summary(total)}. Lower devices or cpus_per_worker/gpus_per_worker, or add nodes."
+            )
+        self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement)
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=ready_timeout_s)
+        if not ready:
+            available = ray.available_resources()
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"Ray could not place {world_size} {name} workers with {bundle} each within {ready_timeout_s:.0f} s: "
+                f"{_summary(available)} free of {_summary(total)} (other workers hold the rest). Lower devices or "
+                "cpus_per_worker/gpus_per_worker, start Ray with more logical CPUs (ray.init(num_cpus=...)), "
+                "or add nodes."
+            )
+        remote_cls = ray.remote(worker_cls)
+        for rank in range(world_size):
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+            options = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker, "scheduling_strategy": strategy,
+                       "name": None}
+            self.actors.append(remote_cls.options(**options).remote(rank=rank, world_size=world_size, **init_kwargs))
+        self.pids = self.execute_all("pid")
+
+    def _call_async(self, ranks: list[int], method: str, per_rank: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        if self._broken:
+            raise RuntimeError(f"Worker group {self.name!r} was shut down after an earlier failure: {self._broken}")
+        return [getattr(self.actors[r], method).remote(*a, **kw) for r, (a, kw) in zip(ranks, per_rank)]
+
+    def get(self, futures: Sequence[Any], method: str) -> list[Any]:
+        """Wait for all futures. A failure raises at once, naming the worker: a dead process is
+        reported before the errors it causes in its peers' collectives."""
+        import ray
+
+        rank_of = {ref: i for i, ref in enumerate(futures)}  # futures are issued in rank order
+        results: list[Any] = [None] * len(futures)
+        failures: list[tuple[int, bool, str, BaseException | None]] = []
+        pending = list(futures)
+        while pending and not failures:
+            ready, pending = ray.wait(pending, num_returns=1)
+            self._collect(ready, rank_of, results, failures)
+        if failures:
+            if pending:  # give the other ranks a moment to report (a dead peer fails their collectives)
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.failure_grace_s)
+                self._collect(ready, rank_of, results, failures)
+            self._fail(method, failures, still_running=[rank_of[r] for r in pending])
+        return results
+
+    def _collect(self, ready: list[Any], rank_of: dict[Any, int], results: list[Any],
+                 failures: list[tuple[int, bool, str, BaseException | None]]) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        for ref in ready:
+            rank = rank_of[ref]
+            try:
+                results[rank] = ray.get(ref)
+            except RayTaskError as exc:
+                cause = exc.cause if isinstance(exc.cause, BaseException) else None
+                failures.append((rank, False, str(exc), cause))
+            except RayActorError as exc:
+                failures.append((rank, True, f"the worker process died (pid {self._pid(rank)}): {exc}", None))
+
+    def _pid(self, rank: int) -> Any:
+        return self.pids[rank] if getattr(self, "pids", None) else "?"
+
+    def _fail(self, method: str, failures: list[tuple[int, bool, str, BaseException | None]],
+              still_running: list[int]) -> None:
+        failures.sort(key=lambda f: (not f[1], f[0]))  # deaths first: they explain the rest
+        rank, _, detail, cause = failures[0]
+        others = [f"rank {r}: {'died' if died else d.strip().splitlines()[-1]}" for r, died, d, _ in failures[1:]]
+        if others:
+            detail += "\nOther ranks in the same call: " + "; ".join(others)
+        if still_running:
+            detail += f"\nRanks {still_running} were still running (likely blocked in a collective); they are killed."
+        error = WorkerError(self.name, rank, method, detail)
+        self._broken = str(error).splitlines()[0]
+        self.shutdown()
+        raise error from cause
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        actors, self.actors = self.actors, []
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        if getattr(self, "placement_group", None) is not None:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:
+                pass
+            self.placement_group = None
+        if not self._broken and actors:
+            self._broken = "shut down"

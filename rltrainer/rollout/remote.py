@@ -1,0 +1,98 @@
+"""The controller's handle on engine replicas that live in worker processes.
+
+:class:`RemoteEngine` is a :class:`RolloutEngine`, so ``rollout_step`` cannot tell it from a
+local one: ``generate`` splits the prompts across the replicas (all samples of a prompt stay on
+one replica) and concatenates their results in prompt order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
+from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES, bucketed, pack_bucket
+
+
+class RemoteEngine(RolloutEngine):
+    """Engine replicas, one per worker of ``group`` (already set up by the strategy).
+
+    Args:
+        group: the worker group whose workers hold the replicas (``Worker.setup_engine`` done).
+        tokenizer: the tokenizer the replicas use.
+        dtype: the replicas' weight dtype (weights are cast to it before they are sent).
+        placement: ``"colocated"`` (replicas share processes with training ranks) or ``"split"``.
+    """
+
+    def __init__(self, group: Any, tokenizer: Any, dtype: torch.dtype | None = None,
+                 placement: str = "colocated") -> None:
+        self.group = group
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.placement = placement
+
+    @property
+    def replicas(self) -> int:
+        return self.group.world_size
+
+    def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
+        raise RuntimeError("RemoteEngine replicas are set up by their strategy (Strategy.connect_engine)")
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
+        shares = np.array_split(np.arange(len(prompts)), self.replicas)
+        per_rank = []
+        for rank, idx in enumerate(shares):
+            seed = None if sampling.seed is None else sampling.seed + rank
+            per_rank.append((([list(prompts[i]) for i in idx], dataclasses.replace(sampling, seed=seed)), {}))
+        ranks = [r for r, idx in enumerate(shares) if len(idx)]
+        futures = self.group._call_async(ranks, "generate", [per_rank[r] for r in ranks])
+        return concat_generations(self.group.get(futures, "generate"), self.tokenizer)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Send ``(hf_name, tensor)`` pairs from this process to every replica, in packed buckets."""
+        count = nbytes = 0
+        for bucket in bucketed(weights, DEFAULT_BUCKET_BYTES):
+            stats = self.group.execute_all("load_bucket", pack_bucket(bucket))[0]
+            count += stats["tensors"]
+            nbytes += stats["bytes"]
+        return {"tensors": count, "bytes": nbytes}
+
+    def sleep(self, level: int = 1) -> None:
+        self.group.execute_all("engine_sleep", level)
+
+    def wake_up(self) -> None:
+        self.group.execute_all("engine_wake_up")
+
+    def teardown(self) -> None:
+        try:
+            self.group.execute_all("engine_teardown")
+        except Exception:  # the group may be gone already
+            pass
+
+
+def concat_generations(parts: Sequence[Generation], tokenizer: Any) -> Generation:
+    """One :class:`Generation` from replicas' parts, right-padding responses to the longest."""
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    pad_id = pad_id if pad_id is not None else 0
+    width = max(p.response_ids.shape[1] for p in parts)
+
+    def padded(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    metrics: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.metrics.items():
+            # replicas run side by side: times are the slowest replica's, counts and rates add up
+            metrics[k] = max(metrics.get(k, v), v) if k.endswith("time_s") else metrics.get(k, 0.0) + v
+    return Generation(
+        response_ids=torch.cat([padded(p.response_ids, pad_id) for p in parts]),
+        response_mask=torch.cat([padded(p.response_mask, 0) for p in parts]),
+        log_probs=torch.cat([padded(p.log_probs, 0.0) for p in parts]),
+        text=[t for p in parts for t in p.text],
+        finish_reason=[r for p in parts for r in p.finish_reason],
+        metrics=metrics,
+    )

@@ -1,0 +1,153 @@
+"""FSDP2 on CPU: weight-sync throughput and 2-rank vs 1-rank step time. Prints a table and
+writes a JSON file of the figures.
+
+    python tests/benchmarks/bench_fsdp2.py sync    # Qwen2.5-0.5B architecture, FSDP2 x2 -> hf engines
+    python tests/benchmarks/bench_fsdp2.py step    # GSM8K CPU preset: single vs fsdp2 --devices 2
+
+``sync``: a random-init model of the Qwen2.5-0.5B architecture (fp32, 1.98 GB) on 2 FSDP2 ranks
+(Ray, gloo, 1 thread each), each with a colocated ``hf`` engine replica. A full sync (every
+tensor: the version counters are reset before each trial) is timed from the controller; the
+baseline is a plain ``copy_`` of the same number of bytes in one process on one thread, measured
+in the same run. Throughput is model bytes delivered per replica per second.
+
+``step``: the GSM8K recipe's CPU preset, the same global batch, with ``--strategy single`` and
+with ``--strategy fsdp2 --devices 2``; the median step time after the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def qwen25_05b_config(vocab_size: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+def copy_baseline(nbytes: int, trials: int) -> list[float]:
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.zeros_like(src)
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return [nbytes / t / 1e9 for t in times]
+
+
+def bench_sync(args: argparse.Namespace) -> dict:
+    import ray
+
+    from rltrainer import GRPO
+    from rltrainer.rollout.hf import HFEngine
+    from rltrainer.strategies import FSDP2Strategy
+    from rltrainer.testing import load_tokenizer
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    tokenizer = load_tokenizer("qwen2.5-instruct")
+    config = qwen25_05b_config(151936)
+    module = GRPO(config, tokenizer, reward_funcs="gsm8k", kl_coef=0.0)
+    strategy = FSDP2Strategy(devices=2, bucket_bytes=args.bucket_mb << 20)
+    start = time.perf_counter()
+    strategy.setup(module, seed=0)
+    engine = strategy.connect_engine(HFEngine(), tokenizer)
+    setup_s = time.perf_counter() - start
+    rates, stats = [], {}
+    for _ in range(args.trials):
+        strategy.group.execute_all("forget_synced")
+        stats = strategy.sync_weights(engine)
+        rates.append(stats["bytes"] / stats["seconds"] / 1e9)
+    nbytes = int(stats["bytes"])
+    strategy.teardown()
+    ray.shutdown()
+    copy = copy_baseline(nbytes, args.trials)
+    return {"model_bytes": nbytes, "tensors": stats["tensors"], "buckets": stats["buckets"],
+            "bucket_mb": args.bucket_mb, "setup_s": setup_s, "sync_gb_per_s": rates, "copy_gb_per_s": copy,
+            "sync_median": statistics.median(rates), "copy_median": statistics.median(copy),
+            "ratio": statistics.median(rates) / statistics.median(copy)}
+
+
+def bench_step(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import grpo_gsm8k
+
+    out = {}
+    for name, extra in (("single", ["--strategy", "single"]), ("fsdp2x2", ["--strategy", "fsdp2", "--devices", "2"])):
+        times: list[dict[str, float]] = []
+        argv = ["--preset", "cpu", "--max-steps", str(args.steps), "--val-check-interval", "1000",
+                "--val-batches", "0", "--no-progress-bar", "--output-dir", f"/tmp/bench_fsdp2_{name}", *extra]
+        summary = run_recipe_collecting_steps(grpo_gsm8k, argv, times)
+        phases = {k: statistics.median(t[k] for t in times[1:]) for k in times[0] if k.startswith("timing_s/")}
+        step_s = [t["timing_s/step"] for t in times]
+        out[name] = {"step_s": step_s, "median_after_first": statistics.median(step_s[1:]), "phases_median": phases,
+                     "wall_s": summary["wall_s"]}
+    out["speedup_2_vs_1"] = out["single"]["median_after_first"] / out["fsdp2x2"]["median_after_first"]
+    return out
+
+
+def run_recipe_collecting_steps(recipe, argv: list[str], times: list[dict[str, float]]) -> dict:
+    from rltrainer import Callback, Trainer
+
+    class StepTimes(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            times.append(dict(metrics))
+
+    original = Trainer.__init__
+
+    def patched(self, *a, **kw):
+        kw["callbacks"] = [*(kw.get("callbacks") or []), StepTimes()]
+        original(self, *a, **kw)
+
+    Trainer.__init__ = patched
+    try:
+        return recipe.main(argv)
+    finally:
+        Trainer.__init__ = original
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["sync", "step"])
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--out", default=None, help="JSON output (default: .benchmarks/fsdp2_<what>.json)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    result = bench_sync(args) if args.what == "sync" else bench_step(args)
+    result.update(what=args.what, date=time.strftime("%Y-%m-%d"), torch=torch.__version__, cpus=os.cpu_count())
+    out = Path(args.out or ROOT / ".benchmarks" / f"fsdp2_{args.what}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    if args.what == "sync":
+        print(f"model {result['model_bytes'] / 1e9:.2f} GB, {result['tensors']} tensors, {result['buckets']} buckets")
+        print(f"{'':24}{'median GB/s':>12}  trials")
+        print(f"{'fsdp2 x2 -> hf sync':24}{result['sync_median']:>12.2f}  {[round(r, 2) for r in result['sync_gb_per_s']]}")
+        print(f"{'plain copy_ (1 thread)':24}{result['copy_median']:>12.2f}  {[round(r, 2) for r in result['copy_gb_per_s']]}")
+        print(f"ratio sync/copy: {result['ratio']:.2f}")
+    else:
+        for name in ("single", "fsdp2x2"):
+            r = result[name]
+            print(f"{name:10} median step {r['median_after_first']:.2f} s  steps {[round(t, 2) for t in r['step_s']]}")
+            print("           " + ", ".join(f"{k[9:]} {v:.2f}" for k, v in r["phases_median"].items()))
+        print(f"speed-up 2 ranks vs 1: {result['speedup_2_vs_1']:.2f}x")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""FSDP2 on CPU (gloo): 2 Ray ranks equal 1 device, weight sync is exact and sends only what
+changed, a dead worker is an error in the driver, not a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer.controller import WorkerError
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.rollout.hf import HFEngine
+from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
+from rltrainer.strategies.fsdp2 import partition_for_ranks
+
+
+def parity_reward(completions, **kwargs):
+    return [float(len(c) % 3) for c in completions]
+
+
+class FrozenEmbeddingGRPO(GRPO):
+    """GRPO with the (tied) embedding frozen: a sync after a step must skip it."""
+
+    def configure_model(self):
+        super().configure_model()
+        self.policy.get_input_embeddings().weight.requires_grad_(False)
+
+
+class DyingGRPO(GRPO):
+    """Rank 1 kills its own process (SIGKILL, no Python cleanup) in the second step's update."""
+
+    calls = 0  # per process
+
+    def policy_step(self, micro_batch):
+        import torch.distributed as dist
+
+        DyingGRPO.calls += 1
+        if dist.get_rank() == 1 and DyingGRPO.calls == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().policy_step(micro_batch)
+
+
+def make_module(cls, config, tokenizer, **kwargs):
+    defaults = dict(reward_funcs=parity_reward, num_generations=4, max_new_tokens=8, lr=1e-2, kl_coef=0.05,
+                    entropy_coef=0.01)
+    return cls(config, tokenizer, **{**defaults, **kwargs})
+
+
+def rollout_batch(module, strategy, prompts):
+    """One rollout + reward + forward passes + advantages, laid out as the loop does."""
+    engine = strategy.connect_engine(HFEngine(), module.tokenizer)
+    strategy.sync_weights(engine)
+    batch = module.reward_step(module.rollout_step(prompts, engine))
+    for stage in module.compute_stages():
+        batch = batch.union(strategy.compute(batch, stage))
+    batch = module.advantage_step(batch)
+    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
+    return batch
+
+
+def test_partition_balances_tokens_and_pads_to_equal_micro_batch_counts():
+    mask = torch.zeros(5, 10, dtype=torch.long)
+    for i, n in enumerate([10, 1, 9, 2, 3]):
+        mask[i, :n] = 1
+    batch = RolloutBatch({"attention_mask": mask, "response_mask": mask.clone(), "x": torch.arange(5)})
+    parts, rows = partition_for_ranks(batch, 2, micro_batch_size=1, max_tokens=None)
+    assert sorted(torch.cat(rows).tolist()) == list(range(5))
+    loads = [int(mask[r].sum()) for r in rows]
+    assert abs(loads[0] - loads[1]) <= 3  # 13 vs 12 tokens, not 21 vs 4
+    assert len(parts[0]) == len(parts[1]) == 3
+    padding = [mb for p in parts for mb in p if mb.meta.get("padding")]
+    assert len(padding) == 1 and int(padding[0]["response_mask"].sum()) == 0
+    # more ranks than rows: the empty rank runs padding only
+    parts, rows = partition_for_ranks(batch[[0]], 2, micro_batch_size=4, max_tokens=None)
+    assert len(parts[0]) == len(parts[1]) == 1 and len(rows[1]) == 0
+    # token budget: each rank splits by tokens, counts still equal
+    parts, _ = partition_for_ranks(batch, 2, micro_batch_size=8, max_tokens=20)
+    assert len(parts[0]) == len(parts[1])
+
+
+def test_two_ranks_on_ray_match_one_device(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])
+    single_module = make_module(GRPO, tiny_config, bpe_tokenizer)
+    single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)
+    single.setup(single_module, seed=7)
+    torch.manual_seed(0)
+    batch = rollout_batch(single_module, single, prompts)  # 12 rows
+    assert batch["advantages"].abs().sum() > 0
+
+    fsdp = FSDP2Strategy(devices=2, micro_batch_size=5)  # 6 rows per rank -> 2 micro-batches each, one short
+    try:
+        fsdp.setup(make_module(GRPO, tiny_config, bpe_tokenizer), seed=7)
+        before = dict(fsdp.export_weights())
+        for name, p in single_module.policy.named_parameters():
+            assert torch.equal(before[name], p.detach()), name  # same seed, same init on every rank
+        for stage in ("ref",):
+            torch.testing.assert_close(fsdp.compute(batch, stage)[f"{stage}_log_probs"], batch["ref_log_probs"],
+                                       rtol=0, atol=1e-5)
+        for _ in range(2):
+            m_single = single.train_step(batch)
+            m_fsdp = fsdp.train_step(batch)
+        for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+            assert m_fsdp[key] == pytest.approx(m_single[key], rel=1e-4, abs=1e-6), key
+        after = dict(fsdp.export_weights())
+        moved = 0
+        for name, p in single_module.policy.named_parameters():
+            torch.testing.assert_close(after[name], p.detach(), rtol=0, atol=1e-5, msg=name)
+            moved += not torch.equal(after[name], before[name])
+        assert moved == len(after)  # every tensor took the step
+    finally:
+        fsdp.teardown()
+
+
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_sync_is_bit_exact_and_skips_frozen(placement, tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    module = make_module(FrozenEmbeddingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
+    strategy = FSDP2Strategy(devices=2, rollout_placement=placement, micro_batch_size=4, bucket_bytes=64 << 10)
+    trainer = Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=3)
+    with trainer:
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+        m = trainer.callback_metrics
+        names = strategy.weight_names()
+        frozen = ["model.embed_tokens.weight"]
+        assert m["sync/skipped"] == len(frozen) and m["sync/tensors"] == len(names) - len(frozen)
+        assert m["sync/buckets"] > 1  # 64 KiB buckets: the transfer really is bucketed
+        full = dict(strategy.export_weights())
+        frozen_bytes = sum(full[n].numel() * full[n].element_size() for n in frozen)
+        total_bytes = sum(t.numel() * t.element_size() for t in full.values())
+        assert m["sync/bytes"] == total_bytes - frozen_bytes
+        group = strategy.rollout_group if placement == "split" else strategy.group
+        replicas = group.execute_all("engine_weights")
+        assert len(replicas) == (1 if placement == "split" else 2)
+        for replica in replicas:
+            for name, tensor in full.items():
+                assert torch.equal(replica[name], tensor), name
+    assert strategy.group is None  # the with-block released the workers
+
+
+def test_dead_worker_raises_in_driver(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    module = make_module(DyingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
+    trainer = Trainer(strategy=FSDP2Strategy(devices=2), max_steps=3, logger=False, enable_progress_bar=False)
+    start = time.perf_counter()
+    with pytest.raises(WorkerError) as info:
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    elapsed = time.perf_counter() - start
+    assert "rank 1" in str(info.value) and "train_step" in str(info.value) and "died" in str(info.value)
+    assert elapsed < 60  # includes starting the workers; the failure itself surfaces in seconds
+    assert trainer.strategy.group is None  # fit tore the group down
+
+
+def test_one_rank_runs_in_process_like_single(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    """devices=1: no Ray, the worker lives in this process; the result equals the single strategy."""
+    results = {}
+    for name, strategy in (("single", SingleDeviceStrategy(device="cpu")), ("fsdp2", FSDP2Strategy(devices=1))):
+        module = make_module(GRPO, tiny_config, bpe_tokenizer, num_generations=2)
+        with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=5) as trainer:
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+            results[name] = dict(strategy.export_weights())
+    for name, tensor in results["single"].items():
+        torch.testing.assert_close(results["fsdp2"][name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_async_weight_sync_gives_the_same_run(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    results = {}
+    for mode in ("sync", "async"):
+        module = make_module(FrozenEmbeddingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
+        trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, seed=2, weight_sync=mode)
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+        results[mode] = ({n: p.detach().clone() for n, p in module.policy.named_parameters()},
+                         trainer.callback_metrics)
+        engine = {n: p for n, p in trainer.engine.model.named_parameters()}
+        for n, p in module.policy.named_parameters():
+            assert torch.equal(engine[n], p), n  # fit returns with the last push done
+    for name, tensor in results["sync"][0].items():
+        assert torch.equal(results["async"][0][name], tensor), name
+    assert "timing_s/wait_weights" in results["async"][1] and results["async"][1]["sync/skipped"] == 1
+    with pytest.raises(ValueError, match="weight_sync"):
+        Trainer(weight_sync="later")
+
+
+def test_bad_fsdp2_arguments():
+    with pytest.raises(ValueError, match="rollout_placement"):
+        FSDP2Strategy(rollout_placement="elsewhere")
+    with pytest.raises(ValueError, match="devices"):
+        FSDP2Strategy(devices=0)
+    with pytest.raises(ValueError, match="rollout_replicas"):
+        FSDP2Strategy(rollout_replicas=0)
+
+
+@pytest.mark.parametrize("preset", ["fsdp2_offload", "fsdp2_checkpointing"])
+def test_offload_and_checkpointing_presets_match_plain_fsdp2(preset, tiny_config, bpe_tokenizer, gsm8k_prompts):
+    results = {}
+    for name in ("fsdp2", preset):
+        module = make_module(GRPO, tiny_config, bpe_tokenizer, num_generations=2)
+        with Trainer(strategy=name, max_steps=1, logger=False, enable_progress_bar=False, seed=4) as trainer:
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+            results[name] = dict(trainer.strategy.export_weights())
+    for name, tensor in results["fsdp2"].items():
+        torch.testing.assert_close(results[preset][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fsdp2_checkpoint_resume_matches_uninterrupted_run(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path):
+    def run(max_steps, ckpt=None, save=None):
+        module = make_module(GRPO, tiny_config, bpe_tokenizer, num_generations=2)
+        with Trainer(strategy="fsdp2", max_steps=max_steps, logger=False, enable_progress_bar=False, seed=6,
+                     default_root_dir=tmp_path) as trainer:
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2), ckpt_path=ckpt)
+            if save:
+                trainer.save_checkpoint(save)
+            return dict(trainer.strategy.export_weights())
+
+    full = run(3)
+    run(1, save=tmp_path / "step1.ckpt")
+    resumed = run(3, ckpt=tmp_path / "step1.ckpt")
+    for name, tensor in full.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_ray_started_by_the_strategy_shuts_down_after_fit(tmp_path):
+    """A script with no Ray running: fit on 2 ranks, leave the with-block, exit cleanly and fast."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, torch, ray\n"
+        "os.environ.setdefault('RAY_AUTH_MODE', 'disabled')\n"
+        "from rltrainer import GRPO, Trainer, prompt_dataloader\n"
+        "from rltrainer.data import load_rows, prepare_gsm8k\n"
+        "from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config\n"
+        "tok = load_tokenizer('gsm8k-bpe4k')\n"
+        "rows = load_rows(str(data_path('gsm8k', 'train.jsonl'))).select(range(4))\n"
+        "data = prepare_gsm8k(rows, tok, max_prompt_length=160)\n"
+        "module = GRPO(tiny_qwen2_config(len(tok), hidden_size=32, num_layers=2), tok, reward_funcs='gsm8k',\n"
+        "              num_generations=2, max_new_tokens=4)\n"
+        "with Trainer(strategy='fsdp2', devices=2, max_steps=1, logger=False, enable_progress_bar=False) as t:\n"
+        "    t.fit(module, prompt_dataloader(data, batch_size=2))\n"
+        "assert not ray.is_initialized(), 'Ray still running after teardown'\n"
+        "print('CLEAN EXIT')\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0 and "CLEAN EXIT" in proc.stdout, proc.stderr[-3000:]
+    assert time.perf_counter() - start < 120
