@@ -137,6 +137,10 @@ def test_sync_is_bit_exact_and_skips_frozen(placement, tiny_config, bpe_tokenize
         for replica in replicas:
             for name, tensor in full.items():
                 assert torch.equal(replica[name], tensor), name
+        # the controller can also push tensors of its own to every replica
+        norm = torch.full_like(full["model.norm.weight"], 0.5)
+        assert trainer.engine.update_weights([("model.norm.weight", norm)])["tensors"] == 1
+        assert all(torch.equal(r["model.norm.weight"], norm) for r in group.execute_all("engine_weights"))
     assert strategy.group is None  # the with-block released the workers
 
 
