@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    PYTHONPATH=. python tests/benchmarks/bench_hf_engine.py [--batch-sizes 16 64] [--new-tokens 128] [--threads 1]
+    python tests/benchmarks/bench_hf_engine.py [--batch-sizes 16 64 256] [--new-tokens 128] [--threads 1]
 
 Both sample at temperature 1 with no top-k/top-p and stop at EOS; tokens/s counts generated tokens.
 """
@@ -78,11 +78,12 @@ def time_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", default=".benchmarks/hf_engine.json", help="JSON file of the figures")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,6 +95,7 @@ def main() -> None:
           f"(tok/s, best of {args.repeats}, interleaved)")
     print(f"{'batch':>5} | {'engine wall':>11} {'generate wall':>13} {'ratio':>5} | "
           f"{'engine cpu':>10} {'generate cpu':>12} {'ratio':>5}")
+    rows = []
     for bs in args.batch_sizes:
         prompts = load_prompts(tokenizer, bs)
         time_engine(engine, prompts, 8), time_generate(model, tokenizer, prompts, 8)  # warm-up
@@ -104,6 +106,15 @@ def main() -> None:
                 best[name] = [max(best[name][0], tokens / t.wall), max(best[name][1], tokens / t.cpu)]
         (ew, ec), (gw, gc) = best["engine"], best["generate"]
         print(f"{bs:>5} | {ew:>11.0f} {gw:>13.0f} {ew / gw:>5.2f} | {ec:>10.0f} {gc:>12.0f} {ec / gc:>5.2f}")
+        rows.append({"batch": bs, "engine_tok_s": ew, "generate_tok_s": gw, "ratio_wall": ew / gw,
+                     "engine_cpu_tok_s": ec, "generate_cpu_tok_s": gc})
+    from pathlib import Path
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": args.device,
+                                          "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+                                          "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

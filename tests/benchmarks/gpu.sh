@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# GRPO on a lent GPU machine in one command (under 8 minutes on one H200): update-phase MFU,
+# decode tokens/s, weight-sync GB/s next to a device-to-device copy. Uses what that machine has
+# (torch, transformers; no Ray, vLLM or datasets) and this checkout's code, not installed.
+#
+#   bash tests/benchmarks/gpu.sh --fetch-wheels   # here, once: tensordict's pure-Python wheels into .whl/
+#   bash tests/benchmarks/gpu.sh [bench_gpu.py flags]   # there, with .whl carried
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl tensordict==0.15.3 pyvers==0.2.3
+  ls .whl
+  exit 0
+fi
+if ! python3 -c "import tensordict" 2>/dev/null; then
+  if ls .whl/tensordict-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  else
+    echo "tensordict is not installed here and .whl/ holds no wheel of it: run 'bash tests/benchmarks/gpu.sh --fetch-wheels' where pip works and carry .whl" >&2
+    exit 2
+  fi
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+timeout 480 python3 tests/benchmarks/bench_gpu.py "$@"
