@@ -24,7 +24,7 @@ class SamplingParams:
     """How to sample. Names and meanings follow vLLM's ``SamplingParams``.
 
     ``temperature=0`` means greedy. ``top_k=0`` / ``top_p=1.0`` switch those filters off.
-    Generation stops at any of ``stop_token_ids`` (the tokenizer's EOS by default) or after
+    Generation stops at any of ``stop_token_ids`` (the tokenizer's EOS by default; ``[]``: none) or after
     ``max_new_tokens``. Each prompt is sampled ``n`` times; samples of one prompt are adjacent.
     """
 

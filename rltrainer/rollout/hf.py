@@ -175,13 +175,13 @@ class HFEngine(RolloutEngine):
         )
 
     def _stop_token_ids(self, sampling: SamplingParams) -> torch.Tensor:
-        stop = sampling.stop_token_ids
+        stop = sampling.stop_token_ids  # [] means: no stop token, always max_new_tokens
         if stop is None:
             eos = self.tokenizer.eos_token_id
-            stop = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        if not stop:
-            raise ValueError("No stop tokens: pass SamplingParams(stop_token_ids=[...]) or use a tokenizer with "
-                             "an EOS token.")
+            if eos is None:
+                raise ValueError("No stop tokens: pass SamplingParams(stop_token_ids=[...]) (or [] for none), or "
+                                 "use a tokenizer with an EOS token.")
+            stop = [eos] if isinstance(eos, int) else list(eos)
         return torch.tensor(stop, dtype=torch.long, device=self.device)
 
     def _decode_chunk(self, prompts: Sequence[Sequence[int]], owners: list[int], sampling: SamplingParams,

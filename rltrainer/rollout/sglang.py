@@ -1,0 +1,145 @@
+"""``rollout="sglang"``: generation with SGLang's offline ``Engine`` (written against sglang
+0.5.23; GPU only, imported lazily).
+
+The engine starts from random weights (``load_format="dummy"``) built from the policy's config;
+the weights arrive through :meth:`SGLangEngine.update_weights`, bucket by bucket, with
+``Engine.update_weights_from_tensor`` (colocated: the tensors reach SGLang's scheduler processes
+through CUDA IPC) and one ``flush_cache()`` after the last bucket. ``sleep`` / ``wake_up`` are
+``release_memory_occupation`` / ``resume_memory_occupation`` (needs ``enable_memory_saver``).
+
+Log-probs: SGLang reports ``log softmax(logits / temperature)`` of each sampled token (unless
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set), the ``hf`` engine's definition. ``n`` samples of a
+prompt are ``n`` requests of that prompt, adjacent, each with its own seed when a seed is given.
+
+Split mode (SGLang on GPUs of its own) takes weights with ``init_weights_update_group`` +
+``update_weights_from_distributed`` (an NCCL broadcast from trainer rank 0); that path is not
+wired into :class:`FSDP2Strategy` yet.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from rltrainer.rollout.engine import ENGINES, Generation, RolloutEngine, SamplingParams
+from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES, bucketed
+
+
+def sglang_requests(prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                    stop_token_ids: list[int]) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """One request per sample: ``input_ids`` and SGLang sampling-parameter dicts, samples of a
+    prompt adjacent (our ``n`` becomes repetition, so every sample has its own seed)."""
+    input_ids, params = [], []
+    for i, prompt in enumerate(prompts):
+        for j in range(sampling.n):
+            input_ids.append(list(prompt))
+            p: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                 "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+                                 "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": stop_token_ids,
+                                 "ignore_eos": True, "skip_special_tokens": True}  # stops: exactly stop_token_ids
+            if sampling.seed is not None:
+                p["sampling_seed"] = sampling.seed + i * sampling.n + j
+            params.append(p)
+    return input_ids, params
+
+
+def generation_from_sglang(outputs: Sequence[dict[str, Any]], pad_token_id: int) -> Generation:
+    """SGLang's output dicts (``output_ids``, ``meta_info``) as a :class:`Generation`."""
+    width = max((len(o["output_ids"]) for o in outputs), default=0) or 1
+    n = len(outputs)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    log_probs = torch.zeros((n, width), dtype=torch.float32)
+    reasons = []
+    for row, out in enumerate(outputs):
+        tokens = list(out["output_ids"])
+        ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, :len(tokens)] = 1
+        entries = out["meta_info"].get("output_token_logprobs") or []
+        log_probs[row, :len(entries)] = torch.tensor([float(e[0]) for e in entries[:len(tokens)]])
+        finish = out["meta_info"].get("finish_reason") or {}
+        reasons.append("length" if (finish.get("type") if isinstance(finish, dict) else finish) == "length" else "stop")
+    return Generation(ids, mask, log_probs, [o.get("text", "") for o in outputs], reasons,
+                      metrics={"gen_tokens": float(mask.sum())})
+
+
+@ENGINES.register("sglang", description="SGLang (GPU, optional extra): offline Engine per rollout process")
+class SGLangEngine(RolloutEngine):
+    """Args:
+        tp_size: GPUs per SGLang engine.
+        mem_fraction_static: share of GPU memory for weights + KV cache.
+        dtype: the inference weights' dtype (``"bfloat16"`` by default).
+        enable_memory_saver: allow ``sleep`` / ``wake_up`` (release / resume memory).
+        bucket_bytes: size of each ``update_weights_from_tensor`` call.
+        engine_kwargs: anything else for ``sglang.Engine`` (``ServerArgs`` fields).
+    """
+
+    def __init__(self, tp_size: int = 1, mem_fraction_static: float = 0.5, dtype: torch.dtype | str = torch.bfloat16,
+                 enable_memory_saver: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 engine_kwargs: dict[str, Any] | None = None) -> None:
+        self.tp_size, self.mem_fraction_static = tp_size, mem_fraction_static
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.enable_memory_saver, self.bucket_bytes = enable_memory_saver, bucket_bytes
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.engine: Any = None
+        self._asleep = False
+        self._model_dir: tempfile.TemporaryDirectory | None = None
+
+    def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
+        try:
+            import sglang
+        except ImportError as exc:
+            raise ImportError("rollout='sglang' needs SGLang: pip install -e '.[sglang]' (GPU machines; written "
+                              "against sglang 0.5.23)") from exc
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"rollout='sglang' runs on CUDA devices; this process's device is {device}. "
+                             "Use rollout='hf' on CPU.")
+        self.tokenizer = tokenizer
+        self._model_dir = tempfile.TemporaryDirectory(prefix="rltrainer-sglang-")
+        model_config.save_pretrained(self._model_dir.name)
+        tokenizer.save_pretrained(self._model_dir.name)
+        index = torch.device(device).index if device is not None and torch.device(device).index is not None else 0
+        kwargs = {"model_path": self._model_dir.name, "load_format": "dummy", "tp_size": self.tp_size,
+                  "mem_fraction_static": self.mem_fraction_static, "dtype": str(self.dtype).removeprefix("torch."),
+                  "enable_memory_saver": self.enable_memory_saver, "base_gpu_id": index}
+        kwargs.update(self.engine_kwargs)
+        self.engine = sglang.Engine(**kwargs)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
+        self.wake_up()
+        stop = sampling.stop_token_ids if sampling.stop_token_ids is not None else [self.tokenizer.eos_token_id]
+        input_ids, params = sglang_requests(prompts, sampling, stop)
+        outputs = self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return generation_from_sglang(outputs, pad)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        self.wake_up()
+        count = nbytes = 0
+        for bucket in bucketed(weights, self.bucket_bytes):
+            self.engine.update_weights_from_tensor(bucket, flush_cache=False)
+            count += len(bucket)
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        self.engine.flush_cache()  # cached KV was computed with the old weights
+        return {"tensors": count, "bytes": nbytes}
+
+    def sleep(self, level: int = 1) -> None:
+        if self.enable_memory_saver and self.engine is not None and not self._asleep:
+            self.engine.release_memory_occupation()
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep and self.engine is not None:
+            self.engine.resume_memory_occupation()
+            self._asleep = False
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self._model_dir is not None:
+            self._model_dir.cleanup()
+            self._model_dir = None

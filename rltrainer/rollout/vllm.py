@@ -1,0 +1,175 @@
+"""``rollout="vllm"``: generation with vLLM (written against vLLM 0.33; GPU only, imported lazily).
+
+Colocated (hybrid) mode, as TRL and verl run it: an in-process ``vllm.LLM`` in every rollout
+process. Inside a torch.distributed group (the FSDP2 workers) it uses vLLM's
+``external_launcher`` executor, so the group's ranks are vLLM's ranks and a tensor-parallel
+vLLM spans ``tensor_parallel_size`` of them; alone it runs vLLM's in-process executor. In both,
+vLLM's V1 multiprocessing is off, so the model lives in this process and weights load with the
+model's own ``load_weights`` (which re-shards for tensor parallelism), then the prefix cache is
+reset. ``sleep(level)`` / ``wake_up()`` map onto ``LLM.sleep`` / ``LLM.wake_up`` (weights first,
+then the KV cache), as in vLLM's sleep mode.
+
+The engine starts from random weights (``load_format="dummy"``) built from the policy's config:
+the real weights arrive through :meth:`VLLMEngine.update_weights`, like every engine's.
+
+Log-probs come with ``logprobs_mode="processed_logprobs"``: after temperature, so that they equal
+the ``hf`` engine's ``log softmax(logits / temperature)`` when top-k / top-p are off (with them
+on, vLLM renormalises over the kept tokens).
+
+Split mode (vLLM on GPUs of its own) takes weights from trainer rank 0 over NCCL through vLLM's
+weight-transfer engine (``weight_transfer_config={"backend": "nccl"}``, driven by
+``NCCLTrainerWeightTransferEngine``); that path is not wired into :class:`FSDP2Strategy` yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from rltrainer.rollout.engine import ENGINES, Generation, RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def vllm_sampling_params(sampling: SamplingParams, stop_token_ids: list[int]) -> Any:
+    """Our :class:`SamplingParams` as vLLM's (same names; one log-prob per sampled token)."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    return VLLMSamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                              top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, seed=sampling.seed,
+                              stop_token_ids=stop_token_ids, ignore_eos=True, logprobs=0,
+                              detokenize=True)  # stops: exactly stop_token_ids (EOS by default), like hf
+
+
+def generation_from_outputs(outputs: Sequence[Any], pad_token_id: int, tokenizer: Any) -> Generation:
+    """vLLM's ``RequestOutput`` list (one per prompt, ``n`` completions each) as a :class:`Generation`."""
+    completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+    width = max((len(c.token_ids) for c in completions), default=0) or 1
+    ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(completions), width), dtype=torch.long)
+    log_probs = torch.zeros((len(completions), width), dtype=torch.float32)
+    for row, c in enumerate(completions):
+        tokens = list(c.token_ids)
+        ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, :len(tokens)] = 1
+        if c.logprobs is not None:
+            log_probs[row, :len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)])
+    texts = [c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+             for c in completions]
+    reasons = ["stop" if c.finish_reason == "stop" else "length" for c in completions]
+    return Generation(ids, mask, log_probs, texts, reasons, metrics={"gen_tokens": float(mask.sum())})
+
+
+@ENGINES.register("vllm", description="vLLM (GPU, optional extra): in-process LLM per rollout process")
+class VLLMEngine(RolloutEngine):
+    """Args:
+        tensor_parallel_size: GPUs per vLLM instance (ranks of the surrounding group).
+        gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache).
+        dtype: the inference weights' dtype (``"bfloat16"`` by default).
+        enable_sleep_mode: free weights and KV cache while training (needs vLLM's sleep mode).
+        max_model_len: longest prompt + response (default: the model config's).
+        enforce_eager: no CUDA graphs (faster start, slower decode).
+        llm_kwargs: anything else for ``vllm.LLM``.
+    """
+
+    def __init__(self, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
+                 dtype: torch.dtype | str = torch.bfloat16, enable_sleep_mode: bool = True,
+                 max_model_len: int | None = None, enforce_eager: bool = False,
+                 llm_kwargs: dict[str, Any] | None = None) -> None:
+        self.tensor_parallel_size = tensor_parallel_size
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.enable_sleep_mode = enable_sleep_mode
+        self.max_model_len = max_model_len
+        self.enforce_eager = enforce_eager
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.llm: Any = None
+        self._asleep = 0
+        self._model_dir: tempfile.TemporaryDirectory | None = None
+
+    def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise ImportError("rollout='vllm' needs vLLM: pip install -e '.[vllm]' (GPU machines; written "
+                              "against vllm 0.33)") from exc
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"rollout='vllm' runs on CUDA devices; this process's device is {device}. "
+                             "Use rollout='hf' on CPU.")
+        self.tokenizer = tokenizer
+        self._model_dir = tempfile.TemporaryDirectory(prefix="rltrainer-vllm-")
+        model_config.save_pretrained(self._model_dir.name)  # vLLM builds the model from these files
+        tokenizer.save_pretrained(self._model_dir.name)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the model in this process
+        kwargs: dict[str, Any] = {
+            "model": self._model_dir.name, "load_format": "dummy", "dtype": str(self.dtype).removeprefix("torch."),
+            "tensor_parallel_size": self.tensor_parallel_size, "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enable_sleep_mode": self.enable_sleep_mode, "enforce_eager": self.enforce_eager,
+            "logprobs_mode": "processed_logprobs", "max_model_len": self.max_model_len,
+        }
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs["seed"] = torch.distributed.get_rank() // self.tensor_parallel_size
+            _export_launcher_env()
+        kwargs.update(self.llm_kwargs)
+        self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def _model(self) -> Any:
+        """The vLLM model in this process (``load_weights`` re-shards HF tensors for TP)."""
+        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
+        self.wake_up()
+        stop = sampling.stop_token_ids if sampling.stop_token_ids is not None else [self.tokenizer.eos_token_id]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                    vllm_sampling_params(sampling, stop), use_tqdm=False)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return generation_from_outputs(outputs, pad, self.tokenizer)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])  # load into mapped memory, never into freed pages
+        count = nbytes = 0
+
+        def counted() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal count, nbytes
+            for name, tensor in weights:
+                count += 1
+                nbytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        self._model().load_weights(counted())
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        return {"tensors": count, "bytes": nbytes}
+
+    def sleep(self, level: int = 1) -> None:
+        if self.enable_sleep_mode and self.llm is not None and not self._asleep:
+            self.llm.sleep(level=level)
+            self._asleep = level
+
+    def wake_up(self) -> None:
+        if self._asleep and self.llm is not None:
+            self.llm.wake_up()
+            self._asleep = 0
+
+    def teardown(self) -> None:
+        self.llm = None
+        if self._model_dir is not None:
+            self._model_dir.cleanup()
+            self._model_dir = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _export_launcher_env() -> None:
+    """vLLM's ``external_launcher`` reads torchrun's variables; set them from the live group."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))

@@ -1,0 +1,147 @@
+"""Every class, method, argument and field the vLLM and SGLang adapters use exists, with a
+compatible signature, in the real sources of the versions they were written against. The
+sources are read from the wheels (``pip download --no-deps``, never installed) by parsing them;
+nothing is imported.
+
+Marked ``api_surface``. It needs the wheels in ``$RLTRAINER_WHEELS_DIR`` (default ``.wheels/``,
+git-ignored) and skips, saying so, without them. To run it::
+
+    python -m pip download --no-deps -d .wheels vllm==0.33.0 sglang==0.5.23
+    python -m pytest -m api_surface
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.api_surface
+
+ROOT = Path(__file__).resolve().parents[2]
+WHEELS = Path(os.environ.get("RLTRAINER_WHEELS_DIR", ROOT / ".wheels"))
+VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
+
+
+class Source:
+    """The parsed ``.py`` files of one wheel."""
+
+    def __init__(self, package: str) -> None:
+        wheels = sorted(WHEELS.glob(f"{package}-{VERSIONS[package]}-*.whl"))
+        if not wheels:
+            pytest.skip(f"no {package}=={VERSIONS[package]} wheel in {WHEELS}: run `python -m pip download --no-deps "
+                        f"-d {WHEELS} {package}=={VERSIONS[package]}` to check the adapter against it")
+        self.zip = zipfile.ZipFile(wheels[-1])
+        self.trees: dict[str, ast.Module] = {}
+
+    def tree(self, path: str) -> ast.Module:
+        if path not in self.trees:
+            self.trees[path] = ast.parse(self.zip.read(path).decode())
+        return self.trees[path]
+
+    def text(self, path: str) -> str:
+        return self.zip.read(path).decode()
+
+    def cls(self, path: str, name: str) -> ast.ClassDef:
+        for node in ast.walk(self.tree(path)):
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return node
+        raise AssertionError(f"{path} defines no class {name}")
+
+    def method(self, path: str, cls: str, name: str) -> ast.FunctionDef:
+        for node in self.cls(path, cls).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                return node
+        raise AssertionError(f"{path}: {cls} has no method {name}")
+
+    def fields(self, path: str, cls: str) -> set[str]:
+        return {n.target.id for n in self.cls(path, cls).body if isinstance(n, ast.AnnAssign)
+                and isinstance(n.target, ast.Name)}
+
+
+def accepts(fn: ast.FunctionDef, *names: str) -> None:
+    """``fn`` takes each of ``names`` by keyword (or has ``**kwargs`` to pass them on)."""
+    args = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+    missing = [n for n in names if n not in args]
+    assert not missing or fn.args.kwarg is not None, f"{fn.name}() takes none of {missing} (args: {sorted(args)})"
+
+
+def assigns_attribute(tree: ast.AST, attribute: str) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == attribute and isinstance(n.ctx, ast.Store)
+               for n in ast.walk(tree))
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    return Source("vllm")
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    return Source("sglang")
+
+
+def test_vllm_surface(vllm):
+    llm = "vllm/entrypoints/llm.py"
+    accepts(vllm.method(llm, "LLM", "__init__"), "model", "tensor_parallel_size", "dtype", "seed",
+            "gpu_memory_utilization", "enforce_eager")
+    assert vllm.method(llm, "LLM", "__init__").args.kwarg is not None  # the EngineArgs below ride **kwargs
+    engine_args = vllm.fields("vllm/engine/arg_utils.py", "EngineArgs")
+    assert {"load_format", "enable_sleep_mode", "logprobs_mode", "distributed_executor_backend",
+            "max_model_len"} <= engine_args
+    accepts(vllm.method(llm, "LLM", "generate"), "prompts", "sampling_params", "use_tqdm")
+    accepts(vllm.method(llm, "LLM", "sleep"), "level")
+    accepts(vllm.method(llm, "LLM", "wake_up"), "tags")
+    vllm.method(llm, "LLM", "reset_prefix_cache")
+    assert {"n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos", "logprobs",
+            "detokenize"} <= vllm.fields("vllm/sampling_params.py", "SamplingParams")
+    assert "prompt_token_ids" in vllm.fields("vllm/inputs/llm.py", "TokensPrompt")
+    assert '"processed_logprobs"' in vllm.text("vllm/config/model.py")
+    assert '"external_launcher"' in vllm.text("vllm/config/parallel.py")
+    assert '"dummy"' in vllm.text("vllm/model_executor/model_loader/__init__.py")
+    # llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)
+    assert assigns_attribute(vllm.cls("vllm/v1/engine/llm_engine.py", "LLMEngine"), "model_executor")
+    assert assigns_attribute(vllm.cls("vllm/v1/executor/uniproc_executor.py", "UniProcExecutor"), "driver_worker")
+    vllm.method("vllm/v1/worker/worker_base.py", "WorkerWrapperBase", "__getattr__")
+    assert assigns_attribute(vllm.cls("vllm/v1/worker/gpu_worker.py", "Worker"), "model_runner")
+    for path, cls in (("vllm/model_executor/models/qwen2.py", "Qwen2ForCausalLM"),
+                      ("vllm/model_executor/models/llama.py", "LlamaForCausalLM")):
+        accepts(vllm.method(path, cls, "load_weights"), "weights")
+    # outputs: RequestOutput.outputs[j].{index, text, token_ids, logprobs[t][token].logprob, finish_reason}
+    assert "logprob" in vllm.fields("vllm/logprobs.py", "Logprob")
+    completion = vllm.method("vllm/outputs.py", "CompletionOutput", "__init__") if any(
+        isinstance(n, ast.FunctionDef) and n.name == "__init__" for n in vllm.cls("vllm/outputs.py", "CompletionOutput").body
+    ) else None
+    fields = vllm.fields("vllm/outputs.py", "CompletionOutput") | (
+        {a.arg for a in completion.args.args} if completion else set())
+    assert {"index", "text", "token_ids", "logprobs", "finish_reason"} <= fields
+
+
+def test_sglang_surface(sglang):
+    engine = "sglang/srt/entrypoints/engine.py"
+    assert "Engine" in sglang.text("sglang/__init__.py")
+    assert sglang.method(engine, "Engine", "__init__").args.kwarg is not None  # ServerArgs fields by keyword
+    server_fields = set()
+    for name in sglang.zip.namelist():
+        if name.startswith("sglang/srt/arg_groups/fields/") and name.endswith(".py"):
+            for node in ast.walk(sglang.tree(name)):
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    server_fields.add(node.target.id)
+    assert {"model_path", "load_format", "tp_size", "mem_fraction_static", "dtype", "enable_memory_saver",
+            "base_gpu_id"} <= server_fields
+    accepts(sglang.method(engine, "Engine", "generate"), "input_ids", "sampling_params", "return_logprob")
+    accepts(sglang.method(engine, "Engine", "update_weights_from_tensor"), "named_tensors", "flush_cache")
+    accepts(sglang.method(engine, "Engine", "update_weights_from_distributed"), "names", "dtypes", "shapes",
+            "group_name", "flush_cache")
+    accepts(sglang.method(engine, "Engine", "init_weights_update_group"), "master_address", "master_port",
+            "rank_offset", "world_size", "group_name", "backend")
+    for name in ("flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown"):
+        sglang.method(engine, "Engine", name)
+    assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+            "sampling_seed", "n"} <= sglang.fields("sglang/srt/sampling/sampling_params.py", "SamplingParams")
+    text = sglang.text("sglang/srt/managers/schedule_batch.py")
+    assert '"type": "length"' in text and '"type": "stop"' in text
+    assert "output_token_logprobs" in sglang.text("sglang/srt/managers/tokenizer_manager.py")
