@@ -15,7 +15,7 @@ from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.hf import HFEngine
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
-from rltrainer.strategies.fsdp2 import partition_for_ranks
+from rltrainer.strategies.distributed import partition_for_ranks
 
 
 def parity_reward(completions, **kwargs):
