@@ -152,9 +152,11 @@ def run_compute(module: RLModule, micro_batches: list[RolloutBatch], stage: str,
 
 def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: list[torch.nn.Module],
                    optimizers: list[torch.optim.Optimizer], schedulers: list[Any], clip: float | None,
-                   autocast_factory: Any) -> tuple[dict[str, float], list[str]]:
+                   autocast_factory: Any, clip_fn: Any = None) -> tuple[dict[str, float], list[str]]:
     """Rank-side: ``policy_step`` + backward per micro-batch, clip, step. Returns the summed metrics
-    (with ``actor/grad_norm``, ``actor/lr``) and the policy parameters the step changed."""
+    (with ``actor/grad_norm``, ``actor/lr``) and the policy parameters the step changed.
+    ``clip_fn(params, max_norm) -> norm`` replaces :func:`clip_gradients` (e.g. to reduce gradients
+    across data-parallel ranks and take a tensor-parallel norm first)."""
     for m in models:
         m.train()
     for opt in optimizers:
@@ -167,7 +169,7 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else v)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
-    grad_norm = clip_gradients(params, clip)
+    grad_norm = (clip_fn or clip_gradients)(params, clip)
     out = {k: float(v) for k, v in totals.items()}
     out["actor/grad_norm"] = grad_norm
     out["actor/lr"] = optimizers[0].param_groups[0]["lr"]

@@ -1,0 +1,305 @@
+"""``strategy="megatron"``: training on megatron-core (written against megatron-core 0.16) with
+tensor and data parallelism; ranks are Ray actors (one in-process worker for a single rank).
+
+Each rank builds the module's models with ``configure_model`` (transformers, Qwen2 / Llama
+family), converts them to megatron-core ``GPTModel`` shards with
+:func:`~rltrainer.strategies.megatron_weights.hf_to_megatron`, and swaps them into the module
+behind :class:`MegatronCausalLM`, which answers the transformers call the hooks make
+(``model(input_ids, attention_mask, position_ids, logits_to_keep)``) with full-vocabulary logits.
+So ``policy_step`` and ``compute_step`` run unchanged: changing FSDP2 to Megatron touches no
+algorithm. Weights leave in HF names (:func:`megatron_to_hf`), so any engine takes them.
+
+Gradients are summed over data-parallel ranks (losses are normalised by global counts) and clipped
+by the global norm over tensor-parallel shards. On CPU (tests), the attention is a layer spec of
+our own (SDPA) and megatron-core's ``torch.cuda.current_device()`` placements point at the CPU:
+see :func:`cpu_shims`.
+
+Not yet: pipeline parallelism (``hf_to_megatron`` lays out stages; the strategy does not run a
+pipeline schedule), PPO's critic, and skipping frozen tensors in a sync (every tensor is sent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
+from rltrainer.strategies.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
+from rltrainer.strategies.strategy import STRATEGIES, normalize_optimizers, run_compute, run_train_step
+from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    from rltrainer.module import RLModule
+
+SUPPORTED = ("qwen2", "llama")
+
+
+def cpu_shims() -> None:
+    """megatron-core places some tensors with ``torch.cuda.current_device()`` (RoPE frequencies,
+    the global memory buffer); in a CPU-only worker process, make that the CPU."""
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+
+
+def cpu_attention_spec() -> type:
+    """A ``core_attention`` for CPU: causal SDPA over this rank's heads (grouped queries by repetition)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.module import MegatronModule
+
+    class CPUAttention(MegatronModule):
+        def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                     attention_dropout: float | None = None, softmax_scale: float | None = None,
+                     cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+            super().__init__(config=config)
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            self.heads, self.groups = config.num_attention_heads // tp, config.num_query_groups // tp
+
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Any:
+            sq, b = query.shape[:2]  # [s, b, heads, d] -> [b, heads, s, d]
+            q = query.permute(1, 2, 0, 3)
+            k = key.permute(1, 2, 0, 3).repeat_interleave(self.heads // self.groups, dim=1)
+            v = value.permute(1, 2, 0, 3).repeat_interleave(self.heads // self.groups, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    return CPUAttention
+
+
+def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype) -> torch.nn.Module:
+    """A megatron-core ``GPTModel`` with the architecture of a Qwen2 / Llama transformers config."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if hf_config.model_type not in SUPPORTED:
+        raise NotImplementedError(f"strategy='megatron' builds {', '.join(SUPPORTED)} models; got model_type="
+                                  f"{hf_config.model_type!r}")
+    heads = hf_config.num_attention_heads
+    config = TransformerConfig(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        ffn_hidden_size=hf_config.intermediate_size, gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        use_cpu_initialization=on_cpu, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, bf16=dtype == torch.bfloat16)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if on_cpu:
+        spec.submodules.self_attention.submodules.core_attention = cpu_attention_spec()
+    rope = getattr(hf_config, "rope_theta", None) or (getattr(hf_config, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
+                    max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
+                    rotary_base=int(rope), share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings))
+
+
+class MegatronCausalLM(torch.nn.Module):
+    """A ``GPTModel`` behind the transformers causal-LM call the hooks use.
+
+    Left-padded rows are rotated so that their tokens start at position 0 (megatron's RoPE counts
+    positions from the start of the sequence; the padding moves behind the causal horizon), then
+    the logits are rotated back. Logits are gathered over the tensor-parallel ranks.
+    """
+
+    def __init__(self, gpt: torch.nn.Module, config: Any) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.config = config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, use_cache: bool = False, logits_to_keep: int = 0,
+                **kwargs: Any) -> SimpleNamespace:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        b, s = input_ids.shape
+        steps = torch.arange(s, device=input_ids.device)
+        pads = (attention_mask.cumsum(-1) == 0).sum(-1) if attention_mask is not None else torch.zeros_like(input_ids[:, 0])
+        shifted = input_ids.gather(1, (steps[None] + pads[:, None]) % s)
+        logits = self.gpt(shifted, steps.expand(b, s), attention_mask=None)  # [b, s, V/tp]
+        logits = gather_from_tensor_model_parallel_region(logits)[..., : self.config.vocab_size]
+        back = ((steps[None] - pads[:, None]) % s)[..., None].expand(-1, -1, logits.shape[-1])
+        logits = logits.gather(1, back)
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+class MegatronWorker(TrainingWorker):
+    """One megatron-core rank: a tensor-parallel shard of each model."""
+
+    def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__(rank, world_size, threads=threads, device=device, bucket_bytes=bucket_bytes)
+        self.models: dict[str, torch.nn.Module] = {}
+        self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._export: dict[str, torch.Tensor] | None = None
+
+    def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
+        from megatron.core import parallel_state
+
+        self.options = options
+        tp = options["tensor_model_parallel_size"]
+        on_cpu = self.device.type == "cpu"
+        if on_cpu:
+            cpu_shims()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        torch.manual_seed(seed)
+        module.configure_model()
+        if getattr(module, "critic", None) is not None:
+            raise NotImplementedError("strategy='megatron' does not train a critic yet (PPO); use 'fsdp2'")
+        dtype = torch.bfloat16 if options["precision"] == "bf16-true" else torch.float32
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self._specs = {n: (tuple(p.shape), p.dtype) for n, p in module.policy.named_parameters()}
+        for name, hf_model in list(module.named_children()):
+            if not hasattr(hf_model, "config") or not any(True for _ in hf_model.parameters()):
+                continue
+            state = {n: p.detach() for n, p in hf_model.named_parameters()}
+            gpt = build_gpt(hf_model.config, tp, on_cpu, dtype).to(self.device)
+            shard = hf_to_megatron(state, hf_model.config, MegatronLayout(tp=tp))[0][tp_rank]
+            missing, unexpected = gpt.load_state_dict(shard, strict=False)
+            missing = [m for m in missing if not m.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"Megatron layout mismatch for {name}: missing {missing}, unexpected {unexpected}")
+            frozen = not any(p.requires_grad for p in hf_model.parameters())
+            wrapped = MegatronCausalLM(gpt, hf_model.config).requires_grad_(not frozen)
+            setattr(module, name, wrapped)
+            self.models[name] = wrapped
+        self.module = module
+        self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        super().close()
+
+    # -- compute ---------------------------------------------------------------------------------
+    def compute(self, micro_batches: list[RolloutBatch], stage: str) -> dict[str, torch.Tensor]:
+        micro_batches = [mb.to(self.device) for mb in micro_batches]
+        return run_compute(self.module, micro_batches, stage, list(self.models.values()), contextlib.nullcontext())
+
+    def train_step(self, micro_batches: list[RolloutBatch]) -> dict[str, float]:
+        micro_batches = [mb.to(self.device) for mb in micro_batches]
+        models = list(self.module.trainable_models().values())
+        metrics, stepped = run_train_step(self.module, micro_batches, models, self.optimizers, self.schedulers,
+                                          self.options["gradient_clip_val"], contextlib.nullcontext,
+                                          clip_fn=reduce_and_clip)
+        if stepped:  # megatron names map onto several HF names each: every HF tensor counts as changed
+            self.versions.bump(self._specs)
+        return metrics
+
+    # -- weights -----------------------------------------------------------------------------------
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return dict(self._specs)
+
+    def gather_weights(self, names: list[str], dtype: torch.dtype | None, index: int) -> list[tuple[str, torch.Tensor]]:
+        """The first bucket gathers the tensor-parallel shards once and converts them to HF names;
+        the others read from that (freed at the end of the sync)."""
+        if self._export is None:
+            self._export = self._gather_hf()
+        return [(n, self._export[n].to(dtype) if dtype else self._export[n]) for n in names]
+
+    def end_of_sync(self) -> None:
+        self._export = None
+
+    def _gather_hf(self) -> dict[str, torch.Tensor]:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+        for name, param in self.module.policy.gpt.named_parameters():
+            parts = [torch.empty_like(param) for _ in range(tp)]
+            dist.all_gather(parts, param.detach().contiguous(), group=group)
+            for r in range(tp):
+                shards[r][name] = parts[r]
+        return megatron_to_hf([shards], self.module.policy.config, MegatronLayout(tp=tp))
+
+    # -- checkpoints: each rank keeps its own shard -------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"models": {n: m.state_dict() for n, m in self.module.trainable_models().items()},
+                "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [s.state_dict() for s in self.schedulers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, model in self.module.trainable_models().items():
+            model.load_state_dict(state["models"][name])
+        for opt, s in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(s)
+        for sched, s in zip(self.schedulers, state["schedulers"]):
+            sched.load_state_dict(s)
+        self.versions.forget_synced()
+
+
+def reduce_and_clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Sum gradients over data-parallel ranks, then clip by the global norm: tensor-parallel
+    shards add their squares across the TP group, replicated tensors count once."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if parallel_state.get_data_parallel_world_size() > 1:
+        for g in grads:
+            dist.all_reduce(g, group=parallel_state.get_data_parallel_group())
+    sharded = sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None and getattr(
+        p, "tensor_model_parallel", False))
+    replicated = sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None and not getattr(
+        p, "tensor_model_parallel", False))
+    sharded = torch.as_tensor(sharded, dtype=torch.float32)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+    norm = math.sqrt(float(sharded) + float(replicated))
+    if max_norm and math.isfinite(norm) and norm > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+@STRATEGIES.register("megatron", description="megatron-core: tensor x data parallel (Ray workers)")
+class MegatronStrategy(WorkerGroupStrategy):
+    """megatron-core training on ``devices x num_nodes`` ranks: ``tensor_model_parallel_size``
+    ranks per model replica, the rest data parallel.
+
+    Args:
+        tensor_model_parallel_size: ranks that split each layer's matrices.
+        pipeline_model_parallel_size: must be 1 for now (see the module docstring).
+        devices / num_nodes / rollout_placement / ...: as for :class:`FSDP2Strategy`.
+    """
+
+    name = "megatron"
+    worker_cls = MegatronWorker
+
+    def __init__(self, devices: int | str = 1, num_nodes: int = 1, tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1, **kwargs: Any) -> None:
+        super().__init__(devices=devices, num_nodes=num_nodes, **kwargs)
+        if pipeline_model_parallel_size != 1:
+            raise NotImplementedError("strategy='megatron' runs pipeline_model_parallel_size=1 for now: the weight "
+                                      "layouts handle stages (megatron_weights), the pipeline schedule is not wired")
+        if tensor_model_parallel_size < 1 or self.world_size % tensor_model_parallel_size:
+            raise ValueError(f"tensor_model_parallel_size={tensor_model_parallel_size} must divide the "
+                             f"{self.world_size} ranks (devices x num_nodes)")
+        if self.precision in ("bf16-mixed", "16-mixed"):
+            raise ValueError(f"strategy='megatron' takes precision '32-true' or 'bf16-true', got {self.precision!r}")
+        self.tp = tensor_model_parallel_size
+        self.options["tensor_model_parallel_size"] = tensor_model_parallel_size
+
+    def data_parallel_rank(self, rank: int) -> int:
+        return rank // self.tp  # megatron-core orders ranks tensor-parallel first
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tp
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ranks": self._require_group().execute_all("state_dict"), "tensor_model_parallel_size": self.tp}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("tensor_model_parallel_size") != self.tp or len(state["ranks"]) != self.world_size:
+            raise ValueError(f"This checkpoint has {len(state['ranks'])} ranks with tensor_model_parallel_size="
+                             f"{state.get('tensor_model_parallel_size')}; this run has {self.world_size} with {self.tp}")
+        self._require_group().dispatch("load_state_dict", [((s,), {}) for s in state["ranks"]])
