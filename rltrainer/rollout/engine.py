@@ -98,6 +98,27 @@ class RolloutEngine(abc.ABC):
         """Free everything; the engine is not used again."""
 
 
+def gpu_engine_files(name: str, device: torch.device | str | None, model_config: Any,
+                     tokenizer: Any) -> Any:
+    """For an engine that builds its model from files on a GPU (vLLM, SGLang): check the device and
+    write the policy's config and tokenizer to a temporary folder (weights come by
+    ``update_weights``; the engine loads random ones first). Returns the ``TemporaryDirectory``."""
+    import tempfile
+
+    if device is not None and torch.device(device).type != "cuda":
+        raise ValueError(f"rollout={name!r} runs on CUDA devices; this process's device is {device}. "
+                         "Use rollout='hf' on CPU.")
+    folder = tempfile.TemporaryDirectory(prefix=f"rltrainer-{name}-")
+    model_config.save_pretrained(folder.name)
+    tokenizer.save_pretrained(folder.name)
+    return folder
+
+
+def missing_engine(name: str, version: str) -> ImportError:
+    return ImportError(f"rollout={name!r} needs {name}: pip install -e '.[{name}]' (GPU machines; written against "
+                       f"{name} {version})")
+
+
 def build_engine(engine: str | RolloutEngine, **kwargs: Any) -> RolloutEngine:
     """Resolve a name (``"hf"``, ...) through the registry, or pass an engine instance through."""
     if isinstance(engine, RolloutEngine):

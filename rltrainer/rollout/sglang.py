@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from rltrainer.rollout.engine import ENGINES, Generation, RolloutEngine, SamplingParams
+from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, gpu_engine_files,
+                                      missing_engine)
 from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES, bucketed
 
 
@@ -92,15 +93,9 @@ class SGLangEngine(RolloutEngine):
         try:
             import sglang
         except ImportError as exc:
-            raise ImportError("rollout='sglang' needs SGLang: pip install -e '.[sglang]' (GPU machines; written "
-                              "against sglang 0.5.23)") from exc
-        if device is not None and torch.device(device).type != "cuda":
-            raise ValueError(f"rollout='sglang' runs on CUDA devices; this process's device is {device}. "
-                             "Use rollout='hf' on CPU.")
+            raise missing_engine("sglang", "0.5.23") from exc
         self.tokenizer = tokenizer
-        self._model_dir = tempfile.TemporaryDirectory(prefix="rltrainer-sglang-")
-        model_config.save_pretrained(self._model_dir.name)
-        tokenizer.save_pretrained(self._model_dir.name)
+        self._model_dir = gpu_engine_files("sglang", device, model_config, tokenizer)
         index = torch.device(device).index if device is not None and torch.device(device).index is not None else 0
         kwargs = {"model_path": self._model_dir.name, "load_format": "dummy", "tp_size": self.tp_size,
                   "mem_fraction_static": self.mem_fraction_static, "dtype": str(self.dtype).removeprefix("torch."),

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from rltrainer.rollout.engine import ENGINES, Generation, RolloutEngine, SamplingParams
+from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, gpu_engine_files,
+                                      missing_engine)
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +97,9 @@ class VLLMEngine(RolloutEngine):
         try:
             from vllm import LLM
         except ImportError as exc:
-            raise ImportError("rollout='vllm' needs vLLM: pip install -e '.[vllm]' (GPU machines; written "
-                              "against vllm 0.33)") from exc
-        if device is not None and torch.device(device).type != "cuda":
-            raise ValueError(f"rollout='vllm' runs on CUDA devices; this process's device is {device}. "
-                             "Use rollout='hf' on CPU.")
+            raise missing_engine("vllm", "0.33") from exc
         self.tokenizer = tokenizer
-        self._model_dir = tempfile.TemporaryDirectory(prefix="rltrainer-vllm-")
-        model_config.save_pretrained(self._model_dir.name)  # vLLM builds the model from these files
-        tokenizer.save_pretrained(self._model_dir.name)
+        self._model_dir = gpu_engine_files("vllm", device, model_config, tokenizer)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the model in this process
         kwargs: dict[str, Any] = {
             "model": self._model_dir.name, "load_format": "dummy", "dtype": str(self.dtype).removeprefix("torch."),

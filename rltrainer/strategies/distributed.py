@@ -13,6 +13,7 @@ full tensors, over two methods a subclass provides (``weight_specs``, ``gather_w
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from rltrainer.controller.worker import Worker
 from rltrainer.controller.worker_group import InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.remote import RemoteEngine
-from rltrainer.strategies.strategy import Strategy
+from rltrainer.strategies.strategy import Strategy, clip_gradients, run_compute, run_train_step
 from rltrainer.strategies.weights import (DEFAULT_BUCKET_BYTES, PackedBucket, ParamVersions, pack_bucket,
                                           plan_buckets, unpack_bucket)
 
@@ -44,6 +45,7 @@ class TrainingWorker(Worker):
         self.bucket_bytes = bucket_bytes
         self.versions = ParamVersions()
         self.module: RLModule | None = None
+        self.models: dict[str, torch.nn.Module] = {}  # every model of the module, as placed on this rank
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
         self.options: dict[str, Any] = {}
@@ -62,6 +64,28 @@ class TrainingWorker(Worker):
 
     def end_of_sync(self) -> None:
         """After the last bucket of a sync (e.g. a barrier before buffers are reused)."""
+
+    def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+        """Reduce (if the layout needs it) and clip gradients; return the global norm."""
+        return clip_gradients(params, max_norm)
+
+    def mark_stepped(self, stepped: list[str]) -> None:
+        """The optimizer step changed these policy parameters: bump their HF names' versions."""
+        self.versions.bump(stepped)
+
+    # -- compute (every rank, on its share of the batch) ---------------------------------------------
+    def compute(self, micro_batches: list[RolloutBatch], stage: str) -> dict[str, torch.Tensor]:
+        micro_batches = [mb.to(self.device) for mb in micro_batches]
+        return run_compute(self.module, micro_batches, stage, list(self.models.values()), contextlib.nullcontext())
+
+    def train_step(self, micro_batches: list[RolloutBatch]) -> dict[str, float]:
+        micro_batches = [mb.to(self.device) for mb in micro_batches]
+        models = list(self.module.trainable_models().values())
+        metrics, stepped = run_train_step(self.module, micro_batches, models, self.optimizers, self.schedulers,
+                                          self.options["gradient_clip_val"], contextlib.nullcontext,
+                                          clip_fn=self.clip_gradients)
+        self.mark_stepped(stepped)
+        return metrics
 
     # -- shared --------------------------------------------------------------------------------------
     def model_config(self) -> Any:

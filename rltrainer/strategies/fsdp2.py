@@ -12,7 +12,6 @@ or row count in ``micro_batch.meta``, so a 2-rank step equals a 1-rank step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import uuid
@@ -20,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
-from rltrainer.strategies.strategy import STRATEGIES, normalize_optimizers, run_compute, run_train_step
+from rltrainer.strategies.strategy import STRATEGIES, normalize_optimizers
 from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES, SharedBuffers
 
 if TYPE_CHECKING:
@@ -37,7 +35,6 @@ class FSDP2Worker(TrainingWorker):
     def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__(rank, world_size, threads=threads, device=device, bucket_bytes=bucket_bytes)
-        self.models: dict[str, torch.nn.Module] = {}
         self.shared: SharedBuffers | None = None
 
     # -- setup -----------------------------------------------------------------------------------
@@ -76,20 +73,6 @@ class FSDP2Worker(TrainingWorker):
         if self.shared is not None:
             self.shared.close()
         super().close()
-
-    # -- compute ---------------------------------------------------------------------------------
-    def compute(self, micro_batches: list[RolloutBatch], stage: str) -> dict[str, torch.Tensor]:
-        micro_batches = [mb.to(self.device) for mb in micro_batches]
-        return run_compute(self.module, micro_batches, stage, list(self.models.values()), contextlib.nullcontext())
-
-    def train_step(self, micro_batches: list[RolloutBatch]) -> dict[str, float]:
-        micro_batches = [mb.to(self.device) for mb in micro_batches]
-        models = list(self.module.trainable_models().values())
-        metrics, stepped = run_train_step(self.module, micro_batches, models, self.optimizers, self.schedulers,
-                                          self.options["gradient_clip_val"],
-                                          contextlib.nullcontext)
-        self.versions.bump(stepped)
-        return metrics
 
     # -- weights -----------------------------------------------------------------------------------
     def gather_weights(self, names: list[str], dtype: torch.dtype | None, index: int) -> list[tuple[str, torch.Tensor]]:

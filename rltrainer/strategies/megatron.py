@@ -20,7 +20,6 @@ pipeline schedule), PPO's critic, and skipping frozen tensors in a sync (every t
 
 from __future__ import annotations
 
-import contextlib
 import math
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -28,10 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
 from rltrainer.strategies.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
-from rltrainer.strategies.strategy import STRATEGIES, normalize_optimizers, run_compute, run_train_step
+from rltrainer.strategies.strategy import STRATEGIES, normalize_optimizers
 from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -134,7 +132,6 @@ class MegatronWorker(TrainingWorker):
     def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__(rank, world_size, threads=threads, device=device, bucket_bytes=bucket_bytes)
-        self.models: dict[str, torch.nn.Module] = {}
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._export: dict[str, torch.Tensor] | None = None
 
@@ -177,20 +174,12 @@ class MegatronWorker(TrainingWorker):
         parallel_state.destroy_model_parallel()
         super().close()
 
-    # -- compute ---------------------------------------------------------------------------------
-    def compute(self, micro_batches: list[RolloutBatch], stage: str) -> dict[str, torch.Tensor]:
-        micro_batches = [mb.to(self.device) for mb in micro_batches]
-        return run_compute(self.module, micro_batches, stage, list(self.models.values()), contextlib.nullcontext())
+    def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+        return reduce_and_clip(params, max_norm)
 
-    def train_step(self, micro_batches: list[RolloutBatch]) -> dict[str, float]:
-        micro_batches = [mb.to(self.device) for mb in micro_batches]
-        models = list(self.module.trainable_models().values())
-        metrics, stepped = run_train_step(self.module, micro_batches, models, self.optimizers, self.schedulers,
-                                          self.options["gradient_clip_val"], contextlib.nullcontext,
-                                          clip_fn=reduce_and_clip)
+    def mark_stepped(self, stepped: list[str]) -> None:
         if stepped:  # megatron names map onto several HF names each: every HF tensor counts as changed
             self.versions.bump(self._specs)
-        return metrics
 
     # -- weights -----------------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -40,3 +40,19 @@ def tiny_qwen2_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions, tie_word_embeddings=True, use_cache=False, **overrides,
     )
+
+
+def prepared_batch(module: Any, strategy: Any, prompts: Any) -> Any:
+    """One step's batch, laid out as the loop lays it out before the update: connect an ``hf``
+    engine to ``strategy``, sync, roll out ``prompts``, reward, run the compute stages, compute
+    advantages, and set the global token/row counts. For tests that compare strategies on one batch."""
+    from rltrainer.rollout.hf import HFEngine
+
+    engine = strategy.connect_engine(HFEngine(), module.tokenizer)
+    strategy.sync_weights(engine)
+    batch = module.reward_step(module.rollout_step(prompts, engine))
+    for stage in module.compute_stages():
+        batch = batch.union(strategy.compute(batch, stage))
+    batch = module.advantage_step(batch)
+    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
+    return batch

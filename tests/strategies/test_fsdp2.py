@@ -13,9 +13,9 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.rollout.hf import HFEngine
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 from rltrainer.strategies.distributed import partition_for_ranks
+from rltrainer.testing import prepared_batch
 
 
 def parity_reward(completions, **kwargs):
@@ -50,18 +50,6 @@ def make_module(cls, config, tokenizer, **kwargs):
     return cls(config, tokenizer, **{**defaults, **kwargs})
 
 
-def rollout_batch(module, strategy, prompts):
-    """One rollout + reward + forward passes + advantages, laid out as the loop does."""
-    engine = strategy.connect_engine(HFEngine(), module.tokenizer)
-    strategy.sync_weights(engine)
-    batch = module.reward_step(module.rollout_step(prompts, engine))
-    for stage in module.compute_stages():
-        batch = batch.union(strategy.compute(batch, stage))
-    batch = module.advantage_step(batch)
-    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
-    return batch
-
-
 def test_partition_balances_tokens_and_pads_to_equal_micro_batch_counts():
     mask = torch.zeros(5, 10, dtype=torch.long)
     for i, n in enumerate([10, 1, 9, 2, 3]):
@@ -88,7 +76,7 @@ def test_two_ranks_on_ray_match_one_device(tiny_config, bpe_tokenizer, gsm8k_pro
     single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)
     single.setup(single_module, seed=7)
     torch.manual_seed(0)
-    batch = rollout_batch(single_module, single, prompts)  # 12 rows
+    batch = prepared_batch(single_module, single, prompts)  # 12 rows
     assert batch["advantages"].abs().sum() > 0
 
     fsdp = FSDP2Strategy(devices=2, micro_batch_size=5)  # 6 rows per rank -> 2 micro-batches each, one short

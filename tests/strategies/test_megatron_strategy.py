@@ -11,8 +11,8 @@ import torch
 
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.rollout.hf import HFEngine
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
+from rltrainer.testing import prepared_batch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')")
@@ -36,17 +36,6 @@ def config(bpe_tokenizer):
     return tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
 
 
-def rollout_batch(module, strategy, prompts):
-    engine = strategy.connect_engine(HFEngine(), module.tokenizer)
-    strategy.sync_weights(engine)
-    batch = module.reward_step(module.rollout_step(prompts, engine))
-    for stage in module.compute_stages():
-        batch = batch.union(strategy.compute(batch, stage))
-    batch = module.advantage_step(batch)
-    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
-    return batch
-
-
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
 def test_two_ranks_match_one_device(tp, config, bpe_tokenizer, gsm8k_prompts, ray_session):
     prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])  # prompts of unequal length
@@ -54,7 +43,7 @@ def test_two_ranks_match_one_device(tp, config, bpe_tokenizer, gsm8k_prompts, ra
     single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)
     single.setup(single_module, seed=7)
     torch.manual_seed(0)
-    batch = rollout_batch(single_module, single, prompts)
+    batch = prepared_batch(single_module, single, prompts)
     strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, micro_batch_size=5)
     try:
         strategy.setup(make_module(config, bpe_tokenizer), seed=7)
