@@ -98,6 +98,15 @@ class TrainingWorker(Worker):
         self.engine_teardown()
         self.destroy_distributed()
 
+    def rng_state(self) -> dict[str, Any]:
+        return {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
     # -- weights -----------------------------------------------------------------------------------
     def plan_export(self, dtype: torch.dtype | None, only_changed: bool) -> tuple[int, int]:
         """Plan the buckets of the next export; returns ``(buckets, skipped tensors)``."""
@@ -319,14 +328,24 @@ class WorkerGroupStrategy(Strategy):
         return self._config
 
     def state_dict(self) -> dict[str, Any]:
-        return self._require_group().execute_all("state_dict")[0]
+        """Models, optimizers, schedulers, and every rank's RNG state (the rollout engines sample
+        in the ranks' processes, so a resumed run draws the samples an uninterrupted one would)."""
+        return {"training": self._training_state(), "rng": self._require_group().execute_all("rng_state")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_training_state(state["training"])
+        if len(state["rng"]) == self.world_size:
+            self._require_group().dispatch("set_rng_state", [((s,), {}) for s in state["rng"]])
+
+    def _training_state(self) -> Any:
+        return self._require_group().execute_all("state_dict")[0]  # rank 0 holds the full state
+
+    def _load_training_state(self, state: Any) -> None:
         group = self._require_group()
         if isinstance(group, RayWorkerGroup):
             import ray
 
-            state = ray.put(state)
+            state = ray.put(state)  # one copy for every rank
         group.execute_all("load_state_dict", state)
 
     def teardown(self) -> None:

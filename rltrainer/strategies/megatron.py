@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
 from rltrainer.strategies.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
-from rltrainer.strategies.strategy import STRATEGIES, normalize_optimizers
+from rltrainer.strategies.strategy import (STRATEGIES, load_local_training_state, local_training_state,
+                                          normalize_optimizers)
 from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -211,17 +212,10 @@ class MegatronWorker(TrainingWorker):
 
     # -- checkpoints: each rank keeps its own shard -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"models": {n: m.state_dict() for n, m in self.module.trainable_models().items()},
-                "optimizers": [o.state_dict() for o in self.optimizers],
-                "schedulers": [s.state_dict() for s in self.schedulers]}
+        return local_training_state(self.module, self.optimizers, self.schedulers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, model in self.module.trainable_models().items():
-            model.load_state_dict(state["models"][name])
-        for opt, s in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(s)
-        for sched, s in zip(self.schedulers, state["schedulers"]):
-            sched.load_state_dict(s)
+        load_local_training_state(self.module, self.optimizers, self.schedulers, state)
         self.versions.forget_synced()
 
 
@@ -284,10 +278,10 @@ class MegatronStrategy(WorkerGroupStrategy):
     def data_parallel_size(self) -> int:
         return self.world_size // self.tp
 
-    def state_dict(self) -> dict[str, Any]:
+    def _training_state(self) -> Any:
         return {"ranks": self._require_group().execute_all("state_dict"), "tensor_model_parallel_size": self.tp}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def _load_training_state(self, state: Any) -> None:
         if state.get("tensor_model_parallel_size") != self.tp or len(state["ranks"]) != self.world_size:
             raise ValueError(f"This checkpoint has {len(state['ranks'])} ranks with tensor_model_parallel_size="
                              f"{state.get('tensor_model_parallel_size')}; this run has {self.world_size} with {self.tp}")

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.strategies.strategy import (STRATEGIES, Strategy, autocast_context, normalize_optimizers, param_dtype,
-                                          run_compute, run_train_step)
+from rltrainer.strategies.strategy import (STRATEGIES, Strategy, autocast_context, load_local_training_state,
+                                          local_training_state, normalize_optimizers, param_dtype, run_compute,
+                                          run_train_step)
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -86,17 +87,8 @@ class SingleDeviceStrategy(Strategy):
         return self.module.policy.config
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "models": {name: m.state_dict() for name, m in self.module.trainable_models().items()},
-            "optimizers": [opt.state_dict() for opt in self.optimizers],
-            "schedulers": [s.state_dict() for s in self.schedulers],
-        }
+        return local_training_state(self.module, self.optimizers, self.schedulers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, m in self.module.trainable_models().items():
-            m.load_state_dict(state["models"][name])
-        for opt, s in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(s)
-        for sched, s in zip(self.schedulers, state["schedulers"]):
-            sched.load_state_dict(s)
+        load_local_training_state(self.module, self.optimizers, self.schedulers, state)
         self.versions.forget_synced()

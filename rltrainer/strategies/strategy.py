@@ -194,6 +194,24 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None) -> 
     return float(norm)
 
 
+def local_training_state(module: RLModule, optimizers: list[Any], schedulers: list[Any]) -> dict[str, Any]:
+    """This process's models, optimizers and schedulers, as saved in a checkpoint."""
+    return {"models": {name: m.state_dict() for name, m in module.trainable_models().items()},
+            "optimizers": [opt.state_dict() for opt in optimizers],
+            "schedulers": [s.state_dict() for s in schedulers]}
+
+
+def load_local_training_state(module: RLModule, optimizers: list[Any], schedulers: list[Any],
+                              state: dict[str, Any]) -> None:
+    """The inverse of :func:`local_training_state`."""
+    for name, m in module.trainable_models().items():
+        m.load_state_dict(state["models"][name])
+    for opt, s in zip(optimizers, state["optimizers"]):
+        opt.load_state_dict(s)
+    for sched, s in zip(schedulers, state["schedulers"]):
+        sched.load_state_dict(s)
+
+
 def normalize_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
     """Accept an optimizer, ``{"optimizer", "lr_scheduler"}``, or a list of either."""
     items = config if isinstance(config, (list, tuple)) else [config]

@@ -195,10 +195,13 @@ def test_offload_and_checkpointing_presets_match_plain_fsdp2(preset, tiny_config
         torch.testing.assert_close(results[preset][name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
-def test_fsdp2_checkpoint_resume_matches_uninterrupted_run(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_fsdp2_checkpoint_resume_matches_uninterrupted_run(devices, tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path,
+                                                           ray_session):
+    """devices=2: the full state gathers on rank 0 and every rank's RNG (its engine samples) is restored."""
     def run(max_steps, ckpt=None, save=None):
         module = make_module(GRPO, tiny_config, bpe_tokenizer, num_generations=2)
-        with Trainer(strategy="fsdp2", max_steps=max_steps, logger=False, enable_progress_bar=False, seed=6,
+        with Trainer(strategy="fsdp2", devices=devices, max_steps=max_steps, logger=False, enable_progress_bar=False, seed=6,
                      default_root_dir=tmp_path) as trainer:
             trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2), ckpt_path=ckpt)
             if save:

@@ -82,3 +82,22 @@ def test_bad_megatron_arguments():
         MegatronStrategy(devices=3, tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match="precision"):
         MegatronStrategy(precision="bf16-mixed")
+
+
+def test_megatron_checkpoint_resume_matches_uninterrupted_run(config, bpe_tokenizer, gsm8k_prompts, tmp_path,
+                                                              ray_session):
+    def run(max_steps, ckpt=None, save=None):
+        module = make_module(config, bpe_tokenizer, num_generations=2)
+        strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2)
+        with Trainer(strategy=strategy, max_steps=max_steps, logger=False, enable_progress_bar=False, seed=6,
+                     default_root_dir=tmp_path) as trainer:
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2), ckpt_path=ckpt)
+            if save:
+                trainer.save_checkpoint(save)
+            return dict(strategy.export_weights())
+
+    full = run(2)
+    run(1, save=tmp_path / "step1.ckpt")
+    resumed = run(2, ckpt=tmp_path / "step1.ckpt")
+    for name, tensor in full.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
