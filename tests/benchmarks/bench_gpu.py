@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=32)
-    p.add_argument("--out", default=str(ROOT / ".benchmarks" / "gpu.json"))
+    p.add_argument("--out", default=str(ROOT / "tests" / "benchmarks" / "results" / "gpu.json"))
     args = p.parse_args()
     device = torch.device(args.device)
     tokenizer = load_tokenizer("qwen2.5-instruct")

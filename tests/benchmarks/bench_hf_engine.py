@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--out", default=".benchmarks/hf_engine.json", help="JSON file of the figures")
+    parser.add_argument("--out", default="tests/benchmarks/results/hf_engine.json", help="JSON file of the figures")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -165,7 +165,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=WARMUP + 10, help="steps per run, warm-up included")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds (rltrainer, trl, ...)")
     p.add_argument("--only", choices=["rltrainer", "trl"], help="run one framework")
-    p.add_argument("--out", default=str(ROOT / ".benchmarks" / "vs_trl.json"))
+    p.add_argument("--out", default=str(ROOT / "tests" / "benchmarks" / "results" / "vs_trl.json"))
     p.add_argument("--child", nargs=2, metavar=("FRAMEWORK", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:

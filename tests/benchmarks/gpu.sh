@@ -3,22 +3,21 @@
 # decode tokens/s, weight-sync GB/s next to a device-to-device copy. Uses what that machine has
 # (torch, transformers; no Ray, vLLM or datasets) and this checkout's code, not installed.
 #
-#   bash tests/benchmarks/gpu.sh --fetch-wheels   # here, once: tensordict's pure-Python wheels into .whl/
-#   bash tests/benchmarks/gpu.sh [bench_gpu.py flags]   # there, with .whl carried
+#   bash tests/benchmarks/gpu.sh --fetch-wheels   # here, once: tensordict's pure-Python wheels into tests/benchmarks/wheels/
+#   bash tests/benchmarks/gpu.sh [bench_gpu.py flags]   # there, with tests/benchmarks/wheels carried
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = "--fetch-wheels" ]; then
-  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl tensordict==0.15.3 pyvers==0.2.3
-  ls .whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d tests/benchmarks/wheels tensordict==0.15.3 pyvers==0.2.3
+  ls tests/benchmarks/wheels
   exit 0
 fi
 if ! python3 -c "import tensordict" 2>/dev/null; then
-  if ls .whl/tensordict-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  if ls tests/benchmarks/wheels/tensordict-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site tests/benchmarks/wheels/*.whl
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
   else
-    echo "tensordict is not installed here and .whl/ holds no wheel of it: run 'bash tests/benchmarks/gpu.sh --fetch-wheels' where pip works and carry .whl" >&2
+    echo "tensordict is not installed here and tests/benchmarks/wheels/ holds no wheel of it: run 'bash tests/benchmarks/gpu.sh --fetch-wheels' where pip works and carry tests/benchmarks/wheels" >&2
     exit 2
   fi
 fi

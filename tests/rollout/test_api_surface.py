@@ -3,10 +3,10 @@ compatible signature, in the real sources of the versions they were written agai
 sources are read from the wheels (``pip download --no-deps``, never installed) by parsing them;
 nothing is imported.
 
-Marked ``api_surface``. It needs the wheels in ``$RLTRAINER_WHEELS_DIR`` (default ``.wheels/``,
+Marked ``api_surface``. It needs the wheels in ``$RLTRAINER_WHEELS_DIR`` (default ``tests/rollout/wheels/``,
 git-ignored) and skips, saying so, without them. To run it::
 
-    python -m pip download --no-deps -d .wheels vllm==0.33.0 sglang==0.5.23
+    python -m pip download --no-deps -d tests/rollout/wheels vllm==0.33.0 sglang==0.5.23
     python -m pytest -m api_surface
 """
 
@@ -22,7 +22,7 @@ import pytest
 pytestmark = pytest.mark.api_surface
 
 ROOT = Path(__file__).resolve().parents[2]
-WHEELS = Path(os.environ.get("RLTRAINER_WHEELS_DIR", ROOT / ".wheels"))
+WHEELS = Path(os.environ.get("RLTRAINER_WHEELS_DIR", ROOT / "tests" / "rollout" / "wheels"))
 VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
 
 
