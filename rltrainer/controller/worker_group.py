@@ -15,7 +15,6 @@ surviving ranks may be blocked in a collective with the failed one.
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,8 +32,8 @@ class WorkerError(RuntimeError):
 class _Done:
     """An in-process 'future': the result or the exception of a call already made."""
 
-    def __init__(self, value: Any = None, error: BaseException | None = None, tb: str = "") -> None:
-        self.value, self.error, self.tb = value, error, tb
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
 
 
 class WorkerGroup:
@@ -83,7 +82,7 @@ class InProcessWorkerGroup(WorkerGroup):
         try:
             return [_Done(getattr(self.worker, method)(*args, **kwargs))]
         except Exception as exc:  # re-raised by get(), as Ray would
-            return [_Done(error=exc, tb=traceback.format_exc())]
+            return [_Done(error=exc)]
 
     def get(self, futures: Sequence[Any], method: str) -> list[Any]:
         for f in futures:

@@ -92,10 +92,6 @@ class PackedBucket:
     buffer: np.ndarray  # [bytes] uint8
     entries: list[tuple[str, str, tuple[int, ...], int]] = field(default_factory=list)  # name, dtype, shape, offset
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.nbytes)
-
 
 def pack_bucket(tensors: Sequence[tuple[str, torch.Tensor]]) -> PackedBucket:
     """Copy ``tensors`` (on any device) into one CPU byte buffer."""
