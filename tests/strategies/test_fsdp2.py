@@ -242,3 +242,11 @@ def test_ray_started_by_the_strategy_shuts_down_after_fit(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0 and "CLEAN EXIT" in proc.stdout, proc.stderr[-3000:]
     assert time.perf_counter() - start < 120
+
+
+def test_too_few_ray_resources_fail_fast_with_what_is_there(tiny_config, bpe_tokenizer, ray_session):
+    strategy = FSDP2Strategy(devices=2, cpus_per_worker=64)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"need \{'CPU': 128\}, but the whole Ray cluster has 4 CPU"):
+        strategy.setup(make_module(GRPO, tiny_config, bpe_tokenizer), seed=0)
+    assert time.perf_counter() - start < 10  # no waiting for resources that cannot exist
