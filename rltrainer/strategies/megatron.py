@@ -14,8 +14,12 @@ by the global norm over tensor-parallel shards. On CPU (tests), the attention is
 our own (SDPA) and megatron-core's ``torch.cuda.current_device()`` placements point at the CPU:
 see :func:`cpu_shims`.
 
+Weights leave one bucket at a time: each bucket gathers the tensor-parallel shards of the
+megatron parameters behind its HF names and converts just those; only parameters an optimizer
+step changed are sent.
+
 Not yet: pipeline parallelism (``hf_to_megatron`` lays out stages; the strategy does not run a
-pipeline schedule), PPO's critic, and skipping frozen tensors in a sync (every tensor is sent).
+pipeline schedule), PPO's critic.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
-from rltrainer.strategies.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
+from rltrainer.strategies.megatron_weights import MegatronLayout, hf_from_megatron, hf_names_of, hf_to_megatron
 from rltrainer.strategies.strategy import (STRATEGIES, load_local_training_state, local_training_state,
                                           normalize_optimizers)
 from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES
@@ -134,7 +138,7 @@ class MegatronWorker(TrainingWorker):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__(rank, world_size, threads=threads, device=device, bucket_bytes=bucket_bytes)
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        self._export: dict[str, torch.Tensor] | None = None
+        self._sources: dict[str, str] = {}  # HF name -> the megatron parameter holding it
 
     def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
         from megatron.core import parallel_state
@@ -162,11 +166,18 @@ class MegatronWorker(TrainingWorker):
             missing = [m for m in missing if not m.endswith("_extra_state")]
             if missing or unexpected:
                 raise RuntimeError(f"Megatron layout mismatch for {name}: missing {missing}, unexpected {unexpected}")
-            frozen = not any(p.requires_grad for p in hf_model.parameters())
-            wrapped = MegatronCausalLM(gpt, hf_model.config).requires_grad_(not frozen)
+            trainable = {n: p.requires_grad for n, p in hf_model.named_parameters()}
+            for mname, param in gpt.named_parameters():  # frozen in transformers -> frozen here
+                hf_names = hf_names_of(mname, hf_model.config, MegatronLayout(tp=tp)) or ["model.embed_tokens.weight"]
+                param.requires_grad_(any(trainable[h] for h in hf_names))
+            wrapped = MegatronCausalLM(gpt, hf_model.config)
             setattr(module, name, wrapped)
             self.models[name] = wrapped
         self.module = module
+        layout = MegatronLayout(tp=tp)
+        self._sources = {hf: name for name, _ in module.policy.gpt.named_parameters()
+                         for hf in hf_names_of(name, module.policy.config, layout)}
+        self._specs = {n: self._specs[n] for n in self._sources}  # export in megatron order: siblings adjacent
         self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
 
     def close(self) -> None:
@@ -179,36 +190,30 @@ class MegatronWorker(TrainingWorker):
         return reduce_and_clip(params, max_norm)
 
     def mark_stepped(self, stepped: list[str]) -> None:
-        if stepped:  # megatron names map onto several HF names each: every HF tensor counts as changed
-            self.versions.bump(self._specs)
+        """Bump the HF names each stepped megatron parameter holds (a frozen one holds no step)."""
+        config, layout = self.module.policy.config, MegatronLayout(tp=self.options["tensor_model_parallel_size"])
+        self.versions.bump(hf for name in stepped for hf in hf_names_of(name.removeprefix("gpt."), config, layout))
 
     # -- weights -----------------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._specs)
 
     def gather_weights(self, names: list[str], dtype: torch.dtype | None, index: int) -> list[tuple[str, torch.Tensor]]:
-        """The first bucket gathers the tensor-parallel shards once and converts them to HF names;
-        the others read from that (freed at the end of the sync)."""
-        if self._export is None:
-            self._export = self._gather_hf()
-        return [(n, self._export[n].to(dtype) if dtype else self._export[n]) for n in names]
-
-    def end_of_sync(self) -> None:
-        self._export = None
-
-    def _gather_hf(self) -> dict[str, torch.Tensor]:
+        """Gather the tensor-parallel shards of the megatron parameters behind ``names`` (one
+        bucket) and convert them to full HF tensors."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
         group = parallel_state.get_tensor_model_parallel_group()
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-        for name, param in self.module.policy.gpt.named_parameters():
-            parts = [torch.empty_like(param) for _ in range(tp)]
-            dist.all_gather(parts, param.detach().contiguous(), group=group)
-            for r in range(tp):
-                shards[r][name] = parts[r]
-        return megatron_to_hf([shards], self.module.policy.config, MegatronLayout(tp=tp))
+        params = dict(self.module.policy.gpt.named_parameters())
+        full: dict[str, torch.Tensor] = {}
+        for source in dict.fromkeys(self._sources[n] for n in names):  # each source once, in order
+            local = params[source].detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local, group=group)
+            full.update(hf_from_megatron(source, parts, self.module.policy.config, MegatronLayout(tp=tp)))
+        return [(n, full[n].to(dtype) if dtype else full[n]) for n in names]
 
     # -- checkpoints: each rank keeps its own shard -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -156,39 +156,61 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Any, layout: Megat
     return shards
 
 
+def hf_names_of(megatron_name: str, config: Any, layout: MegatronLayout, stage: int = 0) -> list[str]:
+    """The transformers parameters a megatron-core parameter (of pipeline stage ``stage``) holds."""
+    dims = _Dims.of(config)
+    norm_attn, norm_mlp = _norm_names(layout)
+    if megatron_name == "embedding.word_embeddings.weight":
+        return ["model.embed_tokens.weight"]
+    if megatron_name == "output_layer.weight":
+        return [] if dims.tied else ["lm_head.weight"]  # tied: a copy of the embedding
+    if megatron_name == "decoder.final_layernorm.weight":
+        return ["model.norm.weight"]
+    prefix = "decoder.layers."
+    if not megatron_name.startswith(prefix):
+        raise KeyError(f"No transformers counterpart for megatron parameter {megatron_name!r}")
+    local, rest = megatron_name[len(prefix):].split(".", 1)
+    hf = f"model.layers.{stage_layers(dims.layers, layout.pp)[stage][int(local)]}."
+    names = {
+        "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                             "self_attn.v_proj.weight"],
+        "self_attention.linear_qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+        "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+        "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+        norm_attn: ["input_layernorm.weight"],
+        norm_mlp: ["post_attention_layernorm.weight"],
+    }.get(rest)
+    if names is None:
+        raise KeyError(f"No transformers counterpart for megatron parameter {megatron_name!r}")
+    return [hf + n for n in names]
+
+
+def hf_from_megatron(megatron_name: str, tp_shards: list[torch.Tensor], config: Any, layout: MegatronLayout,
+                     stage: int = 0) -> dict[str, torch.Tensor]:
+    """One megatron-core parameter, given its shard on every tensor-parallel rank -> the full
+    transformers tensors it holds (see :func:`hf_names_of`)."""
+    dims = _Dims.of(config)
+    names = hf_names_of(megatron_name, config, layout, stage)
+    if not names:
+        return {}
+    if megatron_name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return dict(zip(names, split_qkv(tp_shards, dims)))
+    if megatron_name.endswith("linear_fc1.weight"):
+        halves = [t.chunk(2) for t in tp_shards]  # per rank: [gate shard; up shard]
+        return {names[0]: torch.cat([g for g, _ in halves]), names[1]: torch.cat([u for _, u in halves])}
+    if megatron_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return {names[0]: torch.cat(tp_shards, dim=1)}  # split along the input dimension
+    if megatron_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return {names[0]: torch.cat(tp_shards)[: dims.vocab]}  # vocabulary rows, padding dropped
+    return {names[0]: tp_shards[0]}  # norms: replicated
+
+
 def megatron_to_hf(shards: Shards, config: Any, layout: MegatronLayout) -> dict[str, torch.Tensor]:
     """megatron-core state dicts ``[pp stage][tp rank]`` -> a transformers state dict (full tensors)."""
-    dims = _Dims.of(config)
-    _check(dims, layout)
-    norm_attn, norm_mlp = _norm_names(layout)
+    _check(_Dims.of(config), layout)
     out: dict[str, torch.Tensor] = {}
-
-    def gather(stage: int, name: str, dim: int) -> torch.Tensor:
-        return torch.cat([shards[stage][r][name] for r in range(layout.tp)], dim=dim)
-
-    embed = gather(0, "embedding.word_embeddings.weight", 0)[: dims.vocab]
-    out["model.embed_tokens.weight"] = embed
-    for stage, layers in enumerate(stage_layers(dims.layers, layout.pp)):
-        first = shards[stage][0]
-        for local, i in enumerate(layers):
-            hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
-            q, k, v = split_qkv([shards[stage][r][mg + "self_attention.linear_qkv.weight"] for r in range(layout.tp)], dims)
-            out.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k,
-                        hf + "self_attn.v_proj.weight": v})
-            if mg + "self_attention.linear_qkv.bias" in first:
-                q, k, v = split_qkv([shards[stage][r][mg + "self_attention.linear_qkv.bias"] for r in range(layout.tp)],
-                                    dims)
-                out.update({hf + "self_attn.q_proj.bias": q, hf + "self_attn.k_proj.bias": k,
-                            hf + "self_attn.v_proj.bias": v})
-            out[hf + "self_attn.o_proj.weight"] = gather(stage, mg + "self_attention.linear_proj.weight", 1)
-            fc1 = [shards[stage][r][mg + "mlp.linear_fc1.weight"].chunk(2) for r in range(layout.tp)]
-            out[hf + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
-            out[hf + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])
-            out[hf + "mlp.down_proj.weight"] = gather(stage, mg + "mlp.linear_fc2.weight", 1)
-            out[hf + "input_layernorm.weight"] = first[mg + norm_attn]
-            out[hf + "post_attention_layernorm.weight"] = first[mg + norm_mlp]
-    last = layout.pp - 1
-    out["model.norm.weight"] = shards[last][0]["decoder.final_layernorm.weight"]
-    if not dims.tied:
-        out["lm_head.weight"] = gather(last, "output_layer.weight", 0)[: dims.vocab]
+    for stage, ranks in enumerate(shards):
+        for name in ranks[0]:
+            out.update(hf_from_megatron(name, [ranks[r][name] for r in range(layout.tp)], config, layout, stage))
     return out
