@@ -18,8 +18,10 @@ Weights leave one bucket at a time: each bucket gathers the tensor-parallel shar
 megatron parameters behind its HF names and converts just those; only parameters an optimizer
 step changed are sent.
 
-Not yet: pipeline parallelism (``hf_to_megatron`` lays out stages; the strategy does not run a
-pipeline schedule), PPO's critic.
+``policy_step`` runs in this module's micro-batch loop, not megatron-core's
+``forward_backward_no_pipelining``: that allocates ``torch.zeros(..., device="cuda")`` and cannot
+run on CPU, where this strategy is tested. Not yet: pipeline parallelism (``hf_to_megatron`` lays
+out stages; no pipeline schedule runs them), PPO's critic.
 """
 
 from __future__ import annotations
