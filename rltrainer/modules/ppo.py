@@ -17,17 +17,18 @@ from rltrainer.modules.grpo import GRPO
 
 def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Module:
     """A transformers token-classification model with one output (a value per position) from a
-    hub id or path (backbone weights loaded, head random), a config, or a callable."""
+    hub id or path (backbone weights loaded, head random), a config, or a callable. Dropout before
+    the head is off (as in verl): the values the update clips around are computed in eval mode."""
     from transformers import AutoModelForTokenClassification, PretrainedConfig
 
     if isinstance(spec, PretrainedConfig):
         if seed is not None:
             torch.manual_seed(seed)
         config = copy.deepcopy(spec)
-        config.num_labels = 1
+        config.num_labels, config.classifier_dropout = 1, 0.0
         return AutoModelForTokenClassification.from_config(config)
     if isinstance(spec, str):
-        return AutoModelForTokenClassification.from_pretrained(spec, num_labels=1)
+        return AutoModelForTokenClassification.from_pretrained(spec, num_labels=1, classifier_dropout=0.0)
     return spec()
 
 

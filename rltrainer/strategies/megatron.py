@@ -21,11 +21,12 @@ step changed are sent.
 ``policy_step`` runs in this module's micro-batch loop, not megatron-core's
 ``forward_backward_no_pipelining``: that allocates ``torch.zeros(..., device="cuda")`` and cannot
 run on CPU, where this strategy is tested. Not yet: pipeline parallelism (``hf_to_megatron`` lays
-out stages; no pipeline schedule runs them), PPO's critic.
+out stages; no pipeline schedule runs them).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,7 @@ def cpu_attention_spec() -> type:
     return CPUAttention
 
 
-def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype) -> torch.nn.Module:
+def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_process: bool = True) -> torch.nn.Module:
     """A megatron-core ``GPTModel`` with the architecture of a Qwen2 / Llama transformers config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -101,7 +102,8 @@ def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype) -> torc
         "rope_theta", 10000.0)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
                     max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
-                    rotary_base=int(rope), share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings))
+                    rotary_base=int(rope), post_process=post_process,
+                    share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and post_process)
 
 
 class MegatronCausalLM(torch.nn.Module):
@@ -122,15 +124,44 @@ class MegatronCausalLM(torch.nn.Module):
                 **kwargs: Any) -> SimpleNamespace:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        b, s = input_ids.shape
-        steps = torch.arange(s, device=input_ids.device)
-        pads = (attention_mask.cumsum(-1) == 0).sum(-1) if attention_mask is not None else torch.zeros_like(input_ids[:, 0])
-        shifted = input_ids.gather(1, (steps[None] + pads[:, None]) % s)
-        logits = self.gpt(shifted, steps.expand(b, s), attention_mask=None)  # [b, s, V/tp]
-        logits = gather_from_tensor_model_parallel_region(logits)[..., : self.config.vocab_size]
-        back = ((steps[None] - pads[:, None]) % s)[..., None].expand(-1, -1, logits.shape[-1])
-        logits = logits.gather(1, back)
+        def run(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            logits = self.gpt(ids, positions, attention_mask=None)  # [b, s, V/tp]
+            return gather_from_tensor_model_parallel_region(logits)[..., : self.config.vocab_size]
+
+        logits = left_aligned(run, input_ids, attention_mask)
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+class MegatronValueModel(torch.nn.Module):
+    """A critic: a ``GPTModel`` trunk (no output layer) with the transformers model's final norm
+    and one-output ``score`` head (replicated on every tensor-parallel rank), answering the
+    token-classification call (``.logits [b, s, 1]``)."""
+
+    def __init__(self, gpt: torch.nn.Module, norm: torch.nn.Module, score: torch.nn.Module, config: Any,
+                 dropout: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.gpt, self.norm, self.score, self.config = gpt, norm, score, config
+        self.dropout = dropout or torch.nn.Identity()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs: Any) -> SimpleNamespace:
+        def run(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            hidden = self.gpt(ids, positions, attention_mask=None)  # [s, b, H] without post-processing
+            return self.score(self.dropout(self.norm(hidden.transpose(0, 1))))
+
+        return SimpleNamespace(logits=left_aligned(run, input_ids, attention_mask))
+
+
+def left_aligned(run: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``run(ids, positions) -> [b, s, ...]`` with each row's tokens rotated to start at position 0
+    (megatron's RoPE counts from the start; left padding moves behind the causal horizon), and its
+    output rotated back to the input's layout."""
+    b, s = input_ids.shape
+    steps = torch.arange(s, device=input_ids.device)
+    pads = (attention_mask.cumsum(-1) == 0).sum(-1) if attention_mask is not None else torch.zeros_like(input_ids[:, 0])
+    out = run(input_ids.gather(1, (steps[None] + pads[:, None]) % s), steps.expand(b, s))
+    back = ((steps[None] - pads[:, None]) % s)[..., None].expand(-1, -1, out.shape[-1])
+    return out.gather(1, back)
 
 
 class MegatronWorker(TrainingWorker):
@@ -153,26 +184,14 @@ class MegatronWorker(TrainingWorker):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         torch.manual_seed(seed)
         module.configure_model()
-        if getattr(module, "critic", None) is not None:
-            raise NotImplementedError("strategy='megatron' does not train a critic yet (PPO); use 'fsdp2'")
         dtype = torch.bfloat16 if options["precision"] == "bf16-true" else torch.float32
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._specs = {n: (tuple(p.shape), p.dtype) for n, p in module.policy.named_parameters()}
         for name, hf_model in list(module.named_children()):
             if not hasattr(hf_model, "config") or not any(True for _ in hf_model.parameters()):
                 continue
-            state = {n: p.detach() for n, p in hf_model.named_parameters()}
-            gpt = build_gpt(hf_model.config, tp, on_cpu, dtype).to(self.device)
-            shard = hf_to_megatron(state, hf_model.config, MegatronLayout(tp=tp))[0][tp_rank]
-            missing, unexpected = gpt.load_state_dict(shard, strict=False)
-            missing = [m for m in missing if not m.endswith("_extra_state")]
-            if missing or unexpected:
-                raise RuntimeError(f"Megatron layout mismatch for {name}: missing {missing}, unexpected {unexpected}")
-            trainable = {n: p.requires_grad for n, p in hf_model.named_parameters()}
-            for mname, param in gpt.named_parameters():  # frozen in transformers -> frozen here
-                hf_names = hf_names_of(mname, hf_model.config, MegatronLayout(tp=tp)) or ["model.embed_tokens.weight"]
-                param.requires_grad_(any(trainable[h] for h in hf_names))
-            wrapped = MegatronCausalLM(gpt, hf_model.config)
+            is_critic = hasattr(hf_model, "score") and not hasattr(hf_model, "lm_head")
+            wrapped = (self._critic(hf_model, tp, on_cpu, dtype) if is_critic
+                       else MegatronCausalLM(self._megatron_trunk(hf_model, tp, on_cpu, dtype, True), hf_model.config))
             setattr(module, name, wrapped)
             self.models[name] = wrapped
         self.module = module
@@ -181,6 +200,38 @@ class MegatronWorker(TrainingWorker):
                          for hf in hf_names_of(name, module.policy.config, layout)}
         self._specs = {n: self._specs[n] for n in self._sources}  # export in megatron order: siblings adjacent
         self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
+
+    def _megatron_trunk(self, hf_model: torch.nn.Module, tp: int, on_cpu: bool, dtype: torch.dtype,
+                        post_process: bool) -> torch.nn.Module:
+        """This rank's ``GPTModel`` shard with ``hf_model``'s weights (and its frozen parameters frozen)."""
+        from megatron.core import parallel_state
+
+        config = hf_model.config
+        state = {n: p.detach() for n, p in hf_model.named_parameters()}
+        if not post_process:  # a trunk: no output layer to fill, the final norm stays outside
+            config = copy.deepcopy(config)
+            config.tie_word_embeddings = True
+        layout = MegatronLayout(tp=tp)
+        shard = hf_to_megatron(state, config, layout)[0][parallel_state.get_tensor_model_parallel_rank()]
+        if not post_process:
+            shard.pop("decoder.final_layernorm.weight")
+        gpt = build_gpt(config, tp, on_cpu, dtype, post_process=post_process).to(self.device)
+        missing, unexpected = gpt.load_state_dict(shard, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"Megatron layout mismatch: missing {missing}, unexpected {unexpected}")
+        trainable = {n: p.requires_grad for n, p in hf_model.named_parameters()}
+        for mname, param in gpt.named_parameters():  # frozen in transformers -> frozen here
+            hf_names = hf_names_of(mname, config, layout) or ["model.embed_tokens.weight"]
+            param.requires_grad_(any(trainable[h] for h in hf_names))
+        return gpt
+
+    def _critic(self, hf_model: torch.nn.Module, tp: int, on_cpu: bool, dtype: torch.dtype) -> torch.nn.Module:
+        """A token-classification critic: megatron trunk + the model's final norm and score head."""
+        trunk = self._megatron_trunk(hf_model, tp, on_cpu, dtype, post_process=False)
+        norm, score = copy.deepcopy(hf_model.model.norm), copy.deepcopy(hf_model.score)
+        return MegatronValueModel(trunk, norm.to(self.device, dtype), score.to(self.device, dtype), hf_model.config,
+                                  dropout=copy.deepcopy(getattr(hf_model, "dropout", None)))
 
     def close(self) -> None:
         from megatron.core import parallel_state

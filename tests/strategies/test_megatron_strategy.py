@@ -110,3 +110,31 @@ def test_megatron_checkpoint_resume_matches_uninterrupted_run(config, bpe_tokeni
     resumed = run(2, ckpt=tmp_path / "step1.ckpt")
     for name, tensor in full.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_ppo_critic_on_tensor_parallel_matches_one_device(config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """PPO's critic (a token-classification model) runs as a megatron trunk + replicated head."""
+    from rltrainer import PPO
+
+    def ppo():
+        return PPO(config, bpe_tokenizer, reward_funcs=reward, num_generations=4, max_new_tokens=8, lr=1e-3,
+                   critic_lr=1e-3, kl_coef=0.05)
+
+    prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(2)])
+    single_module = ppo()
+    single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)
+    single.setup(single_module, seed=3)
+    torch.manual_seed(0)
+    batch = prepared_batch(single_module, single, prompts)  # with "values" from the critic
+    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2, micro_batch_size=4)
+    try:
+        strategy.setup(ppo(), seed=3)
+        torch.testing.assert_close(strategy.compute(batch, "values")["values"], batch["values"], rtol=0, atol=1e-5)
+        for _ in range(2):
+            m_single, m_meg = single.train_step(batch), strategy.train_step(batch)
+        assert m_meg["critic/vf_loss"] == pytest.approx(m_single["critic/vf_loss"], rel=1e-4, abs=1e-6)
+        with torch.no_grad():  # the critics moved alike
+            torch.testing.assert_close(strategy.compute(batch, "values")["values"],
+                                       single.compute(batch, "values")["values"], rtol=0, atol=1e-5)
+    finally:
+        strategy.teardown()
