@@ -7,7 +7,6 @@ process can hold both (the colocated "hybrid engine").
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import socket
 from typing import Any
@@ -17,7 +16,6 @@ import torch
 from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
 from rltrainer.strategies.weights import PackedBucket, unpack_bucket
 
-log = logging.getLogger(__name__)
 
 
 def _free_port() -> int:

@@ -90,6 +90,12 @@ class InProcessWorkerGroup(WorkerGroup):
                 raise f.error  # same process: the original exception and traceback
         return [f.value for f in futures]
 
+    def shutdown(self) -> None:
+        """Release what the worker holds (engine, process group); nothing to kill in-process."""
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
+
 
 def ensure_ray(init_kwargs: dict[str, Any] | None = None) -> bool:
     """Connect to Ray (``ray.init``) unless already connected; return True if this call started it."""

@@ -25,15 +25,12 @@ class RemoteEngine(RolloutEngine):
         group: the worker group whose workers hold the replicas (``Worker.setup_engine`` done).
         tokenizer: the tokenizer the replicas use.
         dtype: the replicas' weight dtype (weights are cast to it before they are sent).
-        placement: ``"colocated"`` (replicas share processes with training ranks) or ``"split"``.
     """
 
-    def __init__(self, group: Any, tokenizer: Any, dtype: torch.dtype | None = None,
-                 placement: str = "colocated") -> None:
+    def __init__(self, group: Any, tokenizer: Any, dtype: torch.dtype | None = None) -> None:
         self.group = group
         self.tokenizer = tokenizer
         self.dtype = dtype
-        self.placement = placement
 
     @property
     def replicas(self) -> int:

@@ -23,7 +23,6 @@ weight-transfer engine (``weight_transfer_config={"backend": "nccl"}``, driven b
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -34,7 +33,6 @@ import torch
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, gpu_engine_files,
                                       missing_engine)
 
-log = logging.getLogger(__name__)
 
 
 def vllm_sampling_params(sampling: SamplingParams, stop_token_ids: list[int]) -> Any:

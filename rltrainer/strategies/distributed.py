@@ -236,7 +236,7 @@ class WorkerGroupStrategy(Strategy):
             group = self.rollout_group = self._ray_group(Worker, self.rollout_replicas, "rollout")
         group.execute_all("setup_engine", engine, self._config, tokenizer)
         self.group.execute_all("forget_synced")
-        self.remote_engine = RemoteEngine(group, tokenizer, getattr(engine, "dtype", None), self.rollout_placement)
+        self.remote_engine = RemoteEngine(group, tokenizer, getattr(engine, "dtype", None))
         return self.remote_engine
 
     def _require_group(self) -> WorkerGroup:
@@ -350,11 +350,8 @@ class WorkerGroupStrategy(Strategy):
 
     def teardown(self) -> None:
         for group in (self.rollout_group, self.group):
-            if group is None:
-                continue
-            if isinstance(group, InProcessWorkerGroup):
-                group.worker.close()
-            group.shutdown()
+            if group is not None:
+                group.shutdown()
         self.group = self.rollout_group = self.remote_engine = None
         if self._started_ray:
             import ray

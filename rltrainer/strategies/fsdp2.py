@@ -12,7 +12,6 @@ or row count in ``micro_batch.meta``, so a 2-rank step equals a 1-rank step.
 
 from __future__ import annotations
 
-import logging
 import os
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,6 @@ from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES, SharedBuffers
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
 
-log = logging.getLogger(__name__)
 
 
 class FSDP2Worker(TrainingWorker):
