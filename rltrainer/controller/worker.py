@@ -105,12 +105,26 @@ class Worker:
 
     def engine_teardown(self) -> None:
         if self.engine is not None:
+            self.engine.close_weight_group()
             self.engine.teardown()
             self.engine = None
 
     def load_bucket(self, packed: PackedBucket) -> dict[str, float]:
         """Load one packed bucket of ``(hf_name, tensor)`` into this process's engine."""
         return self._require_engine().update_weights(unpack_bucket(packed))
+
+    # split placement, broadcast transport (rltrainer.strategies.broadcast): the receiving side
+    def engine_weight_group_ranks(self) -> int:
+        """Ranks this replica's engine takes in the weight-broadcast group."""
+        return self._require_engine().weight_group_ranks
+
+    def engine_join_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str,
+                                 timeout_s: float, rank_offset: int) -> None:
+        self._require_engine().init_weight_group(address, port, rank_offset, world_size, group_name, backend,
+                                                 device=self.device, timeout_s=timeout_s)
+
+    def engine_receive_bucket(self, entries: list[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
+        return self._require_engine().receive_weights(entries, last)
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's parameters (for checks and debugging)."""

@@ -3,7 +3,7 @@
 Dispatch is explicit and typed: :meth:`WorkerGroup.execute_all` (same arguments to every rank),
 :meth:`WorkerGroup.dispatch` (rank ``r`` gets ``per_rank[r]``, e.g. its data-parallel share of a
 batch), :meth:`WorkerGroup.execute_rank_zero`. Each has an ``_async`` twin returning futures that
-:meth:`WorkerGroup.get` resolves.
+:meth:`WorkerGroup.get` resolves (:func:`get_together` resolves calls to several groups as one).
 
 :class:`InProcessWorkerGroup` runs one worker in the controller's process (no Ray, breakpoints
 work); :class:`RayWorkerGroup` runs ``world_size`` Ray actors in one placement group. Either way,
@@ -15,6 +15,7 @@ surviving ranks may be blocked in a collective with the failed one.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +53,10 @@ class WorkerGroup:
         return self.get(self.dispatch_async(method, per_rank), method)
 
     def execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.get(self._call_async([0], method, [(args, kwargs)]), method)[0]
+        return self.get(self.execute_rank_zero_async(method, *args, **kwargs), method)[0]
+
+    def execute_rank_zero_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._call_async([0], method, [(args, kwargs)])
 
     def dispatch_async(self, method: str, per_rank: Sequence[tuple[tuple, dict]]) -> list[Any]:
         if len(per_rank) != self.world_size:
@@ -95,6 +99,64 @@ class InProcessWorkerGroup(WorkerGroup):
         close = getattr(self.worker, "close", None)
         if close is not None:
             close()
+
+
+def get_together(calls: Sequence[tuple[WorkerGroup, Sequence[Any], str]]) -> list[list[Any]]:
+    """Wait for the futures of several groups' calls as one (``(group, futures, method)`` each;
+    returns each call's results). The first failure raises, as its group's :class:`WorkerError`
+    (a worker that died is preferred: it explains its peers' errors), and the other Ray groups are
+    shut down: their workers may be blocked in a collective with the failed one (e.g. a weight
+    broadcast between two groups)."""
+    errors: dict[int, bool] = {}  # call -> whether a worker died (else it raised)
+    for i, (group, futures, _) in enumerate(calls):
+        if isinstance(group, InProcessWorkerGroup) and any(f.error is not None for f in futures):
+            errors[i] = False
+    owner = {ref: i for i, (group, futures, _) in enumerate(calls) if isinstance(group, RayWorkerGroup)
+             for ref in futures}
+    if owner:
+        import ray
+
+        until = time.monotonic() + RayWorkerGroup.failure_grace_s if errors else None
+        pending = list(owner)
+        while pending:
+            timeout = None if until is None else max(0.0, until - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                break
+            died = _failure(ready[0])
+            if died is not None:
+                errors[owner[ready[0]]] = errors.get(owner[ready[0]], False) or died
+                if died:
+                    break
+                until = until or time.monotonic() + RayWorkerGroup.failure_grace_s  # a death may follow
+    if errors:
+        failed = min(errors, key=lambda i: (not errors[i], i))
+        group, futures, method = calls[failed]
+        try:
+            group.get(futures, method)
+        except Exception as exc:
+            others = [g for i, (g, _, _) in enumerate(calls) if i != failed and isinstance(g, RayWorkerGroup)]
+            for other in others:
+                other.shutdown()
+            if others:
+                exc.add_note(f"Worker groups {[g.name for g in others]} were shut down too: they were waiting on "
+                             f"{group.name!r} in the same operation.")
+            raise
+    return [group.get(futures, method) for group, futures, method in calls]
+
+
+def _failure(ref: Any) -> bool | None:
+    """None if the call succeeded; True if its worker died; False if it raised."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(ref)
+    except RayActorError:
+        return True
+    except Exception:
+        return False
+    return None
 
 
 def ensure_ray(init_kwargs: dict[str, Any] | None = None) -> bool:

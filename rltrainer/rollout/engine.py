@@ -2,7 +2,9 @@
 
 An engine owns its own copy of the model in its own (inference) layout. The Trainer only ever
 changes the engine's weights through :meth:`RolloutEngine.update_weights`, even in one process:
-the engine never shares parameter objects with the training strategy.
+the engine never shares parameter objects with the training strategy. In split placement the
+weights may instead arrive by broadcast (:meth:`RolloutEngine.receive_weights`), whose default
+receives the bytes and hands them to ``update_weights``.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ class RolloutEngine(abc.ABC):
     tokenizer: Any = None
     dtype: torch.dtype | None = None  # weights are cast to this before they are sent (None: as trained)
 
+    @property
+    def ranks_per_replica(self) -> int:
+        """Worker processes one replica spans (vLLM under ``external_launcher``: its
+        ``tensor_parallel_size``). Every process of a replica gets the same prompts."""
+        return 1
+
     @abc.abstractmethod
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
         """Build the inference model from a transformers config (weights arrive by ``update_weights``)."""
@@ -87,6 +95,48 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Load ``(hf_name, full_tensor)`` pairs into the inference model; return stats
         (``tensors``, ``bytes``). Tensors may be reused by the caller afterwards: copy them."""
+
+    # -- split placement: weights broadcast from trainer rank 0 (rltrainer.strategies.broadcast) --
+    _weight_group: Any = None
+    _weight_device: torch.device | None = None
+
+    @property
+    def weight_group_ranks(self) -> int:
+        """Ranks this engine takes in the weight-broadcast group (one per receiving process)."""
+        return 1
+
+    def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
+                          backend: str, device: torch.device | str, timeout_s: float) -> None:
+        """Join the group whose rank 0 (trainer rank 0) hosts a ``TCPStore`` at ``address:port``,
+        as ranks ``rank_offset .. rank_offset + weight_group_ranks - 1`` of ``world_size``. Every
+        member joins at once; this returns when all have (or raises after ``timeout_s``).
+
+        Default: this process joins as one rank, and receives into buffers on ``device``."""
+        from rltrainer.strategies.broadcast import WeightGroup
+
+        self.close_weight_group()
+        self._weight_group = WeightGroup(address, port, rank_offset, world_size, group_name, backend, timeout_s)
+        self._weight_device = torch.device(device)
+
+    def receive_weights(self, entries: Sequence[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
+        """Receive one broadcast bucket: ``entries`` are ``(hf_name, dtype_name, shape)`` in wire
+        order (the bytes end to end, see :mod:`rltrainer.strategies.broadcast`); ``last`` marks the
+        sync's last bucket. Returns ``update_weights``' stats.
+
+        Default: receive into one buffer, then :meth:`update_weights` with views into it."""
+        from rltrainer.strategies.broadcast import bucket_views, empty_bucket
+
+        if self._weight_group is None:
+            raise RuntimeError(f"{type(self).__name__}.receive_weights before init_weight_group")
+        buffer = empty_bucket(entries, self._weight_device)
+        self._weight_group.broadcast(buffer)
+        return self.update_weights(bucket_views(buffer, entries))
+
+    def close_weight_group(self) -> None:
+        """Leave the weight-broadcast group, if in one."""
+        if self._weight_group is not None:
+            self._weight_group.close()
+            self._weight_group = None
 
     def sleep(self, level: int = 1) -> None:
         """Release memory while training runs (level 1: KV cache; level 2: weights too)."""

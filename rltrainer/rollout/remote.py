@@ -19,35 +19,51 @@ from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES, bucketed, pack_bu
 
 
 class RemoteEngine(RolloutEngine):
-    """Engine replicas, one per worker of ``group`` (already set up by the strategy).
+    """Engine replicas in the workers of ``group`` (already set up by the strategy): one per
+    ``ranks_per_replica`` consecutive workers.
 
     Args:
         group: the worker group whose workers hold the replicas (``Worker.setup_engine`` done).
         tokenizer: the tokenizer the replicas use.
         dtype: the replicas' weight dtype (weights are cast to it before they are sent).
+        ranks_per_replica: workers one replica spans (vLLM's tensor-parallel ranks under
+            ``external_launcher``): they all get the replica's prompts, the first one's output is used.
     """
 
-    def __init__(self, group: Any, tokenizer: Any, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, group: Any, tokenizer: Any, dtype: torch.dtype | None = None,
+                 ranks_per_replica: int = 1) -> None:
+        if ranks_per_replica < 1 or group.world_size % ranks_per_replica:
+            raise ValueError(f"An engine replica spanning {ranks_per_replica} processes does not tile the "
+                             f"{group.world_size} processes of worker group {getattr(group, 'name', '?')!r}")
         self.group = group
         self.tokenizer = tokenizer
         self.dtype = dtype
+        self.ranks_per_replica_ = ranks_per_replica
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.ranks_per_replica_
 
     @property
     def replicas(self) -> int:
-        return self.group.world_size
+        return self.group.world_size // self.ranks_per_replica_
 
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
         raise RuntimeError("RemoteEngine replicas are set up by their strategy (Strategy.connect_engine)")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
         shares = np.array_split(np.arange(len(prompts)), self.replicas)
-        per_rank = []
-        for rank, idx in enumerate(shares):
-            seed = None if sampling.seed is None else sampling.seed + rank
-            per_rank.append((([list(prompts[i]) for i in idx], dataclasses.replace(sampling, seed=seed)), {}))
-        ranks = [r for r, idx in enumerate(shares) if len(idx)]
-        futures = self.group._call_async(ranks, "generate", [per_rank[r] for r in ranks])
-        return concat_generations(self.group.get(futures, "generate"), self.tokenizer)
+        k = self.ranks_per_replica_
+        ranks, calls = [], []
+        for replica, idx in enumerate(shares):
+            if not len(idx):
+                continue
+            seed = None if sampling.seed is None else sampling.seed + replica
+            call = (([list(prompts[i]) for i in idx], dataclasses.replace(sampling, seed=seed)), {})
+            ranks.extend(range(replica * k, (replica + 1) * k))  # every rank of the replica, same call
+            calls.extend([call] * k)
+        outputs = self.group.get(self.group._call_async(ranks, "generate", calls), "generate")
+        return concat_generations(outputs[::k], self.tokenizer)  # each replica's first rank
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Send ``(hf_name, tensor)`` pairs from this process to every replica, in packed buckets."""

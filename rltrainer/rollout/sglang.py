@@ -1,23 +1,30 @@
 """``rollout="sglang"``: generation with SGLang's offline ``Engine`` (written against sglang
 0.5.23; GPU only, imported lazily).
 
-The engine starts from random weights (``load_format="dummy"``) built from the policy's config;
-the weights arrive through :meth:`SGLangEngine.update_weights`, bucket by bucket, with
-``Engine.update_weights_from_tensor`` (colocated: the tensors reach SGLang's scheduler processes
-through CUDA IPC) and one ``flush_cache()`` after the last bucket. ``sleep`` / ``wake_up`` are
-``release_memory_occupation`` / ``resume_memory_occupation`` (needs ``enable_memory_saver``).
+The engine starts from random weights (``load_format="dummy"``) built from the policy's config.
+Every weight update runs inside one ``begin_weight_update()`` / ``end_weight_update()`` session
+(SGLang 0.5.23 refuses updates outside one), and every control call's ``(success, message)`` is
+checked. Colocated, weights arrive through :meth:`SGLangEngine.update_weights`, bucket by
+bucket, with ``Engine.update_weights_from_tensor`` (the tensors reach SGLang's scheduler
+processes through CUDA IPC) and one ``flush_cache()`` after the last bucket. ``sleep`` /
+``wake_up`` are ``release_memory_occupation`` / ``resume_memory_occupation`` (needs
+``enable_memory_saver``).
 
 Log-probs: SGLang reports ``log softmax(logits / temperature)`` of each sampled token (unless
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set), the ``hf`` engine's definition. ``n`` samples of a
 prompt are ``n`` requests of that prompt, adjacent, each with its own seed when a seed is given.
 
-Split mode (SGLang on GPUs of its own) takes weights with ``init_weights_update_group`` +
-``update_weights_from_distributed`` (an NCCL broadcast from trainer rank 0); that path is not
-wired into :class:`FSDP2Strategy` yet.
+Split placement (SGLang on GPUs of its own, ``weight_transport="broadcast"``): SGLang's own TP
+scheduler processes join trainer rank 0's weight-broadcast group through
+``Engine.init_weights_update_group`` (ranks ``rank_offset + tp_rank``), and each bucket is one
+``Engine.update_weights_from_distributed(..., load_format="flattened_bucket")``: trainer rank 0
+broadcasts the bucket's bytes end to end, in the order of ``names`` (see
+:mod:`rltrainer.strategies.broadcast`); the cache is flushed with the last bucket only.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -88,6 +95,8 @@ class SGLangEngine(RolloutEngine):
         self.engine: Any = None
         self._asleep = False
         self._model_dir: tempfile.TemporaryDirectory | None = None
+        self._group_name: str | None = None  # the weight-broadcast group SGLang's schedulers joined
+        self._updating = False  # a begin_weight_update() session is open
 
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
         try:
@@ -112,14 +121,62 @@ class SGLangEngine(RolloutEngine):
         return generation_from_sglang(outputs, pad)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        self.wake_up()
+        self._begin_update()
         count = nbytes = 0
         for bucket in bucketed(weights, self.bucket_bytes):
-            self.engine.update_weights_from_tensor(bucket, flush_cache=False)
+            _checked(self.engine.update_weights_from_tensor(bucket, flush_cache=False), "update_weights_from_tensor")
             count += len(bucket)
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        self.engine.flush_cache()  # cached KV was computed with the old weights
+        self._end_update()
+        _checked(self.engine.flush_cache(), "flush_cache")  # cached KV was computed with the old weights
         return {"tensors": count, "bytes": nbytes}
+
+    # -- split placement: SGLang's schedulers receive trainer rank 0's broadcast -------------------
+    @property
+    def weight_group_ranks(self) -> int:
+        return self.tp_size  # every TP scheduler process receives the full bucket
+
+    def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
+                          backend: str, device: torch.device | str, timeout_s: float) -> None:
+        """SGLang's schedulers join as ranks ``rank_offset + tp_rank`` (SGLang's own timeout applies)."""
+        self.close_weight_group()
+        _checked(self.engine.init_weights_update_group(master_address=address, master_port=port,
+                                                       rank_offset=rank_offset, world_size=world_size,
+                                                       group_name=group_name, backend=backend),
+                 "init_weights_update_group")
+        self._group_name = group_name
+
+    def receive_weights(self, entries: Sequence[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
+        if self._group_name is None:
+            raise RuntimeError("SGLangEngine.receive_weights before init_weight_group")
+        self._begin_update()
+        _checked(self.engine.update_weights_from_distributed(
+            names=[e[0] for e in entries], dtypes=[e[1] for e in entries], shapes=[list(e[2]) for e in entries],
+            group_name=self._group_name, flush_cache=last, load_format="flattened_bucket"),
+            "update_weights_from_distributed")
+        if last:
+            self._end_update()
+        nbytes = sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                     for _, dtype, shape in entries)
+        return {"tensors": len(entries), "bytes": nbytes}
+
+    def close_weight_group(self) -> None:
+        if self._group_name is not None and self.engine is not None:
+            try:
+                self.engine.destroy_weights_update_group(self._group_name)
+            except Exception:  # the engine may be shutting down
+                pass
+        self._group_name = None
+
+    def _begin_update(self) -> None:
+        if not self._updating:
+            self.wake_up()  # load into resumed memory
+            _checked(self.engine.begin_weight_update(), "begin_weight_update")
+            self._updating = True
+
+    def _end_update(self) -> None:
+        self._updating = False
+        _checked(self.engine.end_weight_update(), "end_weight_update")
 
     def sleep(self, level: int = 1) -> None:
         if self.enable_memory_saver and self.engine is not None and not self._asleep:
@@ -133,8 +190,23 @@ class SGLangEngine(RolloutEngine):
 
     def teardown(self) -> None:
         if self.engine is not None:
+            self.close_weight_group()
             self.engine.shutdown()
             self.engine = None
         if self._model_dir is not None:
             self._model_dir.cleanup()
             self._model_dir = None
+
+
+def _checked(result: Any, call: str) -> Any:
+    """SGLang's control calls answer ``(success, message)`` (or an object with ``success``): raise on
+    a failure instead of letting it pass silently."""
+    if hasattr(result, "success"):
+        success, message = result.success, getattr(result, "message", "")
+    elif isinstance(result, tuple) and len(result) == 2:
+        success, message = result
+    else:
+        return result
+    if not success:
+        raise RuntimeError(f"SGLang Engine.{call}() failed: {message}")
+    return result

@@ -16,9 +16,13 @@ Log-probs come with ``logprobs_mode="processed_logprobs"``: after temperature, s
 the ``hf`` engine's ``log softmax(logits / temperature)`` when top-k / top-p are off (with them
 on, vLLM renormalises over the kept tokens).
 
-Split mode (vLLM on GPUs of its own) takes weights from trainer rank 0 over NCCL through vLLM's
-weight-transfer engine (``weight_transfer_config={"backend": "nccl"}``, driven by
-``NCCLTrainerWeightTransferEngine``); that path is not wired into :class:`FSDP2Strategy` yet.
+Split placement (vLLM on GPUs of its own, ``weight_transport="broadcast"``) uses the generic
+engine side of :class:`RolloutEngine`: the rollout worker, which holds the model in its own
+process, joins trainer rank 0's NCCL group, receives each bucket into one CUDA buffer and loads
+views of it with :meth:`VLLMEngine.update_weights`. vLLM's own weight-transfer engine
+(``weight_transfer_config={"backend": "nccl"}``) is not used: it needs vLLM on the trainer and
+drives whole-model rounds of its own, where ours sends only the changed tensors, bucket by
+bucket, and runs (and is tested) on gloo as well.
 """
 
 from __future__ import annotations
@@ -111,6 +115,10 @@ class VLLMEngine(RolloutEngine):
             _export_launcher_env()
         kwargs.update(self.llm_kwargs)
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tensor_parallel_size  # external_launcher: one process per tensor-parallel rank
 
     def _model(self) -> Any:
         """The vLLM model in this process (``load_weights`` re-shards HF tensors for TP)."""

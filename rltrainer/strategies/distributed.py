@@ -4,8 +4,10 @@
 for a single rank, no Ray, so breakpoints work; Ray actors in a placement group otherwise), splits
 each batch across the data-parallel shares, balanced by token count, with the same number of
 micro-batches on every rank (collectives must match; a rank short of rows runs a zero-weight
-padding micro-batch), places the rollout engines (colocated or split), and moves weights.
-Subclasses (``fsdp2``, ``megatron``) name their rank class and how ranks map to shares.
+padding micro-batch), places the rollout engines (colocated or split), and moves weights (split:
+broadcast from rank 0 over a group of their own, :mod:`rltrainer.strategies.broadcast`, or
+through Ray's object store). Subclasses (``fsdp2``, ``megatron``) name their rank class and how
+ranks map to shares.
 
 :class:`TrainingWorker` is the rank side: version counters and bucketed export of HF-named
 full tensors, over two methods a subclass provides (``weight_specs``, ``gather_weights``).
@@ -25,15 +27,18 @@ from rltrainer.controller.worker import Worker
 from rltrainer.controller.worker_group import InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.remote import RemoteEngine
-from rltrainer.strategies.strategy import Strategy, clip_gradients, run_compute, run_train_step
+from rltrainer.strategies.broadcast import BroadcastTransport, Entry, WeightGroup, bucket_entries, flatten_bucket
+from rltrainer.strategies.strategy import (Strategy, clip_gradients, run_compute, run_micro_batches,
+                                           run_train_step)
 from rltrainer.strategies.weights import (DEFAULT_BUCKET_BYTES, PackedBucket, ParamVersions, pack_bucket,
-                                          plan_buckets, unpack_bucket)
+                                          pipelined, plan_buckets, unpack_bucket)
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
     from rltrainer.rollout.engine import RolloutEngine
 
 PLACEMENTS = ("colocated", "split")
+WEIGHT_TRANSPORTS = ("broadcast", "object_store")
 
 
 class TrainingWorker(Worker):
@@ -52,6 +57,7 @@ class TrainingWorker(Worker):
         self._plan: list[list[str]] = []
         self._plan_dtype: torch.dtype | None = None
         self._plan_marks_synced = False
+        self._sender: WeightGroup | None = None  # rank 0, split placement: the weight-broadcast group
 
     # -- what a subclass provides ------------------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -69,6 +75,10 @@ class TrainingWorker(Worker):
         """Reduce (if the layout needs it) and clip gradients; return the global norm."""
         return clip_gradients(params, max_norm)
 
+    def run_micro_batches(self, hook: Any, micro_batches: list[RolloutBatch], backward: bool) -> list[Any]:
+        """How the hook runs over this rank's micro-batches (see :func:`run_micro_batches`)."""
+        return run_micro_batches(hook, micro_batches, backward)
+
     def mark_stepped(self, stepped: list[str]) -> None:
         """The optimizer step changed these policy parameters: bump their HF names' versions."""
         self.versions.bump(stepped)
@@ -76,14 +86,15 @@ class TrainingWorker(Worker):
     # -- compute (every rank, on its share of the batch) ---------------------------------------------
     def compute(self, micro_batches: list[RolloutBatch], stage: str) -> dict[str, torch.Tensor]:
         micro_batches = [mb.to(self.device) for mb in micro_batches]
-        return run_compute(self.module, micro_batches, stage, list(self.models.values()), contextlib.nullcontext())
+        return run_compute(self.module, micro_batches, stage, list(self.models.values()), contextlib.nullcontext(),
+                           runner=self.run_micro_batches)
 
     def train_step(self, micro_batches: list[RolloutBatch]) -> dict[str, float]:
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         models = list(self.module.trainable_models().values())
         metrics, stepped = run_train_step(self.module, micro_batches, models, self.optimizers, self.schedulers,
                                           self.options["gradient_clip_val"], contextlib.nullcontext,
-                                          clip_fn=self.clip_gradients)
+                                          clip_fn=self.clip_gradients, runner=self.run_micro_batches)
         self.mark_stepped(stepped)
         return metrics
 
@@ -95,6 +106,7 @@ class TrainingWorker(Worker):
         return list(self.weight_specs())
 
     def close(self) -> None:
+        self.leave_weight_broadcast()
         self.engine_teardown()
         self.destroy_distributed()
 
@@ -150,6 +162,38 @@ class TrainingWorker(Worker):
         self.finish_export()
         return {"tensors": count, "bytes": nbytes, "skipped": skipped, "buckets": buckets}
 
+    # -- split placement, broadcast transport (rltrainer.strategies.broadcast): the sending side --
+    def bucket_entries(self) -> list[list[Entry]]:
+        """Every planned bucket's wire layout ``(hf_name, dtype_name, shape)`` (small: names and
+        shapes, for the receivers to size their buffers)."""
+        specs = self.weight_specs()
+        return [self._bucket_entries(names, specs) for names in self._plan]
+
+    def _bucket_entries(self, names: list[str], specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[Entry]:
+        return bucket_entries((n, specs[n][0], self._plan_dtype or specs[n][1]) for n in names)
+
+    def join_weight_broadcast(self, address: str, port: int, world_size: int, group_name: str, backend: str,
+                              timeout_s: float) -> None:
+        """Rank 0 hosts the weight-broadcast group's store and joins it as rank 0."""
+        self.leave_weight_broadcast()
+        self._sender = WeightGroup(address, port, 0, world_size, group_name, backend, timeout_s)
+
+    def broadcast_bucket(self, index: int) -> None:
+        """Gather bucket ``index`` (a collective: every rank calls it); rank 0 broadcasts its bytes."""
+        tensors = self.gather_weights(self._plan[index], self._plan_dtype, index)
+        if self.rank == 0:
+            if self._sender is None:
+                raise RuntimeError("broadcast_bucket before join_weight_broadcast")
+            entries = self._bucket_entries(self._plan[index], self.weight_specs())  # what the receivers expect
+            self._sender.broadcast(flatten_bucket(dict(tensors), entries, self.device))
+        if index == len(self._plan) - 1:
+            self.end_of_sync()
+
+    def leave_weight_broadcast(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
 
 class WorkerGroupStrategy(Strategy):
     """A strategy whose ranks are :class:`TrainingWorker` processes. Args: see :class:`FSDP2Strategy`."""
@@ -160,7 +204,8 @@ class WorkerGroupStrategy(Strategy):
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, rollout_placement: str = "colocated",
                  rollout_replicas: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, cpus_per_worker: float = 1.0,
                  gpus_per_worker: float | None = None, threads_per_worker: int | None = None,
-                 ray_init_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 ray_init_kwargs: dict[str, Any] | None = None, weight_transport: str = "broadcast",
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if devices == "auto":
             devices = max(torch.cuda.device_count(), 1)
@@ -171,6 +216,9 @@ class WorkerGroupStrategy(Strategy):
             raise ValueError(f"rollout_placement={rollout_placement!r}; choose from {', '.join(PLACEMENTS)}")
         if rollout_replicas < 1:
             raise ValueError(f"rollout_replicas must be >= 1, got {rollout_replicas}")
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport={weight_transport!r}; choose from {', '.join(WEIGHT_TRANSPORTS)} "
+                             "(how split placement moves weights to the rollout replicas)")
         self.world_size_ = devices * num_nodes
         self.options: dict[str, Any] = {"precision": self.precision, "gradient_clip_val": self.gradient_clip_val}
         self.rollout_placement, self.rollout_replicas = rollout_placement, rollout_replicas
@@ -181,6 +229,8 @@ class WorkerGroupStrategy(Strategy):
         self.group: WorkerGroup | None = None
         self.rollout_group: WorkerGroup | None = None
         self.remote_engine: RemoteEngine | None = None
+        self.weight_transport = weight_transport
+        self.transport: BroadcastTransport | None = None
         self._started_ray = False
         self._config: Any = None
         self._weight_names: list[str] = []
@@ -230,13 +280,26 @@ class WorkerGroupStrategy(Strategy):
 
     def connect_engine(self, engine: RolloutEngine, tokenizer: Any) -> RolloutEngine:
         """Colocated: one replica in every training process. Split: ``rollout_replicas`` Ray
-        processes of their own (in their own placement group)."""
+        processes of their own (in their own placement group), joined to trainer rank 0 by a
+        weight-broadcast group unless ``weight_transport="object_store"``."""
         group = self._require_group()
+        k = engine.ranks_per_replica
         if self.rollout_placement == "split":
-            group = self.rollout_group = self._ray_group(Worker, self.rollout_replicas, "rollout")
+            if self.rollout_group is not None:  # connected before: replace the old replicas
+                self._close_rollout_group()
+            group = self.rollout_group = self._ray_group(Worker, self.rollout_replicas * k, "rollout")
+            if k > 1:  # the replicas' processes form a torch.distributed group (vLLM's external_launcher)
+                addr, port = group.execute_rank_zero("master_address")
+                group.execute_all("init_distributed", addr, port)
+        elif self.world_size % k:
+            raise ValueError(f"A {type(engine).__name__} replica spans {k} processes; colocated, that must divide "
+                             f"the {self.world_size} training ranks")
         group.execute_all("setup_engine", engine, self._config, tokenizer)
         self.group.execute_all("forget_synced")
-        self.remote_engine = RemoteEngine(group, tokenizer, getattr(engine, "dtype", None))
+        if self.rollout_placement == "split" and self.weight_transport == "broadcast":
+            self.transport = BroadcastTransport(self.group, group)
+            self.transport.connect()
+        self.remote_engine = RemoteEngine(group, tokenizer, getattr(engine, "dtype", None), ranks_per_replica=k)
         return self.remote_engine
 
     def _require_group(self) -> WorkerGroup:
@@ -252,8 +315,13 @@ class WorkerGroupStrategy(Strategy):
                                           self.max_tokens_per_micro_batch)
         shares = [self.data_parallel_rank(r) for r in range(self.world_size)]
         outs = self._require_group().dispatch(method, [((parts[s], *extra), {}) for s in shares])
-        first = {s: outs[r] for r, s in reversed(list(enumerate(shares)))}
+        first = {s: outs[r] for r, s in reversed(list(enumerate(shares))) if self.reports(r)}
         return [first[s] for s in range(self.data_parallel_size)], rows
+
+    def reports(self, rank: int) -> bool:
+        """Whether rank ``rank`` returns its share's outputs and metrics (every rank of a share
+        computes them; a pipeline stage before the last holds none)."""
+        return True
 
     def compute(self, batch: RolloutBatch, stage: str) -> RolloutBatch:
         outs, rows = self._dispatch("compute", batch, stage)
@@ -293,33 +361,33 @@ class WorkerGroupStrategy(Strategy):
             stats = super().sync_weights(engine)
         elif self.rollout_placement == "colocated":
             stats = self._require_group().execute_all("sync_local_engine", dtype)[0]
+        elif self.transport is not None:
+            stats = self.transport.push(dtype)
         else:
             stats = self._push_buckets(dtype)
         stats["seconds"] = time.perf_counter() - start
         return stats
 
     def _push_buckets(self, dtype: torch.dtype | None) -> dict[str, float]:
-        """Split placement: rank 0 packs each gathered bucket, Ray moves it to every replica; at
-        most two buckets are in flight, so memory stays about two buckets."""
+        """Split placement, ``weight_transport="object_store"``: rank 0 packs each gathered bucket,
+        Ray moves it to every replica; at most two buckets are in flight, so memory stays about
+        two buckets."""
         group, rollout = self._require_group(), self.rollout_group
         buckets, skipped = group.execute_all("plan_export", dtype, True)[0]
-        in_flight: list[tuple[list[Any], list[Any]]] = []
         count = nbytes = 0
 
-        def drain(item: tuple[list[Any], list[Any]]) -> None:
+        def start(index: int) -> tuple[list[Any], list[Any]]:
+            exports = group.execute_all_async("export_bucket", index)
+            packed = exports[0] if isinstance(group, RayWorkerGroup) else group.get(exports[:1], "export_bucket")[0]
+            return exports, rollout.execute_all_async("load_bucket", packed)
+
+        def finish(item: tuple[list[Any], list[Any]]) -> None:
             nonlocal count, nbytes
             group.get(item[0], "export_bucket")
             stats = rollout.get(item[1], "load_bucket")[0]
             count, nbytes = count + stats["tensors"], nbytes + stats["bytes"]
 
-        for index in range(buckets):
-            exports = group.execute_all_async("export_bucket", index)
-            packed = exports[0] if isinstance(group, RayWorkerGroup) else group.get(exports[:1], "export_bucket")[0]
-            in_flight.append((exports, rollout.execute_all_async("load_bucket", packed)))
-            if len(in_flight) == 2:
-                drain(in_flight.pop(0))
-        for item in in_flight:
-            drain(item)
+        pipelined(buckets, start, finish)
         group.execute_all("finish_export")
         return {"tensors": count, "bytes": nbytes, "skipped": skipped, "buckets": buckets}
 
@@ -348,11 +416,19 @@ class WorkerGroupStrategy(Strategy):
             state = ray.put(state)  # one copy for every rank
         group.execute_all("load_state_dict", state)
 
+    def _close_rollout_group(self) -> None:
+        """Release the split replicas (and trainer rank 0's end of their weight-broadcast group)."""
+        if self.transport is not None and self.group is not None:
+            self.group.execute_rank_zero("leave_weight_broadcast")
+        if self.rollout_group is not None:
+            self.rollout_group.shutdown()
+        self.rollout_group = self.transport = self.remote_engine = None
+
     def teardown(self) -> None:
         for group in (self.rollout_group, self.group):
             if group is not None:
                 group.shutdown()
-        self.group = self.rollout_group = self.remote_engine = None
+        self.group = self.rollout_group = self.remote_engine = self.transport = None
         if self._started_ray:
             import ray
 

@@ -111,8 +111,12 @@ def _pad_vocab(t: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(size - t.shape[0], *t.shape[1:])])
 
 
-def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Any, layout: MegatronLayout) -> Shards:
-    """A transformers state dict -> megatron-core state dicts, ``[pp stage][tp rank]``."""
+def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Any, layout: MegatronLayout,
+                   only: tuple[int, int] | None = None) -> Shards:
+    """A transformers state dict -> megatron-core state dicts, ``[pp stage][tp rank]``.
+
+    ``only=(stage, tp_rank)`` fills just that shard (the others stay empty): what one rank needs,
+    without holding every rank's copy."""
     dims = _Dims.of(config)
     _check(dims, layout)
     tp = layout.tp
@@ -121,7 +125,8 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Any, layout: Megat
 
     def put(stage: int, name: str, parts: list[torch.Tensor] | torch.Tensor) -> None:
         for r in range(tp):
-            shards[stage][r][name] = parts[r] if isinstance(parts, list) else parts.clone()
+            if only is None or only == (stage, r):
+                shards[stage][r][name] = parts[r] if isinstance(parts, list) else parts.clone()
 
     def rows(t: torch.Tensor) -> list[torch.Tensor]:
         return [c.contiguous() for c in t.chunk(tp, dim=0)]
@@ -132,6 +137,8 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Any, layout: Megat
     embed = _pad_vocab(state["model.embed_tokens.weight"], layout)
     put(0, "embedding.word_embeddings.weight", rows(embed))
     for stage, layers in enumerate(stage_layers(dims.layers, layout.pp)):
+        if only is not None and only[0] != stage:
+            continue
         for local, i in enumerate(layers):
             hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
             a = hf + "self_attn."

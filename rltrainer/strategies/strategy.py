@@ -11,7 +11,7 @@ import abc
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -137,35 +137,52 @@ class Strategy(abc.ABC):
         return batch.split(self.micro_batch_size)
 
 
+def run_micro_batches(hook: Callable[[RolloutBatch], Any], micro_batches: list[RolloutBatch],
+                      backward: bool) -> list[Any]:
+    """Call ``hook`` on each micro-batch in turn (and, with ``backward``, back-propagate the loss it
+    returns first). Returns the hook's outputs. A strategy with a schedule of its own (megatron's
+    pipeline) replaces this; it may return no outputs on ranks that do not hold them."""
+    outputs = []
+    for mb in micro_batches:
+        out = hook(mb)
+        if backward:
+            out[0].backward()
+        outputs.append(out)
+    return outputs
+
+
 def run_compute(module: RLModule, micro_batches: list[RolloutBatch], stage: str, models: list[torch.nn.Module],
-                autocast: Any) -> dict[str, torch.Tensor]:
-    """Rank-side: ``compute_step`` over ``micro_batches`` under no_grad; outputs concatenated on CPU."""
+                autocast: Any, runner: Callable[..., list[Any]] = run_micro_batches) -> dict[str, torch.Tensor]:
+    """Rank-side: ``compute_step`` over ``micro_batches`` under no_grad; outputs concatenated on CPU
+    (empty on a rank that holds none, e.g. a pipeline stage before the last)."""
     for m in models:
         m.eval()
-    outputs: list[dict[str, torch.Tensor]] = []
     with torch.no_grad(), autocast:
-        for mb in micro_batches:
-            outputs.append(module.compute_step(mb, stage))
+        outputs = runner(lambda mb: module.compute_step(mb, stage), micro_batches, False)
     keys = outputs[0].keys() if outputs else []
     return {k: torch.cat([o[k].float().cpu() for o in outputs]) for k in keys}
 
 
 def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: list[torch.nn.Module],
                    optimizers: list[torch.optim.Optimizer], schedulers: list[Any], clip: float | None,
-                   autocast_factory: Any, clip_fn: Any = None) -> tuple[dict[str, float], list[str]]:
+                   autocast_factory: Any, clip_fn: Any = None,
+                   runner: Callable[..., list[Any]] = run_micro_batches) -> tuple[dict[str, float], list[str]]:
     """Rank-side: ``policy_step`` + backward per micro-batch, clip, step. Returns the summed metrics
     (with ``actor/grad_norm``, ``actor/lr``) and the policy parameters the step changed.
     ``clip_fn(params, max_norm) -> norm`` replaces :func:`clip_gradients` (e.g. to reduce gradients
-    across data-parallel ranks and take a tensor-parallel norm first)."""
+    across data-parallel ranks and take a tensor-parallel norm first); ``runner`` replaces
+    :func:`run_micro_batches` (e.g. megatron's forward-backward schedule)."""
     for m in models:
         m.train()
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    totals: dict[str, Any] = {}
-    for mb in micro_batches:
+
+    def step(mb: RolloutBatch) -> Any:
         with autocast_factory():
-            loss, metrics = module.policy_step(mb)
-        loss.backward()
+            return module.policy_step(mb)
+
+    totals: dict[str, Any] = {}
+    for _, metrics in runner(step, micro_batches, True):
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else v)
     params = [p for m in models for p in m.parameters() if p.requires_grad]

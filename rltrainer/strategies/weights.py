@@ -6,12 +6,14 @@ crosses a process boundary without per-tensor pickling).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+T = TypeVar("T")
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _ALIGN = 64
@@ -160,3 +162,16 @@ class SharedBuffers:
 
     def close(self) -> None:
         self.buffers = [None, None]
+
+
+def pipelined(count: int, start: Callable[[int], T], finish: Callable[[T], None], depth: int = 2) -> None:
+    """``start(i)`` for each bucket ``i`` in order and ``finish`` each started item in order, with at
+    most ``depth`` started and not yet finished: bucket ``i + 1`` is gathered while bucket ``i`` is
+    still loading, and memory stays about ``depth`` buckets."""
+    in_flight: list[T] = []
+    for index in range(count):
+        in_flight.append(start(index))
+        if len(in_flight) == depth:
+            finish(in_flight.pop(0))
+    for item in in_flight:
+        finish(item)

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rltrainer.modules.grpo import GRPO
+
 #: The data shipped with the repository (``recipes/data``); ``RLTRAINER_DATA`` overrides it.
 DATA_DIR = Path(os.environ.get("RLTRAINER_DATA", Path(__file__).resolve().parents[2] / "recipes" / "data"))
 
@@ -56,3 +58,16 @@ def prepared_batch(module: Any, strategy: Any, prompts: Any) -> Any:
     batch = module.advantage_step(batch)
     batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
     return batch
+
+
+def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """A deterministic reward for tests: each response's length in characters, mod 3."""
+    return [float(len(c) % 3) for c in completions]
+
+
+class FrozenEmbeddingGRPO(GRPO):
+    """GRPO with the (tied) embedding frozen: a weight sync after a step must skip it."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.policy.get_input_embeddings().weight.requires_grad_(False)

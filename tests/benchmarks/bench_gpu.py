@@ -8,7 +8,9 @@ no vLLM, no datasets.
 Model: a random-init model of the Qwen2.5-0.5B architecture (494M parameters, tied embeddings)
 with the real Qwen2.5 tokenizer and GSM8K prompts from ``recipes/data``. Training runs in
 ``bf16-mixed`` (fp32 master weights, bf16 autocast) with the ``single`` strategy or 1-rank
-``fsdp2`` (bf16 parameters, fp32 reduce); the ``hf`` engine holds bf16 weights.
+``fsdp2`` (bf16 parameters, fp32 reduce), or ``bf16-true`` with ``--strategy megatron``
+(megatron-core on one rank: its schedule, its attention, export to HF names; needs megatron-core,
+carried as a wheel by gpu.sh); the ``hf`` engine holds bf16 weights.
 
 MFU counts the policy's forward and backward in the update phase: ``6 x parameters x tokens``
 plus attention's ``12 x layers x hidden x tokens x mean sequence length``, over the update time,
@@ -85,7 +87,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", choices=["0.5b", "tiny"], default="0.5b")
-    p.add_argument("--strategy", choices=["single", "fsdp2"], default="single")
+    p.add_argument("--strategy", choices=["single", "fsdp2", "megatron"], default="single",
+                   help="megatron: megatron-core on one rank (bf16-true), its schedule and HF export")
     p.add_argument("--steps", type=int, default=5, help="GRPO steps (the first is a warm-up)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
@@ -102,8 +105,13 @@ def main() -> None:
     precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     if args.strategy == "single":
         strategy = SingleDeviceStrategy(device=str(device), precision=precision, micro_batch_size=args.micro_batch_size)
-    else:
+    elif args.strategy == "fsdp2":
         strategy = FSDP2Strategy(devices=1, precision=precision, micro_batch_size=args.micro_batch_size)
+    else:
+        from rltrainer.strategies import MegatronStrategy
+
+        precision = "bf16-true" if device.type == "cuda" else "32-true"  # megatron-core takes no autocast mix
+        strategy = MegatronStrategy(devices=1, precision=precision, micro_batch_size=args.micro_batch_size)
     engine = HFEngine(dtype=torch.bfloat16 if device.type == "cuda" else None, max_batch_size=512)
     steps: list[dict] = []
 

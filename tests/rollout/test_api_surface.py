@@ -138,8 +138,38 @@ def test_sglang_surface(sglang):
             "group_name", "flush_cache")
     accepts(sglang.method(engine, "Engine", "init_weights_update_group"), "master_address", "master_port",
             "rank_offset", "world_size", "group_name", "backend")
-    for name in ("flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown"):
+    for name in ("flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown",
+                 "begin_weight_update", "end_weight_update"):
         sglang.method(engine, "Engine", name)
+    accepts(sglang.method(engine, "Engine", "destroy_weights_update_group"), "group_name")
+    # control calls answer (success, message); updates outside a begin/end session are refused
+    assert "return all_success, all_message" in sglang.text("sglang/srt/managers/communicator.py")
+    session = sglang.text("sglang/srt/managers/scheduler_components/weight_updater.py")
+    assert session.count("must run between") == 2 and "begin_weight_update() and end_weight_update()" in session
+
+
+def test_sglang_split_broadcast_protocol(sglang):
+    """What trainer rank 0 must send so that SGLang's schedulers receive it (see
+    rltrainer.strategies.broadcast); tests/strategies/test_split_broadcast.py runs the receiving
+    functions themselves against our sender."""
+    engine = "sglang/srt/entrypoints/engine.py"
+    accepts(sglang.method(engine, "Engine", "update_weights_from_distributed"), "load_format")
+    runner = "sglang/srt/model_executor/model_runner_components/weight_updater.py"
+    init = ast.unparse(sglang.method(runner, "WeightUpdater", "init_weights_update_group"))
+    assert "rank = rank_offset + self.tp_rank" in init  # each replica takes tp_size ranks from rank_offset
+    assert "init_custom_process_group(" in init and "na.to_tcp()" in init  # TCPStore rendezvous, trainer = rank 0
+    group = ast.unparse(next(n for n in ast.walk(sglang.tree("sglang/srt/utils/common.py"))
+                             if isinstance(n, ast.FunctionDef) and n.name == "init_custom_process_group"))
+    assert "store = PrefixStore(group_name, store)" in group and "_new_process_group_helper(" in group
+    receive = ast.unparse(sglang.method(runner, "WeightUpdater", "receive_weights_from_distributed"))
+    assert "load_format == 'flattened_bucket'" in receive
+    flat = ast.unparse(sglang.method(runner, "WeightUpdater", "_receive_bucketed_weights_from_distributed"))
+    assert "FlattenedTensorBucket.empty(names, dtypes, shapes, self.device)" in flat
+    assert "broadcast(flattened_tensor, src=0" in flat  # one broadcast per bucket, from rank 0
+    empty = ast.unparse(sglang.method("sglang/srt/weight_sync/tensor_bucket.py", "FlattenedTensorBucket", "empty"))
+    assert "getattr(torch, dtype)" in empty  # dtype names as torch attribute names ("bfloat16")
+    assert "offset += size" in empty and "torch.uint8" in empty  # bytes end to end, no padding
+    assert "offset % dtype.itemsize" in empty  # hence our order: larger elements first
     assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
             "sampling_seed", "n"} <= sglang.fields("sglang/srt/sampling/sampling_params.py", "SamplingParams")
     text = sglang.text("sglang/srt/managers/schedule_batch.py")

@@ -47,3 +47,32 @@ def test_gpu_engines_are_registered_and_say_what_they_need(name, tiny_config, bp
     assert engine.dtype == torch.bfloat16
     with pytest.raises((ImportError, ValueError), match=f"{name}|CUDA"):
         engine.setup(tiny_config, bpe_tokenizer, device="cpu")
+
+
+class RecordingSGLang:
+    """Stands in for ``sglang.Engine``: records the weight-update calls, answers like SGLang."""
+
+    def __init__(self, refuse: str | None = None):
+        self.calls, self.refuse = [], refuse
+
+    def __getattr__(self, call):
+        def record(*args, **kwargs):
+            self.calls.append(call)
+            return (call != self.refuse, f"{call} refused" if call == self.refuse else "Success")
+        return record
+
+
+def test_sglang_colocated_update_is_one_checked_session():
+    """SGLang 0.5.23 refuses weight updates outside begin/end_weight_update, and reports failures
+    as (False, message): the adapter opens one session per update and raises on a refusal."""
+    from rltrainer.rollout.sglang import SGLangEngine
+
+    engine = SGLangEngine(bucket_bytes=64)
+    engine.engine = RecordingSGLang()
+    weights = [(f"w{i}", torch.zeros(8)) for i in range(3)]  # 32 bytes each: 2 buckets of 64
+    assert engine.update_weights(weights) == {"tensors": 3, "bytes": 96}
+    assert engine.engine.calls == ["begin_weight_update", "update_weights_from_tensor", "update_weights_from_tensor",
+                                   "end_weight_update", "flush_cache"]
+    engine.engine = RecordingSGLang(refuse="update_weights_from_tensor")
+    with pytest.raises(RuntimeError, match=r"update_weights_from_tensor\(\) failed: .* refused"):
+        engine.update_weights(weights)

@@ -15,19 +15,7 @@ from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 from rltrainer.strategies.distributed import partition_for_ranks
-from rltrainer.testing import prepared_batch
-
-
-def parity_reward(completions, **kwargs):
-    return [float(len(c) % 3) for c in completions]
-
-
-class FrozenEmbeddingGRPO(GRPO):
-    """GRPO with the (tied) embedding frozen: a sync after a step must skip it."""
-
-    def configure_model(self):
-        super().configure_model()
-        self.policy.get_input_embeddings().weight.requires_grad_(False)
+from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch
 
 
 class DyingGRPO(GRPO):
@@ -45,7 +33,7 @@ class DyingGRPO(GRPO):
 
 
 def make_module(cls, config, tokenizer, **kwargs):
-    defaults = dict(reward_funcs=parity_reward, num_generations=4, max_new_tokens=8, lr=1e-2, kl_coef=0.05,
+    defaults = dict(reward_funcs=length_reward, num_generations=4, max_new_tokens=8, lr=1e-2, kl_coef=0.05,
                     entropy_coef=0.01)
     return cls(config, tokenizer, **{**defaults, **kwargs})
 
@@ -106,7 +94,9 @@ def test_two_ranks_on_ray_match_one_device(tiny_config, bpe_tokenizer, gsm8k_pro
 @pytest.mark.parametrize("placement", ["colocated", "split"])
 def test_sync_is_bit_exact_and_skips_frozen(placement, tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
     module = make_module(FrozenEmbeddingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
-    strategy = FSDP2Strategy(devices=2, rollout_placement=placement, micro_batch_size=4, bucket_bytes=64 << 10)
+    # split: the object-store transport (the default, broadcast, is tested in test_split_broadcast.py)
+    strategy = FSDP2Strategy(devices=2, rollout_placement=placement, micro_batch_size=4, bucket_bytes=64 << 10,
+                             weight_transport="object_store")
     trainer = Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=3)
     with trainer:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))

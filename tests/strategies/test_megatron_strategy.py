@@ -12,20 +12,16 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
-from rltrainer.testing import prepared_batch
+from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')")
 
 
-def reward(completions, **kwargs):
-    return [float(len(c) % 3) for c in completions]
-
-
 def make_module(config, tokenizer, **kwargs):
     # lr 1e-3: Adam divides by sqrt(v), which magnifies float-rounding differences between layouts in
     # near-zero gradients in proportion to lr (1e-2 gave up to 1.6e-5 after two steps)
-    defaults = dict(reward_funcs=reward, num_generations=4, max_new_tokens=8, lr=1e-3, kl_coef=0.05)
+    defaults = dict(reward_funcs=length_reward, num_generations=4, max_new_tokens=8, lr=1e-3, kl_coef=0.05)
     return GRPO(config, tokenizer, **{**defaults, **kwargs})
 
 
@@ -36,15 +32,17 @@ def config(bpe_tokenizer):
     return tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
 
 
-@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
-def test_two_ranks_match_one_device(tp, config, bpe_tokenizer, gsm8k_prompts, ray_session):
+@pytest.mark.parametrize("devices,tp,pp", [(2, 2, 1), (2, 1, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2)],
+                         ids=["tp2", "dp2", "pp2", "dp2-pp2", "tp2-pp2"])
+def test_ranks_match_one_device(devices, tp, pp, config, bpe_tokenizer, gsm8k_prompts, ray_session):
     prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])  # prompts of unequal length
     single_module = make_module(config, bpe_tokenizer)
     single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)
     single.setup(single_module, seed=7)
     torch.manual_seed(0)
     batch = prepared_batch(single_module, single, prompts)
-    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, micro_batch_size=5)
+    strategy = MegatronStrategy(devices=devices, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                micro_batch_size=5)
     try:
         strategy.setup(make_module(config, bpe_tokenizer), seed=7)
         before = dict(strategy.export_weights())
@@ -63,41 +61,56 @@ def test_two_ranks_match_one_device(tp, config, bpe_tokenizer, gsm8k_prompts, ra
         strategy.teardown()
 
 
-class FrozenEmbeddingGRPO(GRPO):
-    def configure_model(self):
-        super().configure_model()
-        self.policy.get_input_embeddings().weight.requires_grad_(False)
+def llama_config(vocab_size):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       tie_word_embeddings=False, use_cache=False)
 
 
-def test_fit_with_tensor_parallel_syncs_engines_exactly(config, bpe_tokenizer, gsm8k_prompts, ray_session):
-    module = FrozenEmbeddingGRPO(config, bpe_tokenizer, reward_funcs=reward, num_generations=2, max_new_tokens=8,
+@pytest.mark.parametrize("tp,pp,arch,placement", [(2, 1, "qwen2", "colocated"), (1, 2, "qwen2", "colocated"),
+                                                  (1, 2, "llama", "colocated"), (1, 2, "qwen2", "split")],
+                         ids=["tp2-qwen2-tied", "pp2-qwen2-tied", "pp2-llama-untied", "pp2-split-broadcast"])
+def test_fit_syncs_engines_exactly(tp, pp, arch, placement, config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """A frozen embedding is skipped exactly; everything else reaches every engine bit-exactly in
+    several buckets, from whichever pipeline stage holds it (split: broadcast from trainer rank 0)."""
+    if arch == "llama":
+        config = llama_config(len(bpe_tokenizer))
+    module = FrozenEmbeddingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8,
                                  lr=1e-3, kl_coef=0.05)
-    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2, bucket_bytes=32 << 10)
+    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                bucket_bytes=32 << 10, rollout_placement=placement)
     with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=1) as trainer:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         m = trainer.callback_metrics
         assert m["sync/skipped"] == 1 and m["sync/tensors"] == len(strategy.weight_names()) - 1  # the embedding
         assert m["sync/buckets"] > 1
+        assert ("lm_head.weight" in strategy.weight_names()) == (arch == "llama")
         full = dict(strategy.export_weights())
-        for replica in strategy.group.execute_all("engine_weights"):
+        engines = strategy.rollout_group if placement == "split" else strategy.group
+        for replica in engines.execute_all("engine_weights"):
             for name, tensor in full.items():
                 assert torch.equal(replica[name], tensor), name
 
 
 def test_bad_megatron_arguments():
-    with pytest.raises(NotImplementedError, match="pipeline"):
-        MegatronStrategy(devices=2, pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="must divide"):
+        MegatronStrategy(devices=2, pipeline_model_parallel_size=3)
     with pytest.raises(ValueError, match="must divide"):
         MegatronStrategy(devices=3, tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="must divide"):
+        MegatronStrategy(devices=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=0)
     with pytest.raises(ValueError, match="precision"):
         MegatronStrategy(precision="bf16-mixed")
 
 
-def test_megatron_checkpoint_resume_matches_uninterrupted_run(config, bpe_tokenizer, gsm8k_prompts, tmp_path,
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_megatron_checkpoint_resume_matches_uninterrupted_run(tp, pp, config, bpe_tokenizer, gsm8k_prompts, tmp_path,
                                                               ray_session):
     def run(max_steps, ckpt=None, save=None):
         module = make_module(config, bpe_tokenizer, num_generations=2)
-        strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2)
+        strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         with Trainer(strategy=strategy, max_steps=max_steps, logger=False, enable_progress_bar=False, seed=6,
                      default_root_dir=tmp_path) as trainer:
             trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2), ckpt_path=ckpt)
@@ -117,7 +130,7 @@ def test_ppo_critic_on_tensor_parallel_matches_one_device(config, bpe_tokenizer,
     from rltrainer import PPO
 
     def ppo():
-        return PPO(config, bpe_tokenizer, reward_funcs=reward, num_generations=4, max_new_tokens=8, lr=1e-3,
+        return PPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=4, max_new_tokens=8, lr=1e-3,
                    critic_lr=1e-3, kl_coef=0.05)
 
     prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(2)])
@@ -138,3 +151,37 @@ def test_ppo_critic_on_tensor_parallel_matches_one_device(config, bpe_tokenizer,
                                        single.compute(batch, "values")["values"], rtol=0, atol=1e-5)
     finally:
         strategy.teardown()
+
+
+def test_pipeline_stages_refuse_a_critic_in_the_policy_step(config, bpe_tokenizer, ray_session):
+    from rltrainer import PPO
+    from rltrainer.controller.worker_group import WorkerError
+
+    module = PPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8)
+    strategy = MegatronStrategy(devices=2, pipeline_model_parallel_size=2)
+    try:
+        with pytest.raises(WorkerError, match="pipeline_model_parallel_size=1"):
+            strategy.setup(module, seed=0)
+    finally:
+        strategy.teardown()
+
+
+class FailingGRPO(GRPO):
+    def policy_step(self, micro_batch):
+        loss, metrics = super().policy_step(micro_batch)  # on the first stage this ends at the model call
+        raise ValueError("policy_step failed on the last stage")
+
+
+def test_hook_error_on_last_stage_reaches_the_controller(config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """The first stage waits for gradients the last never sends: the error must surface, not hang."""
+    import time
+
+    from rltrainer.controller.worker_group import WorkerError
+
+    module = FailingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=4)
+    strategy = MegatronStrategy(devices=2, pipeline_model_parallel_size=2)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="policy_step failed on the last stage"):
+        with Trainer(strategy=strategy, max_steps=1, logger=False, enable_progress_bar=False) as trainer:
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    assert time.monotonic() - start < 120
