@@ -14,8 +14,8 @@ Log-probs: SGLang reports ``log softmax(logits / temperature)`` of each sampled 
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set), the ``hf`` engine's definition. ``n`` samples of a
 prompt are ``n`` requests of that prompt, adjacent, each with its own seed when a seed is given.
 
-Split placement (SGLang on GPUs of its own, ``weight_transport="broadcast"``): SGLang's own TP
-scheduler processes join trainer rank 0's weight-broadcast group through
+Split placement (SGLang on GPUs of its own; ``weight_transport="broadcast"``, which ``"auto"``
+picks there): SGLang's own TP scheduler processes join trainer rank 0's weight-broadcast group through
 ``Engine.init_weights_update_group`` (ranks ``rank_offset + tp_rank``), and each bucket is one
 ``Engine.update_weights_from_distributed(..., load_format="flattened_bucket")``: trainer rank 0
 broadcasts the bucket's bytes end to end, in the order of ``names`` (see

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from rltrainer.rollout.engine import RolloutEngine
 
 PLACEMENTS = ("colocated", "split")
-WEIGHT_TRANSPORTS = ("broadcast", "object_store")
+WEIGHT_TRANSPORTS = ("auto", "broadcast", "object_store")
 
 
 class TrainingWorker(Worker):
@@ -204,7 +204,7 @@ class WorkerGroupStrategy(Strategy):
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, rollout_placement: str = "colocated",
                  rollout_replicas: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, cpus_per_worker: float = 1.0,
                  gpus_per_worker: float | None = None, threads_per_worker: int | None = None,
-                 ray_init_kwargs: dict[str, Any] | None = None, weight_transport: str = "broadcast",
+                 ray_init_kwargs: dict[str, Any] | None = None, weight_transport: str = "auto",
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if devices == "auto":
@@ -281,7 +281,7 @@ class WorkerGroupStrategy(Strategy):
     def connect_engine(self, engine: RolloutEngine, tokenizer: Any) -> RolloutEngine:
         """Colocated: one replica in every training process. Split: ``rollout_replicas`` Ray
         processes of their own (in their own placement group), joined to trainer rank 0 by a
-        weight-broadcast group unless ``weight_transport="object_store"``."""
+        weight-broadcast group when ``weight_transport`` resolves to ``"broadcast"``."""
         group = self._require_group()
         k = engine.ranks_per_replica
         if self.rollout_placement == "split":
@@ -296,11 +296,20 @@ class WorkerGroupStrategy(Strategy):
                              f"the {self.world_size} training ranks")
         group.execute_all("setup_engine", engine, self._config, tokenizer)
         self.group.execute_all("forget_synced")
-        if self.rollout_placement == "split" and self.weight_transport == "broadcast":
+        if self.rollout_placement == "split" and self._split_transport(group) == "broadcast":
             self.transport = BroadcastTransport(self.group, group)
             self.transport.connect()
         self.remote_engine = RemoteEngine(group, tokenizer, getattr(engine, "dtype", None), ranks_per_replica=k)
         return self.remote_engine
+
+    def _split_transport(self, rollout: WorkerGroup) -> str:
+        """``weight_transport``, with ``"auto"`` resolved: broadcast when trainer rank 0 and every
+        replica are on GPUs (NCCL), else Ray's object store (faster than a gloo broadcast on CPU:
+        0.86 vs 0.52 GB/s for the 0.5B model in ``bench_fsdp2.py sync``)."""
+        if self.weight_transport != "auto":
+            return self.weight_transport
+        devices = {self._require_group().execute_rank_zero("device_type"), *rollout.execute_all("device_type")}
+        return "broadcast" if devices == {"cuda"} else "object_store"
 
     def _require_group(self) -> WorkerGroup:
         if self.group is None:
@@ -369,7 +378,7 @@ class WorkerGroupStrategy(Strategy):
         return stats
 
     def _push_buckets(self, dtype: torch.dtype | None) -> dict[str, float]:
-        """Split placement, ``weight_transport="object_store"``: rank 0 packs each gathered bucket,
+        """Split placement through Ray's object store: rank 0 packs each gathered bucket,
         Ray moves it to every replica; at most two buckets are in flight, so memory stays about
         two buckets."""
         group, rollout = self._require_group(), self.rollout_group

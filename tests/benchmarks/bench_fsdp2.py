@@ -5,7 +5,9 @@ writes a JSON file of the figures.
     python tests/benchmarks/bench_fsdp2.py step    # GSM8K CPU preset: single vs fsdp2 --devices 2
 
 ``sync``: a random-init model of the Qwen2.5-0.5B architecture (fp32, 1.98 GB) on 2 FSDP2 ranks
-(Ray, gloo, 1 thread each), each with a colocated ``hf`` engine replica. A full sync (every
+(Ray, gloo, 1 thread each), each with a colocated ``hf`` engine replica (``--placement
+split-broadcast`` / ``split-object-store``: one replica in a process of its own, fed by trainer
+rank 0's broadcast or through Ray's object store). A full sync (every
 tensor: the version counters are reset before each trial) is timed from the controller; the
 baseline is a plain ``copy_`` of the same number of bytes in one process on one thread, measured
 in the same run. Throughput is model bytes delivered per replica per second.
@@ -62,7 +64,9 @@ def bench_sync(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer("qwen2.5-instruct")
     config = qwen25_05b_config(151936)
     module = GRPO(config, tokenizer, reward_funcs="gsm8k", kl_coef=0.0)
-    strategy = FSDP2Strategy(devices=2, bucket_bytes=args.bucket_mb << 20)
+    placement, _, transport = args.placement.partition("-")
+    strategy = FSDP2Strategy(devices=2, bucket_bytes=args.bucket_mb << 20, rollout_placement=placement,
+                             weight_transport=(transport or "broadcast").replace("-", "_"))
     start = time.perf_counter()
     strategy.setup(module, seed=0)
     engine = strategy.connect_engine(HFEngine(), tokenizer)
@@ -76,7 +80,8 @@ def bench_sync(args: argparse.Namespace) -> dict:
     strategy.teardown()
     ray.shutdown()
     copy = copy_baseline(nbytes, args.trials)
-    return {"model_bytes": nbytes, "tensors": stats["tensors"], "buckets": stats["buckets"],
+    return {"placement": args.placement, "model_bytes": nbytes, "tensors": stats["tensors"],
+            "buckets": stats["buckets"],
             "bucket_mb": args.bucket_mb, "setup_s": setup_s, "sync_gb_per_s": rates, "copy_gb_per_s": copy,
             "sync_median": statistics.median(rates), "copy_median": statistics.median(copy),
             "ratio": statistics.median(rates) / statistics.median(copy)}
@@ -126,6 +131,8 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--placement", choices=["colocated", "split-broadcast", "split-object-store"], default="colocated",
+                   help="sync: engines in the training ranks, or one replica of its own fed by broadcast / Ray")
     p.add_argument("--out", default=None, help="JSON output (default: tests/benchmarks/results/fsdp2_<what>.json)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -137,7 +144,7 @@ def main() -> None:
     if args.what == "sync":
         print(f"model {result['model_bytes'] / 1e9:.2f} GB, {result['tensors']} tensors, {result['buckets']} buckets")
         print(f"{'':24}{'median GB/s':>12}  trials")
-        print(f"{'fsdp2 x2 -> hf sync':24}{result['sync_median']:>12.2f}  {[round(r, 2) for r in result['sync_gb_per_s']]}")
+        print(f"{'fsdp2 x2 -> hf ' + result['placement']:24}{result['sync_median']:>12.2f}  {[round(r, 2) for r in result['sync_gb_per_s']]}")
         print(f"{'plain copy_ (1 thread)':24}{result['copy_median']:>12.2f}  {[round(r, 2) for r in result['copy_gb_per_s']]}")
         print(f"ratio sync/copy: {result['ratio']:.2f}")
     else:

@@ -80,7 +80,7 @@ def test_fit_syncs_engines_exactly(tp, pp, arch, placement, config, bpe_tokenize
     module = FrozenEmbeddingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8,
                                  lr=1e-3, kl_coef=0.05)
     strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                bucket_bytes=32 << 10, rollout_placement=placement)
+                                bucket_bytes=32 << 10, rollout_placement=placement, weight_transport="broadcast")
     with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=1) as trainer:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         m = trainer.callback_metrics

@@ -190,6 +190,7 @@ def test_split_fit_syncs_changed_weights_bit_exactly_then_a_dead_replica_raises(
     embedding) were broadcast, in several buckets, and every replica equals the policy bit for bit.
     Then a replica dies: the next sync raises in the controller, naming it, instead of hanging."""
     strategy = FSDP2Strategy(devices=2, rollout_placement="split", rollout_replicas=replicas, micro_batch_size=4,
+                             weight_transport="broadcast",
                              bucket_bytes=64 << 10)
     trainer = Trainer(strategy=strategy, max_steps=1, logger=False, enable_progress_bar=False, seed=3)
     with trainer:
@@ -221,7 +222,7 @@ def test_split_fit_syncs_changed_weights_bit_exactly_then_a_dead_replica_raises(
 
 
 def test_bad_weight_transport_lists_the_choices():
-    with pytest.raises(ValueError, match="weight_transport='pigeon'; choose from broadcast, object_store"):
+    with pytest.raises(ValueError, match="weight_transport='pigeon'; choose from auto, broadcast, object_store"):
         FSDP2Strategy(rollout_placement="split", weight_transport="pigeon")
 
 
@@ -304,7 +305,8 @@ def test_sglang_split_protocol_against_a_recording_engine(tiny_config, bpe_token
     3-4, one ``update_weights_from_distributed`` per bucket inside one begin/end session, bf16
     dtype names, the cache flushed with the last bucket only. One training rank, so the sender
     is this process (the receivers' calls must be issued first). The real SGLang needs a GPU."""
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=2, bucket_bytes=64 << 10)
+    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=2, bucket_bytes=64 << 10,
+                             weight_transport="broadcast")
     try:
         strategy.setup(make_module(tiny_config, bpe_tokenizer), seed=0)  # one rank: this process sends
         engine = strategy.connect_engine(RecordingSGLangEngine(str(tmp_path), tp_size=2), bpe_tokenizer)
