@@ -15,8 +15,8 @@ Log-probs: SGLang reports ``log softmax(logits / temperature)`` of each sampled 
 prompt are ``n`` requests of that prompt, adjacent, each with its own seed when a seed is given.
 
 Split placement (SGLang on GPUs of its own; ``weight_transport="broadcast"``, which ``"auto"``
-picks there): SGLang's own TP scheduler processes join trainer rank 0's weight-broadcast group through
-``Engine.init_weights_update_group`` (ranks ``rank_offset + tp_rank``), and each bucket is one
+picks there): SGLang's own TP scheduler processes join trainer rank 0's weight-broadcast group
+through ``Engine.init_weights_update_group`` (ranks ``rank_offset + tp_rank``), and each bucket is one
 ``Engine.update_weights_from_distributed(..., load_format="flattened_bucket")``: trainer rank 0
 broadcasts the bucket's bytes end to end, in the order of ``names`` (see
 :mod:`rltrainer.strategies.broadcast`); the cache is flushed with the last bucket only.
@@ -24,7 +24,6 @@ broadcasts the bucket's bytes end to end, in the order of ``names`` (see
 
 from __future__ import annotations
 
-import math
 import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -147,6 +146,8 @@ class SGLangEngine(RolloutEngine):
         self._group_name = group_name
 
     def receive_weights(self, entries: Sequence[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
+        from rltrainer.strategies.broadcast import entry_nbytes
+
         if self._group_name is None:
             raise RuntimeError("SGLangEngine.receive_weights before init_weight_group")
         self._begin_update()
@@ -156,9 +157,7 @@ class SGLangEngine(RolloutEngine):
             "update_weights_from_distributed")
         if last:
             self._end_update()
-        nbytes = sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-                     for _, dtype, shape in entries)
-        return {"tensors": len(entries), "bytes": nbytes}
+        return {"tensors": len(entries), "bytes": sum(entry_nbytes(e) for e in entries)}
 
     def close_weight_group(self) -> None:
         if self._group_name is not None and self.engine is not None:

@@ -19,10 +19,10 @@ on, vLLM renormalises over the kept tokens).
 Split placement (vLLM on GPUs of its own; ``weight_transport="broadcast"``, which ``"auto"``
 picks there) uses the generic engine side of :class:`RolloutEngine`: the rollout worker, which
 holds the model in its own process, joins trainer rank 0's NCCL group, receives each bucket into
-one CUDA buffer and loads views of it with :meth:`VLLMEngine.update_weights`. vLLM's own weight-transfer engine
-(``weight_transfer_config={"backend": "nccl"}``) is not used: it needs vLLM on the trainer and
-drives whole-model rounds of its own, where ours sends only the changed tensors, bucket by
-bucket, and runs (and is tested) on gloo as well.
+one CUDA buffer and loads views of it with :meth:`VLLMEngine.update_weights`. vLLM's own
+weight-transfer engine (``weight_transfer_config={"backend": "nccl"}``) is not used: it needs
+vLLM on the trainer and drives whole-model rounds of its own, where ours sends only the changed
+tensors, bucket by bucket, and runs (and is tested) on gloo as well.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import torch
 
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, gpu_engine_files,
                                       missing_engine)
-
 
 
 def vllm_sampling_params(sampling: SamplingParams, stop_token_ids: list[int]) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -41,11 +42,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _nbytes(entry: Entry) -> int:
-    numel = 1
-    for dim in entry[2]:
-        numel *= dim
-    return numel * _itemsize(getattr(torch, entry[1]))
+def entry_nbytes(entry: Entry) -> int:
+    """Bytes one wire entry takes in a bucket."""
+    return math.prod(entry[2]) * _itemsize(getattr(torch, entry[1]))
 
 
 def bucket_entries(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> list[Entry]:
@@ -69,7 +68,7 @@ def flatten_bucket(tensors: dict[str, torch.Tensor], entries: Sequence[Entry], d
 
 def empty_bucket(entries: Sequence[Entry], device: torch.device | str) -> torch.Tensor:
     """A receive buffer for one bucket."""
-    return torch.empty(sum(_nbytes(e) for e in entries), dtype=torch.uint8, device=device)
+    return torch.empty(sum(entry_nbytes(e) for e in entries), dtype=torch.uint8, device=device)
 
 
 def bucket_views(buffer: torch.Tensor, entries: Sequence[Entry]) -> list[tuple[str, torch.Tensor]]:
@@ -77,7 +76,7 @@ def bucket_views(buffer: torch.Tensor, entries: Sequence[Entry]) -> list[tuple[s
     out, offset = [], 0
     for entry in entries:
         name, dtype, shape = entry
-        nbytes = _nbytes(entry)
+        nbytes = entry_nbytes(entry)
         out.append((name, buffer[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)))
         offset += nbytes
     return out
