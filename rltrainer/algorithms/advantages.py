@@ -8,6 +8,7 @@ All return ``(advantages [N, T], returns [N, T])``, zero on padding.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,6 +36,43 @@ def _group_stats(scores: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tens
     sq = zeros.clone().index_add_(0, groups, (scores - mean[groups]) ** 2)
     std = (sq / (count - 1).clamp(min=1)).sqrt()
     return mean[groups], std[groups], count[groups]
+
+
+def group_signal_metrics(scores: torch.Tensor, uids: Sequence[object], responses: torch.Tensor | None = None,
+                         response_mask: torch.Tensor | None = None) -> dict[str, float]:
+    """How much learning signal a batch of groups carries, for group-baseline estimators.
+
+    - ``critic/groups/zero_std_ratio``: share of groups whose scores are all equal (TRL's
+      ``frac_reward_zero_std``). Their advantages are exactly 0, so they add nothing to the update.
+    - ``critic/groups/solve_none_ratio`` / ``solve_all_ratio``: groups where every score is <= 0 /
+      >= 1 (for a 0/1 verifiable reward: no sample right / every sample right).
+    - ``response/distinct_ratio``: distinct responses per group over the group size (1: every
+      sample differs; ``1/G``: the policy samples one answer), from ``responses [N, T]`` masked
+      by ``response_mask``.
+
+    ``scores [N]``; ``uids`` gives each row's group.
+    """
+    groups = group_index(uids)
+    n_groups = int(groups.max()) + 1 if len(groups) else 0
+    if n_groups == 0:
+        return {}
+    scores = scores.float().cpu()
+    lo = torch.full((n_groups,), math.inf).scatter_reduce(0, groups, scores, "amin")
+    hi = torch.full((n_groups,), -math.inf).scatter_reduce(0, groups, scores, "amax")
+    metrics = {
+        "critic/groups/zero_std_ratio": (lo == hi).float().mean().item(),
+        "critic/groups/solve_none_ratio": (hi <= 0).float().mean().item(),
+        "critic/groups/solve_all_ratio": (lo >= 1).float().mean().item(),
+    }
+    if responses is not None:
+        mask = response_mask.bool() if response_mask is not None else torch.ones_like(responses, dtype=torch.bool)
+        distinct: dict[int, set[tuple[int, ...]]] = {}
+        for g, row, keep in zip(groups.tolist(), responses.cpu(), mask.cpu()):
+            distinct.setdefault(g, set()).add(tuple(row[keep].tolist()))
+        sizes = torch.bincount(groups, minlength=n_groups).float()
+        counts = torch.tensor([float(len(distinct[g])) for g in range(n_groups)])
+        metrics["response/distinct_ratio"] = (counts / sizes).mean().item()
+    return metrics
 
 
 @ADVANTAGES.register("grpo")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from rltrainer.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, aggregate, kl_penalty, ppo_clip_loss
+from rltrainer.algorithms.advantages import group_signal_metrics
 from rltrainer.algorithms.aggregation import masked_sum_over
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
@@ -141,6 +142,9 @@ class GRPO(RLModule):
         batch["returns"] = returns  # [N, T]
         mask = batch["response_mask"].bool()
         self.log("critic/advantages/mean", advantages[mask].mean().item() if mask.any() else 0.0)
+        signal = group_signal_metrics(batch["scores"], batch["uid"], batch["responses"], batch["response_mask"])
+        for name, value in signal.items():  # a stalled run shows here: all groups zero-std
+            self.log(name, value)
         return batch
 
     # -- compute flow ---------------------------------------------------------------------------

@@ -183,3 +183,24 @@ def test_estimators_stay_on_the_input_device() -> None:
     for fn in (grpo_advantages, rloo_advantages):
         adv, _ = fn(SCORES.to(meta), full_mask(8).to(meta), UIDS)
         assert adv.device == meta and adv.shape == (8, 3)
+
+
+def test_group_signal_metrics_count_groups_without_signal_and_distinct_responses() -> None:
+    from rltrainer.algorithms.advantages import group_signal_metrics
+
+    # groups: "a" all right (no signal), "b" all wrong (no signal), "c" mixed
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    uids = ["a", "b", "a", "b", "c", "c"]
+    # responses (masked): a: [1, 2] twice -> 1 distinct of 2; b: [3] and [4] -> 2; c: [1] and [1, 1] -> 2
+    responses = torch.tensor([[1, 2], [3, 9], [1, 2], [4, 9], [1, 9], [1, 1]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0], [1, 0], [1, 1]])
+    metrics = group_signal_metrics(scores, uids, responses, mask)
+    assert metrics["critic/groups/zero_std_ratio"] == pytest.approx(2 / 3)
+    assert metrics["critic/groups/solve_all_ratio"] == pytest.approx(1 / 3)
+    assert metrics["critic/groups/solve_none_ratio"] == pytest.approx(1 / 3)
+    assert metrics["response/distinct_ratio"] == pytest.approx((0.5 + 1.0 + 1.0) / 3)
+    # the zero-std groups are exactly the groups whose GRPO advantages are all 0
+    adv, _ = grpo_advantages(scores, torch.ones(6, 1), uids)
+    zero_groups = {u for u in uids if all(adv[i].abs().sum() == 0 for i, v in enumerate(uids) if v == u)}
+    assert len(zero_groups) / 3 == pytest.approx(metrics["critic/groups/zero_std_ratio"])
+    assert "response/distinct_ratio" not in group_signal_metrics(scores, uids)

@@ -75,8 +75,11 @@ def test_grpo_end_to_end_metrics_and_sync(tiny_config, bpe_tokenizer, gsm8k_prom
     for key in ["timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
                 "timing_s/update_weights", "timing_s/step", "perf/throughput", "actor/pg_loss", "actor/pg_clipfrac",
                 "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "critic/score/mean",
-                "response_length/mean", "response_length/max", "response_length/clip_ratio"]:
+                "response_length/mean", "response_length/max", "response_length/clip_ratio",
+                "critic/groups/zero_std_ratio", "critic/groups/solve_none_ratio", "critic/groups/solve_all_ratio",
+                "response/distinct_ratio"]:
         assert key in m and math.isfinite(m[key]), key
+    assert 0 <= m["critic/groups/zero_std_ratio"] <= 1 and 0 < m["response/distinct_ratio"] <= 1
     assert m["actor/grad_norm"] > 0 and m["actor/kl_loss"] > 0  # the policy moved away from the reference
     assert trainer.global_step == 3
     assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").exists()

@@ -91,12 +91,17 @@ def test_micro_batch_gradients_equal_whole_batch(mode: str) -> None:
         clipfrac = clipfrac + metrics["actor/pg_clipfrac"]
     parts = grads(module)
 
-    torch.testing.assert_close(loss_parts, loss_whole.detach(), rtol=0, atol=1e-6)
+    # summation order differs: 17 tokens, each term at most max|A| * max ratio (about 2 * 1.8), so the
+    # fp32 error is under 17 * u * 3.6 = 3.7e-6 (u = 2**-24)
+    torch.testing.assert_close(loss_parts, loss_whole.detach(), rtol=0, atol=4e-6)
     torch.testing.assert_close(clipfrac, metrics_whole["actor/pg_clipfrac"], rtol=0, atol=1e-6)
     assert metrics_whole["actor/pg_clipfrac"] > 0  # the example exercises clipping
     assert any(g.abs().sum() > 0 for g in whole)
+    # different matmul shapes: each gradient entry sums ~170 products (17 tokens x hidden 64 / heads,
+    # and the vocabulary), so its error is under 170 * u * the largest gradient: 1e-5 * max|g|
+    scale = max(g.abs().max().item() for g in whole)
     for g_whole, g_parts in zip(whole, parts, strict=True):
-        torch.testing.assert_close(g_parts, g_whole, rtol=0, atol=1e-6)
+        torch.testing.assert_close(g_parts, g_whole, rtol=0, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])

@@ -47,6 +47,14 @@ def test_held_out_problems_never_sampled_for_training(recipe):
     assert rows[0]["answer"] == "940" and rows[0]["prompt_ids"][0] == recipe.build_tokenizer().bos_token_id
 
 
+def test_warm_up_mix_has_copy_problems_and_no_held_out_ones(recipe):
+    problems = recipe.Problems(digits=3, num_val=300, seed=0)
+    copies = problems.sample(1000, copy_share=0.25)  # some problems with one operand 0
+    assert not problems.val & set(copies)
+    share = sum(a == 0 or b == 0 for a, b in copies) / len(copies)
+    assert 0.15 < share < 0.35, share
+
+
 def test_exact_match_reward(recipe):
     assert recipe.exact_match(["9590", " 9590", "959", "95900"], answer=["9590"] * 4) == [1.0, 1.0, 0.0, 0.0]
 
@@ -64,10 +72,13 @@ def test_grpo_module_with_the_recipe_reward_pickles(recipe):
 
 @pytest.mark.slow
 def test_grpo_raises_held_out_accuracy(recipe):
-    """A shortened run (about 90 s): GRPO must add at least 15 points of held-out accuracy.
+    """A shortened run (about 2 minutes): GRPO must add at least 15 points of held-out accuracy.
 
-    Seed-fixed. With these settings seed 0 gave 16.3% -> 44.0% (+27.7 points, 80-90 s on 2 shared
-    cores), seed 1 +68.7 and seed 2 +38.6; seed 0 is the weakest of the three, hence it is used."""
+    This held on every one of 5 seeds x 3 numerics (1 and 2 torch threads, and MKL's and ATen's
+    portable kernels, which round differently): gains of +X to +Y points, table and command in
+    ``tests/benchmarks/README.md``. Before issue 10 it failed on AMD EPYC (+0.3 points): the warm-up
+    stopped on a model that knew only the units digit. The recipe's warm-up now stops on every
+    digit, which is what makes the trajectory's shape the same on every CPU."""
     config = recipe.Config(seed=0, num_val=300, steps=200, print_every=50)
     result = recipe.run(config)
     gain = result["acc_after"] - result["acc_before"]

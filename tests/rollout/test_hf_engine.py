@@ -127,7 +127,8 @@ def test_rollout_log_probs_match_the_trainers(engine, policy, prompts, tokenizer
     with torch.no_grad():
         expected, _ = response_log_probs(policy, rollouts, temperature=0.7)
     mask = rollouts["response_mask"].bool()
-    torch.testing.assert_close(rollouts["rollout_log_probs"][mask], expected[mask], rtol=0, atol=1e-4)
+    # cached decoding vs one forward: ~200 roundings deep of logits / 0.7 up to 15.5: 200 * 6e-8 * 15.5 = 1.9e-4
+    torch.testing.assert_close(rollouts["rollout_log_probs"][mask], expected[mask], rtol=0, atol=2e-4)
 
 
 def test_shapes_adjacent_samples_and_padding(engine, prompts, tokenizer):
@@ -191,7 +192,9 @@ def test_chunks_give_the_same_results(config, tokenizer, policy, prompts, n, max
     assert torch.equal(chunked.response_ids, whole.response_ids)
     assert torch.equal(chunked.response_mask, whole.response_mask)
     assert chunked.finish_reason == whole.finish_reason
-    torch.testing.assert_close(chunked.log_probs, whole.log_probs, rtol=0, atol=1e-5)
+    # different batch shapes round differently: about 200 fp32 roundings deep (hidden 64 plus the
+    # attention span), each up to u = 2**-24 of logits up to 11: 200 * 6e-8 * 11 = 1.3e-4
+    torch.testing.assert_close(chunked.log_probs, whole.log_probs, rtol=0, atol=1.5e-4)
 
 
 # -- lifecycle -------------------------------------------------------------------------------------

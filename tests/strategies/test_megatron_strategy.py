@@ -147,8 +147,11 @@ def test_ppo_critic_on_tensor_parallel_matches_one_device(config, bpe_tokenizer,
             m_single, m_meg = single.train_step(batch), strategy.train_step(batch)
         assert m_meg["critic/vf_loss"] == pytest.approx(m_single["critic/vf_loss"], rel=1e-4, abs=1e-6)
         with torch.no_grad():  # the critics moved alike
+            # after two AdamW steps a weight whose gradient is near 0 may differ by up to 2 * lr * d / eps
+            # = 2 * 1e-3 * 6e-12 / 1e-8 = 1.2e-6 (see make_module); a value sums 32 such weights times
+            # hidden states of size ~1 in the worst case: 32 * 1.2e-6 = 3.8e-5
             torch.testing.assert_close(strategy.compute(batch, "values")["values"],
-                                       single.compute(batch, "values")["values"], rtol=0, atol=1e-5)
+                                       single.compute(batch, "values")["values"], rtol=0, atol=4e-5)
     finally:
         strategy.teardown()
 
