@@ -13,7 +13,8 @@ carry from digit ``k-1``, just emitted, so a 2-layer transformer learns it in mi
    A quarter of the warm-up problems have one operand 0, which gets the model past the plateau
    where it does not yet look at the right operand digits (see :func:`warm_up`).
 2. GRPO: ``rltrainer.GRPO`` with reward 1 for an exact match and 0 otherwise, driven by
-   ``Trainer(strategy="single", rollout="hf").fit(...)``. It never sees a worked answer.
+   ``Trainer(strategy=SingleDeviceStrategy(...), rollout="hf").fit(...)`` (the ``"single"``
+   strategy, with micro-batches as large as the mini-batches). It never sees a worked answer.
 3. Held-out accuracy (greedy decoding, exact match, on ``num_val`` problems that are in neither
    training set) is measured with ``trainer.validate`` before and after GRPO.
 
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import rltrainer
+from rltrainer.strategies import SingleDeviceStrategy
 from rltrainer.testing import tiny_qwen2_config
 
 
@@ -56,6 +58,7 @@ class Config:
     batch_size: int = 32  # prompts per step (B)
     group_size: int = 8  # samples per prompt (G)
     mini_batch_size: int = 64  # rows per optimizer step: B*G/64 = 4 updates per batch of samples
+    micro_batch_size: int = 64  # rows per forward/backward: the model is tiny, so one pass per update
     lr: float = 3e-4
     temperature: float = 0.7
     # running
@@ -169,23 +172,25 @@ def warm_up(config: Config, problems: Problems, tokenizer: Any) -> tuple[torch.n
 
 
 # -- 2. GRPO, and held-out accuracy before and after ------------------------------------------------
+#: The step metrics PrintProgress prints, and their labels.
+PRINTED = {"critic/score/mean": "mean reward", "critic/groups/zero_std_ratio": "groups without signal",
+           "actor/entropy": "entropy"}
+
+
 class PrintProgress(rltrainer.Callback):
     """Every ``every`` steps, the means over those steps of the training reward (= sampled
     accuracy), the share of groups without signal (all 8 samples equally right or wrong, so every
     advantage is 0) and the policy's token entropy; and the held-out accuracy whenever the Trainer
     has just validated."""
 
-    KEYS = {"critic/score/mean": "mean reward", "critic/groups/zero_std_ratio": "groups without signal",
-            "actor/entropy": "entropy"}
-
     def __init__(self, every: int) -> None:
         self.every, self.history = every, []
 
     def on_step_end(self, trainer: rltrainer.Trainer, module: rltrainer.RLModule, metrics: dict[str, float]) -> None:
-        self.history.append({k: metrics[k] for k in self.KEYS})
+        self.history.append({k: metrics[k] for k in PRINTED})
         if trainer.global_step % self.every == 0:
-            means = {k: sum(h[k] for h in self.history[-self.every:]) / self.every for k in self.KEYS}
-            print(f"step {trainer.global_step}: " + ", ".join(f"{label} {means[k]:.3f}" for k, label in self.KEYS.items())
+            means = {k: sum(h[k] for h in self.history[-self.every:]) / self.every for k in PRINTED}
+            print(f"step {trainer.global_step}: " + ", ".join(f"{label} {means[k]:.3f}" for k, label in PRINTED.items())
                   + f" ({metrics['timing_s/step']:.2f}s/step)", flush=True)
         if "val/accuracy" in metrics:
             print(f"step {trainer.global_step}: held-out accuracy {metrics['val/accuracy']:.1%}", flush=True)
@@ -214,7 +219,8 @@ def run(config: Config) -> dict[str, float]:
                 temperature=config.temperature, lr=config.lr, weight_decay=0.0,
             )
             trainer = rltrainer.Trainer(
-                strategy="single", rollout="hf", max_steps=config.steps, seed=config.seed,
+                strategy=SingleDeviceStrategy(micro_batch_size=config.micro_batch_size), rollout="hf",
+                max_steps=config.steps, seed=config.seed,
                 val_check_interval=config.val_every or None, logger=False,
                 enable_progress_bar=config.progress_bar, callbacks=[PrintProgress(config.print_every)],
             )

@@ -66,12 +66,10 @@ def group_signal_metrics(scores: torch.Tensor, uids: Sequence[object], responses
     }
     if responses is not None:
         mask = response_mask.bool() if response_mask is not None else torch.ones_like(responses, dtype=torch.bool)
-        distinct: dict[int, set[tuple[int, ...]]] = {}
-        for g, row, keep in zip(groups.tolist(), responses.cpu(), mask.cpu()):
-            distinct.setdefault(g, set()).add(tuple(row[keep].tolist()))
+        keyed = torch.cat([groups.unsqueeze(1), responses.cpu().long().masked_fill(~mask.cpu(), -1)], dim=1)
+        distinct = torch.bincount(torch.unique(keyed, dim=0)[:, 0], minlength=n_groups).float()  # [groups]
         sizes = torch.bincount(groups, minlength=n_groups).float()
-        counts = torch.tensor([float(len(distinct[g])) for g in range(n_groups)])
-        metrics["response/distinct_ratio"] = (counts / sizes).mean().item()
+        metrics["response/distinct_ratio"] = (distinct / sizes).mean().item()
     return metrics
 
 
