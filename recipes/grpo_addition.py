@@ -18,8 +18,12 @@ carry from digit ``k-1``, just emitted, so a 2-layer transformer learns it in mi
 3. Held-out accuracy (greedy decoding, exact match, on ``num_val`` problems that are in neither
    training set) is measured with ``trainer.validate`` before and after GRPO.
 
-    python recipes/grpo_addition.py                     # about 4 minutes on 2 CPU cores
+    python recipes/grpo_addition.py                     # about 6 minutes on 2 CPU cores
     python recipes/grpo_addition.py --seed 1 --steps 300 --val-every 50
+
+Seeds 0, 1, 2 (2026-12-01, 2-core AMD EPYC, one thread each): held-out 10.8% -> 92.2%,
+24.2% -> 97.4%, 15.4% -> 85.2%, in 360-372 s (the first two sharing the machine). The CI test's
+200-step version, over 5 seeds x 4 numerics settings: ``tests/benchmarks/README.md``.
 """
 
 from __future__ import annotations
