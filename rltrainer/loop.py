@@ -1,6 +1,7 @@
-"""One RL step, top to bottom: rollout -> reward -> forward passes -> advantage -> policy update
--> weight sync. Control flow only; every computation is a module hook, a Strategy call or an
-engine call."""
+"""One RL step, top to bottom: reward -> forward passes -> advantage -> policy update -> weight
+push, on rows a pipeline generated (:mod:`rltrainer.pipelines`: before the step in sync mode,
+during the previous one otherwise). Control flow only; every computation is a module hook, a
+Strategy call or an engine call."""
 
 from __future__ import annotations
 
@@ -25,29 +26,33 @@ def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
     metrics[f"timing_s/{name}"] = time.perf_counter() - start
 
 
-def training_step(trainer: Trainer, prompts: RolloutBatch) -> dict[str, float]:
-    """Run one step on a batch of ``B`` prompts; return its metrics."""
-    module, strategy, engine = trainer.module, trainer.strategy, trainer.engine
-    metrics = trainer.step_metrics = {}
-    with timer(metrics, "step"):
-        metrics.update(trainer._await_weights())  # async sync: the previous step's push
-        with timer(metrics, "gen"):
-            engine.wake_up()
-            batch = call_module_hook(trainer, "rollout_step", prompts, engine)  # [N = B*G rows]
-            engine.sleep()
-        with timer(metrics, "reward"):
-            batch = call_module_hook(trainer, "reward_step", batch)  # + scores [N]
-        for stage in module.compute_stages():  # old_log_prob, ref, values, ...
-            with timer(metrics, stage):
-                batch = batch.union(strategy.compute(batch, stage))
-        with timer(metrics, "adv"):
-            batch = call_module_hook(trainer, "advantage_step", batch)  # + advantages [N, T]
-        with timer(metrics, "update_actor"):
-            metrics.update(update_policy(trainer, batch))
-        with timer(metrics, "update_weights"):
-            metrics.update(trainer._start_sync())
-    metrics.update(batch_metrics(batch, metrics["timing_s/step"]))
+def training_step(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
+    """Train on ``N`` generated rows (the pipeline made them, see :mod:`rltrainer.pipelines`); return
+    the step's metrics. Ends by starting the push of the new weights (version ``global_step + 1``)."""
+    module, strategy = trainer.module, trainer.strategy
+    metrics = trainer.step_metrics  # what rollout_step logged is already there
+    metrics.update({k: float(v) for k, v in batch.meta.items() if k.startswith(("pipeline/", "timing_s/"))})
+    with timer(metrics, "reward"):
+        batch = call_module_hook(trainer, "reward_step", batch)  # + scores [N]
+    for stage in module.compute_stages():  # old_log_prob, ref, values, ...
+        with timer(metrics, stage):
+            batch = batch.union(strategy.compute(batch, stage))
+    with timer(metrics, "adv"):
+        batch = call_module_hook(trainer, "advantage_step", batch)  # + advantages [N, T]
+    with timer(metrics, "update_actor"):
+        metrics.update(update_policy(trainer, batch))
+    with timer(metrics, "update_weights"):
+        trainer._push_weights(trainer.global_step + 1)
+    metrics.update(staleness_metrics(batch, trainer.global_step))
     return metrics
+
+
+def staleness_metrics(batch: RolloutBatch, step: int) -> dict[str, float]:
+    """How many policy versions behind the trainer the rows were (0 in sync mode)."""
+    if "policy_version" not in batch:
+        return {}
+    lag = (step - batch["policy_version"]).float()  # [N]
+    return {"pipeline/staleness_mean": lag.mean().item(), "pipeline/staleness_max": lag.max().item()}
 
 
 def update_policy(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
@@ -71,7 +76,7 @@ def update_policy(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
 
 
 def batch_metrics(batch: RolloutBatch, step_time: float) -> dict[str, float]:
-    """Length and throughput metrics with verl's names."""
+    """Length and throughput metrics with verl's names (``step_time``: wall time since the last step)."""
     response_lengths = batch["response_mask"].sum(-1).float()  # [N]
     prompt_lengths = (batch["attention_mask"].sum(-1) - batch["response_mask"].sum(-1)).float()
     clipped = [reason == "length" for reason in batch.get("finish_reason", [])]

@@ -127,8 +127,11 @@ class RLModule(torch.nn.Module):
         Receives ``B`` rows with the non-tensor field ``prompt_ids`` (and every dataset column).
         Returns ``N = B*G`` rows (each prompt row repeated ``G`` times, samples adjacent) with the
         tensors ``prompts [N, P]``, ``responses [N, T]``, ``response_mask [N, T]``,
-        ``input_ids / attention_mask / position_ids [N, P+T]``, ``rollout_log_probs [N, T]`` and the
-        non-tensors ``uid`` and ``response_text``.
+        ``input_ids / attention_mask / position_ids [N, P+T]``, ``rollout_log_probs [N, T]``,
+        ``policy_version [N]`` (the version of the weights that generated each row; if missing,
+        the pipeline sets the engine's version when the call started) and the non-tensors ``uid``
+        and ``response_text``. It may run in a controller thread while the policy trains
+        (``pipeline="one_step_off"`` / ``"async"``); ``engine`` then stands for one replica.
 
         The default samples with ``self.sampling``; override it for multi-turn or tool use.
         """
@@ -262,6 +265,8 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["attention_mask"] = attention_mask  # [N, P+T]
     out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
     out["rollout_log_probs"] = gen.log_probs.float() * response_mask  # [N, T]
+    version = gen.weight_version if gen.weight_version is not None else engine.weight_version
+    out["policy_version"] = torch.full((len(out),), version, dtype=torch.long)  # [N]
     out["response_text"] = gen.text
     out["finish_reason"] = gen.finish_reason
     out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})

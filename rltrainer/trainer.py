@@ -3,6 +3,7 @@ It coordinates and never computes; the step itself is in :mod:`rltrainer.loop`."
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -19,8 +20,9 @@ from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, ProgressBar
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.loggers import build_loggers
-from rltrainer.loop import training_step, validation_loop
+from rltrainer.loop import batch_metrics, training_step, validation_loop
 from rltrainer.module import REQUIRED_HOOKS, RLModule
+from rltrainer.pipelines import Pipeline, build_pipeline, check_pipeline
 from rltrainer.rollout.engine import RolloutEngine, build_engine
 from rltrainer.strategies.strategy import Strategy, build_strategy
 
@@ -53,6 +55,15 @@ class Trainer:
         weight_sync: ``"sync"`` (push new weights at the end of each step and wait) or ``"async"``
             (push in a background thread; logging, callbacks and loading the next prompts overlap
             with it, and the next rollout, validation or checkpoint waits for it).
+        pipeline: ``"sync"`` (generate, then train), ``"one_step_off"`` (generate batch ``t + 1``
+            with the previous weights while training on batch ``t``) or ``"async"`` (engines stream
+            groups into a buffer, rows at most ``max_staleness`` versions old). The last two need
+            the engines in processes of their own (``rollout_placement="split"``); see
+            :mod:`rltrainer.pipelines`.
+        max_staleness: ``"async"``: how many policy versions a trained row may lag.
+        staleness_policy: ``"async"``: ``"wait"`` (train on the oldest requests first, never
+            exceed the bound) or ``"drop"`` (train on what finished first; drop rows that fell
+            behind the bound, count them and generate their prompts again).
     """
 
     def __init__(
@@ -74,6 +85,9 @@ class Trainer:
         fast_dev_run: bool | int = False,
         enable_progress_bar: bool = True,
         weight_sync: str = "sync",
+        pipeline: str = "sync",
+        max_staleness: int = 1,
+        staleness_policy: str = "wait",
     ) -> None:
         for name, value in (("max_steps", max_steps), ("log_every_n_steps", log_every_n_steps)):
             if not isinstance(value, int) or (value < 1 and not (name == "max_steps" and value == -1)):
@@ -91,6 +105,13 @@ class Trainer:
         if isinstance(strategy, Strategy) and precision != "32-true" and precision != strategy.precision:
             raise ValueError(f"Trainer(precision={precision!r}) conflicts with the strategy's own "
                              f"precision={strategy.precision!r}; set it in one place.")
+        check_pipeline(pipeline, max_staleness, staleness_policy, self.strategy)
+        if pipeline != "sync" and weight_sync != "sync":
+            raise ValueError(f"weight_sync={weight_sync!r} overlaps the push with the next step in sync mode; "
+                             f"pipeline={pipeline!r} already pushes in the background: leave weight_sync='sync'")
+        self.pipeline, self.max_staleness, self.staleness_policy = pipeline, max_staleness, staleness_policy
+        self._pipeline: Pipeline | None = None  # during fit: the running pipeline
+        self._pipeline_state: dict[str, Any] | None = None  # restored from a checkpoint, for the next fit
         self._engine_spec = build_engine(rollout)
         self.engine: RolloutEngine = self._engine_spec  # after setup: the engine the strategy connected
         self.weight_sync = weight_sync
@@ -164,7 +185,14 @@ class Trainer:
         """Push the policy's changed weights from the strategy to the engine and wait. Returns
         ``tensors``, ``bytes``, ``skipped`` (unchanged since the last sync) and ``seconds``."""
         self._await_weights()
-        return self.strategy.sync_weights(self.engine)
+        return self._start_push(self.global_step).wait()
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether rows can come from other weights than the trainer's, or with log-probs the
+        trainer would not compute (then ``old_log_probs`` are recomputed, whatever the module's
+        update schedule): any pipeline but ``"sync"``, or an engine whose log-probs differ."""
+        return self.pipeline != "sync" or not getattr(self._engine_spec, "trainer_log_probs", False)
 
     def __enter__(self) -> Trainer:
         return self
@@ -177,7 +205,8 @@ class Trainer:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._await_weights()
-        checkpoint = {"global_step": self.global_step, "current_epoch": self.current_epoch,
+        pipeline = self._pipeline.state_dict() if self._pipeline is not None else self._pipeline_state or {}
+        checkpoint = {"pipeline": {"mode": self.pipeline, **pipeline},"global_step": self.global_step, "current_epoch": self.current_epoch,
                       "batches_seen_in_epoch": self.batches_seen_in_epoch, "strategy": self.strategy.state_dict(),
                       "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
@@ -185,7 +214,13 @@ class Trainer:
         torch.save(checkpoint, path)
 
     def teardown(self) -> None:
-        """Release the engine and the strategy's processes (Ray workers) and memory."""
+        """Release the engine and the strategy's processes (Ray workers) and memory; requests still
+        in flight end with them."""
+        if self._is_setup and self._pipeline is not None:
+            self.strategy.teardown()  # kill the workers first: threads waiting on them return at once
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
         if self._pending_sync is not None:
             try:
                 self._pending_sync.result()
@@ -229,57 +264,83 @@ class Trainer:
         self.engine = self.strategy.connect_engine(self._engine_spec, module.tokenizer)
         self.sync_weights()
 
-    def _start_sync(self) -> dict[str, float]:
-        """End of a step: sync now (returns its metrics) or start it in the background."""
-        if self.weight_sync == "sync":
-            return sync_metrics(self.sync_weights())
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltrainer-weight-sync")
-        self._pending_sync = self._executor.submit(self.strategy.sync_weights, self.engine)
-        return {}
+    def _push_weights(self, version: int) -> None:
+        """End of a step: start pushing the new weights (``version``); wait for them in sync mode
+        (their metrics go to this step), or let them land while the next step runs."""
+        self.step_metrics.update(self._await_weights())  # one push at a time
+        if self.weight_sync == "async":  # sync pipeline: pushed in a thread, waited before the next rollout
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltrainer-weight-sync")
+            self._pending_sync = self._executor.submit(lambda: self._start_push(version).wait())
+            return
+        self._pending_sync = self._start_push(version)
+        if self.pipeline == "sync":
+            self.step_metrics.update(self._await_weights())
+
+    def _start_push(self, version: int) -> Any:
+        """Start a push; no request is submitted to the engine meanwhile (its ``submit_lock``), so
+        every request sees one version, and requests submitted later see this one."""
+        with getattr(self.engine, "submit_lock", contextlib.nullcontext()):
+            handle = self.strategy.start_weight_sync(self.engine, version)
+            self.engine.weight_version = version
+        return handle
 
     def _await_weights(self) -> dict[str, float]:
-        """Wait for a background sync (if any); its metrics plus ``timing_s/wait_weights``."""
+        """Wait for the push in flight (if any); its metrics plus ``timing_s/wait_weights``."""
         if self._pending_sync is None:
             return {}
         start = time.perf_counter()
         pending, self._pending_sync = self._pending_sync, None
-        metrics = sync_metrics(pending.result())
+        metrics = sync_metrics(pending.result() if isinstance(pending, Future) else pending.wait())
         metrics["timing_s/wait_weights"] = time.perf_counter() - start
         return metrics
 
     def _fit_loop(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None) -> None:
-        while not self._done():
-            for raw in self._epoch_batches(train_loader):
-                prompts = self.as_batch(raw)
-                call_hooks(self, "on_step_start", prompts)
-                metrics = training_step(self, prompts)
-                self.global_step += 1
-                self.batches_seen_in_epoch += 1
-                metrics["training/epoch"] = float(self.current_epoch)
-                self._validated_this_step = False
-                if val_loader is not None and self.val_check_interval and self.global_step % self.val_check_interval == 0:
-                    metrics.update(self._run_validation(val_loader, log=False))
-                self.callback_metrics = metrics
-                if self.global_step % self.log_every_n_steps == 0:
-                    self._log(metrics)
-                call_hooks(self, "on_step_end", metrics)
-                if self._done():
-                    return
-            self.current_epoch += 1
-            self.batches_seen_in_epoch = 0
+        if self._done():
+            return
+        pipeline = self._pipeline = build_pipeline(self, self._prompt_batches(train_loader))
+        if self._pipeline_state is not None:
+            pipeline.load_state_dict(self._pipeline_state)
+            self._pipeline_state = None
+        self.step_metrics = {}
+        for batch in pipeline:  # generated rows; the pipeline decides with which weights
+            metrics = training_step(self, batch)
+            self.global_step += 1
+            self.current_epoch, self.batches_seen_in_epoch = pipeline.position(batch)
+            metrics.update(pipeline.metrics())
+            metrics.update(batch_metrics(batch, metrics["timing_s/step"]))
+            metrics["training/epoch"] = float(self.current_epoch)
+            self._validated_this_step = False
+            if val_loader is not None and self.val_check_interval and self.global_step % self.val_check_interval == 0:
+                metrics.update(self._run_validation(val_loader, log=False))
+            self.callback_metrics = metrics
+            if self.global_step % self.log_every_n_steps == 0:
+                self._log(metrics)
+            call_hooks(self, "on_step_end", metrics)
+            self.step_metrics = {}
+            if self._done():
+                break
+        else:  # the prompts ran out: every epoch is done
+            self.current_epoch, self.batches_seen_in_epoch = self.max_epochs or self.current_epoch + 1, 0
+        self._pipeline_state = pipeline.state_dict()  # for save_checkpoint after fit, and the next fit
+        pipeline.close()
+        self._pipeline = None
 
-    def _epoch_batches(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """The loader's batches for this epoch, skipping those a restored checkpoint has seen."""
-        if hasattr(getattr(loader, "sampler", None), "set_epoch"):
-            loader.sampler.set_epoch(self.current_epoch)
-        got_any = False
-        for i, raw in enumerate(loader):
-            got_any = True
-            if i >= self.batches_seen_in_epoch:
-                yield raw
-        if not got_any:
-            raise ValueError("The train dataloader yielded no batches (is the dataset empty after filtering?)")
+    def _prompt_batches(self, loader: Iterable[Any]) -> Iterator[tuple[int, int, Any]]:
+        """``(epoch, index, raw batch)`` from the restored position on, epoch after epoch, until
+        ``max_epochs`` (forever without it: ``max_steps`` ends the run)."""
+        epoch, start = self.current_epoch, self.batches_seen_in_epoch
+        while self.max_epochs is None or epoch < self.max_epochs:
+            if hasattr(getattr(loader, "sampler", None), "set_epoch"):
+                loader.sampler.set_epoch(epoch)
+            got_any = False
+            for i, raw in enumerate(loader):
+                got_any = True
+                if i >= start:
+                    yield epoch, i, raw
+            if not got_any:
+                raise ValueError("The train dataloader yielded no batches (is the dataset empty after filtering?)")
+            epoch, start = epoch + 1, 0
 
     def _done(self) -> bool:
         if self.max_steps != -1 and self.global_step >= self.max_steps:
@@ -312,6 +373,11 @@ class Trainer:
         self.global_step = checkpoint["global_step"]
         self.current_epoch = checkpoint["current_epoch"]
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
+        pipeline = dict(checkpoint.get("pipeline", {}))
+        if pipeline.pop("mode", self.pipeline) != self.pipeline and pipeline:
+            raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
+                             f"resume it with the same pipeline (this Trainer has {self.pipeline!r})")
+        self._pipeline_state = pipeline
         rng = checkpoint["rng"]
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])

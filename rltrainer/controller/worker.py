@@ -49,6 +49,19 @@ class Worker:
     def device_type(self) -> str:
         return self.device.type
 
+    def seed_rng(self, seed: int) -> None:
+        """Seed this process's torch RNG with ``seed + rank`` (what its engine samples with)."""
+        torch.manual_seed(seed + self.rank)
+
+    def rng_state(self) -> dict[str, Any]:
+        return {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
     # -- torch.distributed ---------------------------------------------------------------------
     def node_ip(self) -> str:
         try:
@@ -95,7 +108,11 @@ class Worker:
         return self.engine
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Generation:
-        return self._require_engine().generate(prompts, sampling)
+        engine = self._require_engine()
+        generation = engine.generate(prompts, sampling)
+        if engine.weight_version >= 0:  # the version of the weights it generated with
+            generation.weight_version = engine.weight_version
+        return generation
 
     def engine_sleep(self, level: int = 1) -> None:
         self._require_engine().sleep(level)

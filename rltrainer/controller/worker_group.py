@@ -26,7 +26,7 @@ class WorkerError(RuntimeError):
     """A worker raised or died while running a method."""
 
     def __init__(self, group: str, rank: int, method: str, detail: str) -> None:
-        self.group, self.rank, self.method = group, rank, method
+        self.group, self.rank, self.method, self.detail = group, rank, method, detail
         super().__init__(f"Worker {group}[rank {rank}] failed in {method}():\n{detail}")
 
 
@@ -199,6 +199,7 @@ class RayWorkerGroup(WorkerGroup):
         self.name, self.world_size = name, world_size
         self.actors: list[Any] = []
         self._broken: str | None = None
+        self._failure: WorkerError | None = None  # the failure that shut the group down
         bundle = {"CPU": cpus_per_worker} | ({"GPU": gpus_per_worker} if gpus_per_worker else {})
         total = ray.cluster_resources()
         short = {k: v * world_size for k, v in bundle.items() if v * world_size > total.get(k, 0.0)}
@@ -227,6 +228,10 @@ class RayWorkerGroup(WorkerGroup):
         self.pids = self.execute_all("pid")
 
     def _call_async(self, ranks: list[int], method: str, per_rank: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        if self._failure is not None:  # another thread's call saw it first: report the same failure
+            first = self._failure
+            raise WorkerError(first.group, first.rank, first.method, f"{first.detail}\n(The group was shut down after "
+                              f"this failure, so {method}() could not run.)")
         if self._broken:
             raise RuntimeError(f"Worker group {self.name!r} was shut down after an earlier failure: {self._broken}")
         return [getattr(self.actors[r], method).remote(*a, **kw) for r, (a, kw) in zip(ranks, per_rank)]
@@ -279,6 +284,7 @@ class RayWorkerGroup(WorkerGroup):
             detail += f"\nRanks {still_running} were still running (likely blocked in a collective); they are killed."
         error = WorkerError(self.name, rank, method, detail)
         self._broken = str(error).splitlines()[0]
+        self._failure = error
         self.shutdown()
         raise error from cause
 

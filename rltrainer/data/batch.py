@@ -23,6 +23,8 @@ field                     shape        meaning
 ``attention_mask``        [N, P+T]     1 for real tokens in ``input_ids``
 ``position_ids``          [N, P+T]     ``cumsum(attention_mask) - 1``, clamped at 0
 ``rollout_log_probs``     [N, T]       per-token log-probs reported by the engine
+``policy_version``        [N]          version (trained steps) of the weights that generated the row
+``prompt_position``       [N, 3]       (epoch, loader batch, row) of the row's prompt
 ``old_log_probs``         [N, T]       log-probs of the policy before the update
 ``ref_log_probs``         [N, T]       log-probs of the frozen reference model
 ``values``                [N, T]       critic values (PPO)

@@ -67,6 +67,7 @@ class Generation:
     text: list[str]  # [R] decoded responses, special tokens skipped
     finish_reason: list[str]  # [R] "stop" (hit a stop token) or "length" (hit max_new_tokens)
     metrics: dict[str, float] = field(default_factory=dict)
+    weight_version: int | None = None  # the policy version of the weights that generated it, if known
 
 
 class RolloutEngine(abc.ABC):
@@ -76,6 +77,8 @@ class RolloutEngine(abc.ABC):
 
     tokenizer: Any = None
     dtype: torch.dtype | None = None  # weights are cast to this before they are sent (None: as trained)
+    weight_version: int = -1  # the policy version of the weights it holds (set by the weight sync)
+    trainer_log_probs: bool = False  # its log-probs are the trainer's (same math and dtype), e.g. ``hf``
 
     @property
     def ranks_per_replica(self) -> int:

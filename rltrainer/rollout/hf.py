@@ -66,6 +66,11 @@ class HFEngine(RolloutEngine):
         self._sleep_level = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
+    @property
+    def trainer_log_probs(self) -> bool:  # type: ignore[override]
+        """The trainer's log-probs (same math) unless it runs in another dtype."""
+        return self.dtype is None
+
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
         """Build a randomly initialised model from ``model_config``; weights come by ``update_weights``."""
         from transformers import AutoModelForCausalLM

@@ -2,12 +2,16 @@
 
 :class:`RemoteEngine` is a :class:`RolloutEngine`, so ``rollout_step`` cannot tell it from a
 local one: ``generate`` splits the prompts across the replicas (all samples of a prompt stay on
-one replica) and concatenates their results in prompt order.
+one replica) and concatenates their results in prompt order. ``generate`` may be called from
+several controller threads at once (the async pipelines do); ``replica(i)`` is a view that sends
+to one replica only. Requests and weight pushes are submitted under one ``submit_lock`` (the
+trainer holds it while it submits a push), so each request runs with one ``weight_version``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -31,7 +35,7 @@ class RemoteEngine(RolloutEngine):
     """
 
     def __init__(self, group: Any, tokenizer: Any, dtype: torch.dtype | None = None,
-                 ranks_per_replica: int = 1) -> None:
+                 ranks_per_replica: int = 1, trainer_log_probs: bool = False) -> None:
         if ranks_per_replica < 1 or group.world_size % ranks_per_replica:
             raise ValueError(f"An engine replica spanning {ranks_per_replica} processes does not tile the "
                              f"{group.world_size} processes of worker group {getattr(group, 'name', '?')!r}")
@@ -39,6 +43,28 @@ class RemoteEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.ranks_per_replica_ = ranks_per_replica
+        self.trainer_log_probs = trainer_log_probs
+        self.replica_ids = list(range(group.world_size // ranks_per_replica))
+        self._state = _Shared()
+
+    @property
+    def submit_lock(self) -> threading.Lock:
+        return self._state.lock
+
+    @property  # type: ignore[override]
+    def weight_version(self) -> int:
+        return self._state.version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self._state.version = version
+
+    def replica(self, index: int) -> RemoteEngine:
+        """A view that sends ``generate`` to replica ``index`` only (same lock and version)."""
+        view = object.__new__(RemoteEngine)
+        view.__dict__.update(self.__dict__)
+        view.replica_ids = [self.replica_ids[index]]
+        return view
 
     @property
     def ranks_per_replica(self) -> int:
@@ -46,7 +72,7 @@ class RemoteEngine(RolloutEngine):
 
     @property
     def replicas(self) -> int:
-        return self.group.world_size // self.ranks_per_replica_
+        return len(self.replica_ids)
 
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
         raise RuntimeError("RemoteEngine replicas are set up by their strategy (Strategy.connect_engine)")
@@ -55,15 +81,23 @@ class RemoteEngine(RolloutEngine):
         shares = np.array_split(np.arange(len(prompts)), self.replicas)
         k = self.ranks_per_replica_
         ranks, calls = [], []
-        for replica, idx in enumerate(shares):
+        for replica, idx in zip(self.replica_ids, shares):
             if not len(idx):
                 continue
             seed = None if sampling.seed is None else sampling.seed + replica
             call = (([list(prompts[i]) for i in idx], dataclasses.replace(sampling, seed=seed)), {})
             ranks.extend(range(replica * k, (replica + 1) * k))  # every rank of the replica, same call
             calls.extend([call] * k)
-        outputs = self.group.get(self.group._call_async(ranks, "generate", calls), "generate")
-        return concat_generations(outputs[::k], self.tokenizer)  # each replica's first rank
+        with self.submit_lock:  # no push is half-submitted: the request sees one version
+            futures, version = self.group._call_async(ranks, "generate", calls), self.weight_version
+        outputs = self.group.get(futures, "generate")
+        generation = concat_generations(outputs[::k], self.tokenizer)  # each replica's first rank
+        reported = {o.weight_version for o in outputs if o.weight_version is not None}
+        if reported and reported != {version}:  # the replicas say which weights they used
+            raise RuntimeError(f"Replicas {ranks} generated with weight versions {sorted(reported)}, but the "
+                               f"controller had pushed version {version} before the request (pushes out of order)")
+        generation.weight_version = version
+        return generation
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Send ``(hf_name, tensor)`` pairs from this process to every replica, in packed buckets."""
@@ -85,6 +119,14 @@ class RemoteEngine(RolloutEngine):
             self.group.execute_all("engine_teardown")
         except Exception:  # the group may be gone already
             pass
+
+
+class _Shared:
+    """What the views of one RemoteEngine share: the submit lock and the weight version."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.version = -1
 
 
 def concat_generations(parts: Sequence[Generation], tokenizer: Any) -> Generation:

@@ -110,15 +110,6 @@ class TrainingWorker(Worker):
         self.engine_teardown()
         self.destroy_distributed()
 
-    def rng_state(self) -> dict[str, Any]:
-        return {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-        if state["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-
     # -- weights -----------------------------------------------------------------------------------
     def plan_export(self, dtype: torch.dtype | None, only_changed: bool) -> tuple[int, int]:
         """Plan the buckets of the next export; returns ``(buckets, skipped tensors)``."""
@@ -234,6 +225,7 @@ class WorkerGroupStrategy(Strategy):
         self._started_ray = False
         self._config: Any = None
         self._weight_names: list[str] = []
+        self._seed = 0
 
     @property
     def world_size(self) -> int:
@@ -263,6 +255,7 @@ class WorkerGroupStrategy(Strategy):
         addr, port = self.group.execute_rank_zero("master_address")
         self.group.execute_all("init_distributed", addr, port)
         self.group.execute_all("setup", payload, self.options, seed)
+        self._seed = seed
         self._after_setup()
         self._config = self.group.execute_rank_zero("model_config")
         self._weight_names = self.group.execute_rank_zero("weight_names")
@@ -288,6 +281,7 @@ class WorkerGroupStrategy(Strategy):
             if self.rollout_group is not None:  # connected before: replace the old replicas
                 self._close_rollout_group()
             group = self.rollout_group = self._ray_group(Worker, self.rollout_replicas * k, "rollout")
+            group.execute_all("seed_rng", self._seed + 10_000)  # the replicas sample: same seed, same run
             if k > 1:  # the replicas' processes form a torch.distributed group (vLLM's external_launcher)
                 addr, port = group.execute_rank_zero("master_address")
                 group.execute_all("init_distributed", addr, port)
@@ -299,7 +293,8 @@ class WorkerGroupStrategy(Strategy):
         if self.rollout_placement == "split" and self._split_transport(group) == "broadcast":
             self.transport = BroadcastTransport(self.group, group)
             self.transport.connect()
-        self.remote_engine = RemoteEngine(group, tokenizer, getattr(engine, "dtype", None), ranks_per_replica=k)
+        self.remote_engine = RemoteEngine(group, tokenizer, getattr(engine, "dtype", None), ranks_per_replica=k,
+                                          trainer_log_probs=getattr(engine, "trainer_log_probs", False))
         return self.remote_engine
 
     def _split_transport(self, rollout: WorkerGroup) -> str:
@@ -405,14 +400,20 @@ class WorkerGroupStrategy(Strategy):
         return self._config
 
     def state_dict(self) -> dict[str, Any]:
-        """Models, optimizers, schedulers, and every rank's RNG state (the rollout engines sample
-        in the ranks' processes, so a resumed run draws the samples an uninterrupted one would)."""
-        return {"training": self._training_state(), "rng": self._require_group().execute_all("rng_state")}
+        """Models, optimizers, schedulers, and every rank's RNG state, the split replicas' too (the
+        engines sample with them, so a resumed run draws the samples an uninterrupted one would)."""
+        state = {"training": self._training_state(), "rng": self._require_group().execute_all("rng_state")}
+        if self.rollout_group is not None:
+            state["rollout_rng"] = self.rollout_group.execute_all("rng_state")
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_training_state(state["training"])
         if len(state["rng"]) == self.world_size:
             self._require_group().dispatch("set_rng_state", [((s,), {}) for s in state["rng"]])
+        rollout_rng = state.get("rollout_rng")
+        if self.rollout_group is not None and rollout_rng and len(rollout_rng) == self.rollout_group.world_size:
+            self.rollout_group.dispatch("set_rng_state", [((s,), {}) for s in rollout_rng])
 
     def _training_state(self) -> Any:
         return self._require_group().execute_all("state_dict")[0]  # rank 0 holds the full state

@@ -115,6 +115,11 @@ class Strategy(abc.ABC):
         stats["seconds"] = time.perf_counter() - start
         return stats
 
+    def start_weight_sync(self, engine: RolloutEngine, version: int) -> Any:
+        """Start :meth:`sync_weights`; the returned handle's ``wait()`` gives its stats. Loads it
+        sends to an engine reach it before any request submitted after this returns."""
+        return _DoneSync(self.sync_weights(engine))
+
     @abc.abstractmethod
     def model_config(self) -> Any:
         """The policy's transformers config (the engine builds its own model from it)."""
@@ -270,3 +275,13 @@ def autocast_context(precision: str, device: torch.device) -> Any:
 
 def param_dtype(precision: str) -> torch.dtype:
     return {"bf16-true": torch.bfloat16}.get(precision, torch.float32)
+
+
+class _DoneSync:
+    """A push that already completed."""
+
+    def __init__(self, stats: dict[str, float]) -> None:
+        self.stats = stats
+
+    def wait(self) -> dict[str, float]:
+        return self.stats

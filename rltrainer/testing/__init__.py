@@ -71,3 +71,32 @@ class FrozenEmbeddingGRPO(GRPO):
     def configure_model(self) -> None:
         super().configure_model()
         self.policy.get_input_embeddings().weight.requires_grad_(False)
+
+
+def _slow_engine_class() -> type:
+    from rltrainer.rollout.hf import HFEngine
+
+    class SlowHFEngine(HFEngine):
+        """The ``hf`` engine with a random delay before each request (uniform in ``delay_s``, drawn
+        from its own generator seeded with ``seed`` plus the process id), for pipeline tests."""
+
+        def __init__(self, delay_s: tuple[float, float] = (0.0, 0.2), seed: int = 0, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.delay_s, self.seed = delay_s, seed
+            self._random: Any = None
+
+        def generate(self, prompts: Any, sampling: Any) -> Any:
+            import random
+            import time
+
+            if self._random is None:
+                self._random = random.Random(self.seed * 100_003 + os.getpid())
+            time.sleep(self._random.uniform(*self.delay_s))
+            return super().generate(prompts, sampling)
+
+    return SlowHFEngine
+
+
+def SlowHFEngine(delay_s: tuple[float, float] = (0.0, 0.2), seed: int = 0, **kwargs: Any) -> Any:  # noqa: N802
+    """An ``hf`` engine that sleeps a random time before each request (see ``_slow_engine_class``)."""
+    return _slow_engine_class()(delay_s=delay_s, seed=seed, **kwargs)

@@ -1,0 +1,259 @@
+"""Pipelines (sync, one_step_off, async) on CPU with ``hf`` replicas in split placement: version
+tags, the staleness bound under random generation delays, drop counts, one_step_off against a
+sync run that generates with the previous weights, exact / lossless resume, and failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer.callbacks import Callback
+from rltrainer.controller import WorkerError
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.module import generate_rollouts
+from rltrainer.pipelines import concat_rollouts
+from rltrainer.rollout.hf import HFEngine
+from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
+from rltrainer.testing import SlowHFEngine, length_reward
+
+G = 2  # samples per prompt
+B = 4  # prompts per step
+
+
+class RecordingGRPO(GRPO):
+    """Records, per step, the versions, prompt positions and responses it trains on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.records: list[dict] = []
+
+    def advantage_step(self, batch):
+        self.records.append({"step": self.trainer.global_step, "versions": batch["policy_version"].tolist(),
+                             "positions": [tuple(p) for p in batch["prompt_position"][::G].tolist()],
+                             "responses": batch["responses"].clone()})
+        return super().advantage_step(batch)
+
+
+class LaggedGRPO(RecordingGRPO):
+    """A sync run made to generate with the previous step's weights: a local engine kept one push
+    behind (what one_step_off must be equal to)."""
+
+    lagged: HFEngine | None = None
+
+    def rollout_step(self, batch, engine):
+        strategy = self.trainer.strategy
+        if self.lagged is None:
+            self.lagged = HFEngine()
+            self.lagged.setup(strategy.model_config(), self.tokenizer, device="cpu")
+            self.lagged.update_weights(strategy.export_weights())
+        out = generate_rollouts(batch, self.lagged, self.sampling, self.tokenizer.pad_token_id)
+        self.lagged.update_weights(strategy.export_weights())  # this step's weights, for the next one
+        return out
+
+
+def module(cls, config, tokenizer, seed=None, **kwargs):
+    m = cls(config, tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6, lr=1e-3, **kwargs)
+    m.sampling.seed = seed  # a seeded engine: the samples depend on the weights and prompts only
+    return m
+
+
+def split(replicas=1, **kwargs):
+    return FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=replicas, micro_batch_size=4, **kwargs)
+
+
+def trainer(strategy, **kwargs):
+    defaults = dict(logger=False, enable_progress_bar=False, seed=5)
+    return Trainer(strategy=strategy, **{**defaults, **kwargs})
+
+
+def test_modes_that_cannot_work_refuse_at_construction():
+    with pytest.raises(ValueError, match="split"):
+        Trainer(pipeline="one_step_off")  # in-process engine: nothing to overlap with
+    with pytest.raises(ValueError, match="split"):
+        Trainer(strategy=FSDP2Strategy(devices=1), pipeline="async")  # colocated
+    with pytest.raises(ValueError, match="sync, one_step_off, async"):
+        Trainer(pipeline="overlap")
+    with pytest.raises(ValueError, match="max_staleness"):
+        Trainer(strategy=split(), pipeline="async", max_staleness=-1)
+    with pytest.raises(ValueError, match="wait, drop"):
+        Trainer(strategy=split(), pipeline="async", staleness_policy="skip")
+    with pytest.raises(ValueError, match="weight_sync"):
+        Trainer(strategy=split(), pipeline="one_step_off", weight_sync="async")
+    assert Trainer(strategy=split(), pipeline="async").off_policy
+    assert not Trainer(strategy=SingleDeviceStrategy()).off_policy  # hf in fp32: the trainer's log-probs
+
+
+def test_concat_rollouts_pads_prompts_left_and_responses_right():
+    def rows(p, t, fill):
+        prompts = torch.full((2, p), fill)
+        responses = torch.full((2, t), fill + 1)
+        mask = torch.ones(2, p + t, dtype=torch.long)
+        return RolloutBatch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                             "attention_mask": mask, "response_mask": torch.ones(2, t, dtype=torch.long),
+                             "policy_version": torch.tensor([3, 3]), "prompt_position": torch.zeros(2, 3, dtype=torch.long)},
+                            non_tensors={"uid": ["a", "a"]})
+
+    out = concat_rollouts([rows(2, 3, 10), rows(4, 1, 20)], pad_token_id=0)
+    assert out["prompts"].tolist()[0] == [0, 0, 10, 10] and out["prompts"].tolist()[2] == [20] * 4
+    assert out["responses"].tolist()[0] == [11, 11, 11] and out["responses"].tolist()[2] == [21, 0, 0]
+    assert out["input_ids"].tolist()[0] == [0, 0, 10, 10, 11, 11, 11]
+    assert out["input_ids"].tolist()[2] == [20, 20, 20, 20, 21, 0, 0]
+    assert out["attention_mask"].tolist()[0] == [0, 0, 1, 1, 1, 1, 1]
+    assert out["response_mask"].tolist()[2] == [1, 0, 0]
+    assert out["prompt_position"].shape == (4, 3) and list(out["uid"]) == ["a"] * 4
+
+
+def test_one_step_off_trains_step_t_on_samples_of_version_t_minus_1(tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                                     ray_session):
+    """With a seeded engine, one_step_off equals a sync run whose rollouts use the previous step's
+    weights: the same responses at every step and the same weights at the end."""
+    prompts = gsm8k_prompts.select(range(4 * B))
+    runs = {}
+    for name, cls, pipeline in (("one_step_off", RecordingGRPO, "one_step_off"), ("lagged", LaggedGRPO, "sync")):
+        m = module(cls, tiny_config, bpe_tokenizer, seed=11)
+        with trainer(split(), pipeline=pipeline, max_epochs=1) as t:
+            t.fit(m, prompt_dataloader(prompts, batch_size=B))
+            runs[name] = (m.records, dict(t.strategy.export_weights()))
+    records, weights = runs["one_step_off"]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for r in records:
+        assert set(r["versions"]) == {max(r["step"] - 1, 0)}  # exactly one version of lag after the first
+        assert r["positions"] == [(0, r["step"], i) for i in range(B)]  # the loader's order
+    for ours, lagged in zip(records, runs["lagged"][0]):
+        assert torch.equal(ours["responses"], lagged["responses"]), ours["step"]
+    for name, tensor in runs["lagged"][1].items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("policy,max_staleness", [("wait", 1), ("drop", 1), ("wait", 0)])
+def test_async_never_exceeds_the_staleness_bound_and_counts_drops(policy, max_staleness, tiny_config, bpe_tokenizer,
+                                                                  gsm8k_prompts, ray_session):
+    """Two replicas with random delays: every trained row is at most ``max_staleness`` versions
+    old, each prompt of the epoch is trained exactly once, and the dropped rows are exactly the
+    groups generated but not trained on."""
+    generated: list[tuple] = []
+    lock = threading.Lock()
+
+    class Counting(RecordingGRPO):
+        def rollout_step(self, batch, engine):
+            out = super().rollout_step(batch, engine)
+            with lock:
+                generated.extend(range(len(batch)))
+            return out
+
+    drops = []
+
+    class Drops(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            drops.append(metrics["pipeline/dropped_rows"])
+            assert metrics["pipeline/staleness_max"] <= max_staleness
+
+    prompts = gsm8k_prompts.select(range(6 * B))
+    m = module(Counting, tiny_config, bpe_tokenizer)
+    with trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=(0.0, 0.4), seed=hash(policy) % 100),
+                 pipeline="async", max_staleness=max_staleness, staleness_policy=policy, max_epochs=1,
+                 callbacks=[Drops()]) as t:
+        t.fit(m, prompt_dataloader(prompts, batch_size=B))
+    trained = [p for r in m.records for p in r["positions"]]
+    assert sorted(trained) == sorted((0, b, i) for b in range(6) for i in range(B))  # once each
+    for r in m.records:
+        assert all(0 <= r["step"] - v <= max_staleness for v in r["versions"]), r
+    assert sum(drops) == (len(generated) - len(trained)) * G
+    if policy == "wait":
+        assert sum(drops) == 0
+    assert t.current_epoch == 1
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "one_step_off"])
+def test_resume_is_exact(pipeline, tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, ray_session):
+    """The same weights as an uninterrupted run (one_step_off's next batch, already generated,
+    travels in the checkpoint; the replica's RNG is restored)."""
+    prompts = gsm8k_prompts.select(range(4 * B))
+
+    def run(max_steps, ckpt=None, save=None):
+        m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
+        with trainer(split(), pipeline=pipeline, max_steps=max_steps, default_root_dir=tmp_path) as t:
+            t.fit(m, prompt_dataloader(prompts, batch_size=B), ckpt_path=ckpt)
+            if save:
+                t.save_checkpoint(save)
+            return dict(t.strategy.export_weights()), m.records
+
+    full, records = run(3)
+    run(1, save=tmp_path / "step1.ckpt")
+    resumed, resumed_records = run(3, ckpt=tmp_path / "step1.ckpt")
+    assert [r["positions"] for r in resumed_records] == [r["positions"] for r in records[1:]]
+    for name, tensor in full.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_async_resume_loses_and_repeats_no_prompt(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, ray_session):
+    prompts = gsm8k_prompts.select(range(5 * B))
+    trained = []
+    for max_steps, ckpt, save in ((2, None, tmp_path / "a.ckpt"), (-1, tmp_path / "a.ckpt", None)):
+        m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
+        with trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=(0.0, 0.3)), pipeline="async", max_staleness=2,
+                     staleness_policy="drop", max_steps=max_steps, max_epochs=1) as t:
+            t.fit(m, prompt_dataloader(prompts, batch_size=B), ckpt_path=ckpt)
+            if save:
+                t.save_checkpoint(save)
+        trained += [p for r in m.records for p in r["positions"]]
+    assert sorted(trained) == sorted((0, b, i) for b in range(5) for i in range(B))
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("pipeline", ["one_step_off", "async"])
+def test_a_dead_rollout_process_raises_in_the_controller(pipeline, tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                         ray_session):
+    killed = {}
+
+    class Kill(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            if trainer.global_step == 2:
+                killed["pid"], killed["at"] = trainer.strategy.rollout_group.pids[0], time.perf_counter()
+                os.kill(killed["pid"], signal.SIGKILL)
+
+    m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
+    t = trainer(split(), pipeline=pipeline, max_epochs=1, callbacks=[Kill()])
+    with pytest.raises(WorkerError) as info:
+        t.fit(m, prompt_dataloader(gsm8k_prompts, batch_size=B))
+    assert time.perf_counter() - killed["at"] < 30
+    assert "rollout[rank 0]" in str(info.value) and "died" in str(info.value)
+    assert not [th for th in threading.enumerate() if th.name.startswith("rltrainer-rollout")]
+
+
+def test_shutdown_with_requests_in_flight_leaves_no_process_behind(tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                                   ray_session):
+    seen = {}
+
+    class Interrupt(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            seen["pids"] = list(trainer.strategy.rollout_group.pids)
+            seen["in_flight"] = len(trainer._pipeline._in_flight)
+            seen["at"] = time.perf_counter()
+            raise KeyboardInterrupt  # e.g. Ctrl-C while the replicas generate
+
+    m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
+    t = trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=(1.0, 1.0)), pipeline="async", max_staleness=2,
+                max_epochs=1, callbacks=[Interrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        t.fit(m, prompt_dataloader(gsm8k_prompts, batch_size=B))
+    assert seen["in_flight"] > 0
+    assert time.perf_counter() - seen["at"] < 10  # the requests in flight are not waited for
+    assert all(_gone(pid) for pid in seen["pids"])
+    assert not [th for th in threading.enumerate() if th.name.startswith("rltrainer-rollout")]
