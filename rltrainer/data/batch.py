@@ -24,6 +24,7 @@ field                     shape        meaning
 ``position_ids``          [N, P+T]     ``cumsum(attention_mask) - 1``, clamped at 0
 ``rollout_log_probs``     [N, T]       per-token log-probs reported by the engine
 ``old_log_probs``         [N, T]       log-probs of the policy before the update
+``rollout_is_weights``    [N, T]       off-policy IS weights (detached, 0 on padding), if corrected
 ``ref_log_probs``         [N, T]       log-probs of the frozen reference model
 ``values``                [N, T]       critic values (PPO)
 ``scores``                [N]          total reward per sequence
