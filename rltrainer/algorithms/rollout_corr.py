@@ -38,8 +38,8 @@ thresholds ``"L_U"`` bound the inverse ratio ``pi_rollout / pi_old`` (its statis
 ``k1 = -log rho``), so verl's ``"L_U"`` is ``low=1/U, high=1/L`` here; symmetric bounds
 (``L = 1/U``, e.g. verl's ``"0.5_2.0"``) are the same in both.
 
-As in verl, log-ratios are clamped to ``[-20, 20]`` before ``exp`` (per token, or for
-``seq_tis`` the sequence's sum), and the weights are detached: they change the measure, not the
+As in verl, log-ratios are clamped to ``[-20, 20]`` before ``exp`` (per token, or the sequence's
+sum for sequence-level IS weights), and the weights are detached: they change the measure, not the
 objective. Padding never counts.
 """
 
