@@ -76,9 +76,12 @@ def update_policy(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
 
 
 def batch_metrics(batch: RolloutBatch, step_time: float) -> dict[str, float]:
-    """Length and throughput metrics with verl's names (``step_time``: wall time since the last step)."""
-    response_lengths = batch["response_mask"].sum(-1).float()  # [N]
-    prompt_lengths = (batch["attention_mask"].sum(-1) - batch["response_mask"].sum(-1)).float()
+    """Length and throughput metrics with verl's names (``step_time``: wall time since the last
+    step). Lengths come from ``attention_mask``, which
+    a rollout correction's rejection (applied to ``response_mask``) leaves as generated."""
+    T = batch["responses"].shape[1]
+    response_lengths = batch["attention_mask"][:, -T:].sum(-1).float()  # [N]
+    prompt_lengths = batch["attention_mask"][:, :-T].sum(-1).float()  # [N]
     clipped = [reason == "length" for reason in batch.get("finish_reason", [])]
     total_tokens = float(batch["attention_mask"].sum())
     return {

@@ -30,11 +30,12 @@ class Registry(Generic[T]):
         self._entries: dict[str, tuple[Callable[..., T], dict[str, Any]]] = {}
         self._descriptions: dict[str, str] = {}
 
-    def register(self, name: str, description: str = "") -> Callable[[Callable[..., T]], Callable[..., T]]:
-        """Decorator registering ``fn`` under ``name``."""
+    def register(self, name: str, description: str = "", **defaults: Any
+                 ) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """Decorator registering ``fn`` under ``name`` (with default keyword arguments, if given)."""
 
         def decorator(fn: Callable[..., T]) -> Callable[..., T]:
-            self.add(name, fn, description=description)
+            self.add(name, fn, description=description, **defaults)
             return fn
 
         return decorator
@@ -52,6 +53,10 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> Callable[..., T]:
         return self._lookup(name)[0]
+
+    def defaults(self, name: str) -> dict[str, Any]:
+        """The default keyword arguments ``name`` is built with (a copy)."""
+        return dict(self._lookup(name)[1])
 
     def build(self, name: str, **kwargs: Any) -> T:
         """Instantiate ``name`` with its preset defaults, overridden by ``kwargs``."""

@@ -24,14 +24,17 @@ def ppo_clip_loss(
     global_tokens: float | None = None,
     global_rows: float | None = None,
     max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate with asymmetric clip range and dual clip (verl's ``vanilla``).
 
     ``ratio = exp(log_probs - old_log_probs)``; per token
     ``max(-A * ratio, -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))``, and for
     ``A < 0`` additionally capped at ``-A * clip_ratio_c`` (dual clip; ``None`` disables it).
-    All inputs are ``[n, T]``. Metrics (token means, as shares of the global count):
-    ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``.
+    ``rollout_is_weights`` (off-policy rollout correction, see :mod:`.rollout_corr`) multiply that
+    per-token loss before aggregation, as in verl. All inputs are ``[n, T]``. Metrics (token means,
+    as shares of the global count): ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
+    ``actor/ppo_kl``.
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip (or None to disable it), got {clip_ratio_c}")
@@ -49,6 +52,8 @@ def ppo_clip_loss(
         cap = -advantages * clip_ratio_c
         dual_clipped = ((loss > cap) & (advantages < 0)).float()
         loss = torch.where(advantages < 0, torch.minimum(loss, cap), loss)
+    if rollout_is_weights is not None:
+        loss = loss * rollout_is_weights
     pg_loss = aggregate(loss, mask, loss_agg_mode, global_tokens, global_rows, max_response_length)
     metrics = {
         "actor/pg_clipfrac": masked_sum_over(clipped, mask, global_tokens).detach(),

@@ -26,6 +26,7 @@ field                     shape        meaning
 ``policy_version``        [N]          version (trained steps) of the weights that generated the row
 ``prompt_position``       [N, 3]       (epoch, loader batch, row) of the row's prompt
 ``old_log_probs``         [N, T]       log-probs of the policy before the update
+``rollout_is_weights``    [N, T]       off-policy IS weights (detached, 0 on padding), if corrected
 ``ref_log_probs``         [N, T]       log-probs of the frozen reference model
 ``values``                [N, T]       critic values (PPO)
 ``scores``                [N]          total reward per sequence

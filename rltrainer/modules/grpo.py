@@ -11,6 +11,7 @@ import torch
 from rltrainer.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, aggregate, kl_penalty, ppo_clip_loss
 from rltrainer.algorithms.advantages import group_signal_metrics
 from rltrainer.algorithms.aggregation import masked_sum_over
+from rltrainer.algorithms.rollout_corr import ROLLOUT_CORRECTIONS, check_rollout_correction, mismatch_metrics
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
 from rltrainer.module import RLModule
@@ -45,7 +46,27 @@ class GRPO(RLModule):
         norm_adv_by_std: divide advantages by the group std (``False``: Dr. GRPO).
         advantage_estimator: ``"grpo"``, ``"rloo"`` or ``"reinforce"``.
         update_epochs, mini_batch_size: passes over each batch, and rows per optimizer step.
+        rollout_correction: correct for off-policy rollouts with an entry of
+            :data:`~rltrainer.algorithms.rollout_corr.ROLLOUT_CORRECTIONS` (verl's rollout
+            correction): ``"token_tis"``, ``"seq_tis"``, ``"token_rs"``, ``"seq_rs"``, ``"geo_rs"``,
+            ``"token_mis"``, ``"seq_mis"``, ``"geo_rs_token_tis"``, ``"icepop"``; ``None``: off.
+        rollout_correction_kwargs: that entry's parameters (``threshold``, the IS weight cap;
+            ``low``, ``high``, the kept range of the ratio ``pi_old / pi_rollout``), overriding its
+            defaults. Checked here: an unknown name, parameter or bad value raises.
         model_seed: seed for a randomly initialised ``model`` config.
+
+    Off-policy rollouts: ``old_log_probs`` are recomputed (stage ``old_log_prob``) whenever they can
+    differ from the current policy's at the first optimizer step or from the rollout's: several
+    optimizer steps per batch, a Trainer that is ``off_policy`` (async pipeline, or an engine whose
+    log-probs are not the trainer's), or a ``rollout_correction``. Then ``advantage_step`` logs how
+    far the rollout policy is (verl's names): ``rollout_corr/kl`` (k1, token mean of
+    ``rollout_log_probs - old_log_probs``), ``rollout_corr/k3_kl``, ``rollout_corr/chi2_token``,
+    ``rollout_corr/chi2_seq``, ``rollout_corr/{training,rollout}_ppl``, ``rollout_corr/log_ppl_diff``;
+    with a correction, also ``rollout_corr/rollout_is_{mean,max,min,eff_sample_size}``,
+    ``rollout_corr/rollout_is_ratio_fraction_{high,low}`` (share of weights truncated) and
+    ``rollout_corr/rollout_rs_{masked_fraction,seq_masked_fraction}`` (share of tokens / rows
+    rejected). The IS weights (``rollout_is_weights [N, T]``) multiply the per-token policy loss;
+    rejected tokens leave ``response_mask``, so they count in no loss term and no denominator.
     """
 
     def __init__(
@@ -73,6 +94,8 @@ class GRPO(RLModule):
         advantage_estimator: str = "grpo",
         update_epochs: int = 1,
         mini_batch_size: int | None = None,
+        rollout_correction: str | None = None,
+        rollout_correction_kwargs: dict[str, Any] | None = None,
         model_seed: int | None = 0,
     ) -> None:
         super().__init__()
@@ -85,6 +108,11 @@ class GRPO(RLModule):
                              f"{clip_ratio_high}")
         if clip_ratio_c is not None and clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip cap) or None to disable it, got {clip_ratio_c}")
+        if rollout_correction is None and rollout_correction_kwargs:
+            raise ValueError(f"rollout_correction_kwargs={rollout_correction_kwargs!r} given without "
+                             f"rollout_correction; name one of {', '.join(ROLLOUT_CORRECTIONS.names())}.")
+        if rollout_correction is not None:  # an unknown name, parameter or value raises here
+            check_rollout_correction(rollout_correction, dict(rollout_correction_kwargs or {}))
         if tokenizer is None or getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError("GRPO needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -100,6 +128,8 @@ class GRPO(RLModule):
         self.loss_agg_mode, self.norm_adv_by_std = loss_agg_mode, norm_adv_by_std
         self.advantage_estimator = advantage_estimator
         self.update_epochs, self.mini_batch_size = update_epochs, mini_batch_size
+        self.rollout_correction = rollout_correction
+        self.rollout_correction_kwargs = dict(rollout_correction_kwargs or {})
 
     # -- models ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -127,13 +157,43 @@ class GRPO(RLModule):
         return batch
 
     def compute_stages(self) -> list[str]:
-        """``old_log_prob`` unless there is one optimizer step per batch (then the old log-probs
-        equal the current ones and ``policy_step`` uses those, detached), and ``ref`` if
-        ``kl_coef > 0``."""
-        stages = [] if self.update_epochs == 1 and self.mini_batch_size is None else ["old_log_prob"]
-        return stages + (["ref"] if self.kl_coef > 0 else [])
+        """``old_log_prob`` if the policy moves within a batch (``update_epochs > 1`` or
+        ``mini_batch_size`` set), the rollouts can be off-policy (``trainer.off_policy``) or a
+        ``rollout_correction`` is set; otherwise the old log-probs equal the current ones and
+        ``policy_step`` uses those, detached. ``ref`` if ``kl_coef > 0``."""
+        off_policy = self._trainer is not None and getattr(self._trainer, "off_policy", False)
+        needs_old = (self.update_epochs > 1 or self.mini_batch_size is not None or off_policy
+                     or self.rollout_correction is not None)
+        return (["old_log_prob"] if needs_old else []) + (["ref"] if self.kl_coef > 0 else [])
+
+    def correct_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
+        """Log the rollout/trainer mismatch and apply ``rollout_correction`` (controller, called
+        first by :meth:`advantage_step`; needs ``old_log_probs`` and ``rollout_log_probs``).
+
+        Adds ``rollout_is_weights [N, T]`` if the correction has weights, and sets rejected tokens of
+        ``response_mask [N, T]`` to 0, as verl does before computing advantages.
+        """
+        if self.rollout_correction is not None and "rollout_log_probs" not in batch:
+            raise KeyError(f"rollout_correction={self.rollout_correction!r} needs 'rollout_log_probs' [N, T] in the "
+                           f"batch (the default rollout_step adds them); it has {batch.keys()}")
+        if "rollout_log_probs" not in batch or "old_log_probs" not in batch or not batch["response_mask"].any():
+            return batch
+        old, rollout, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+        metrics = mismatch_metrics(old, rollout, mask)
+        if self.rollout_correction is not None:
+            correction = ROLLOUT_CORRECTIONS.build(self.rollout_correction, old_log_probs=old,
+                                                   rollout_log_probs=rollout, response_mask=mask,
+                                                   **self.rollout_correction_kwargs)
+            batch["response_mask"] = correction.response_mask  # [N, T], rejected tokens 0
+            if correction.weights is not None:
+                batch["rollout_is_weights"] = correction.weights  # [N, T], detached, 0 on padding
+            metrics.update(correction.metrics)
+        for name, value in metrics.items():
+            self.log(f"rollout_corr/{name}", value)
+        return batch
 
     def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
+        batch = self.correct_rollouts(batch)
         kwargs = {"norm_by_std": self.norm_adv_by_std}
         accepted = inspect.signature(self._advantage_fn).parameters
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
@@ -157,9 +217,10 @@ class GRPO(RLModule):
         log_probs, entropy = response_log_probs(self.policy, mb, temperature, with_entropy=True,
                                                 entropy_grad=self.entropy_coef != 0)
         old_log_probs = mb["old_log_probs"] if "old_log_probs" in mb else log_probs.detach()
+        is_weights = mb["rollout_is_weights"] if "rollout_is_weights" in mb else None  # off-policy correction
         pg_loss, metrics = ppo_clip_loss(
             log_probs, old_log_probs, mb["advantages"], mask, self.clip_ratio_low, self.clip_ratio_high,
-            self.clip_ratio_c, self.loss_agg_mode, **counts,
+            self.clip_ratio_c, self.loss_agg_mode, **counts, rollout_is_weights=is_weights,
         )
         loss = pg_loss
         metrics["actor/pg_loss"] = pg_loss.detach()

@@ -78,8 +78,9 @@ class PPO(GRPO):
         return [super().configure_optimizers(), {"optimizer": critic_opt}]
 
     def compute_stages(self) -> list[str]:
-        """Old log-probs only when the policy moves within a batch; ``ref`` for the KL; always the
-        critic's ``values`` (the old values the value loss clips around, and GAE's baseline)."""
+        """Old log-probs when GRPO needs them (the policy moves within a batch, off-policy rollouts,
+        a rollout correction) or for ``kl_in_reward_coef``; ``ref`` for the KL; always the critic's
+        ``values`` (the old values the value loss clips around, and GAE's baseline)."""
         stages = [s for s in super().compute_stages() if s != "ref"]
         uses_ref = self.kl_coef > 0 or self.kl_in_reward_coef > 0
         if self.kl_in_reward_coef > 0 and "old_log_prob" not in stages:
@@ -92,8 +93,9 @@ class PPO(GRPO):
         return super().compute_step(micro_batch, stage)
 
     def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
+        last = (batch["response_mask"].sum(-1) - 1).clamp(min=0)  # each row's last response token
+        batch = self.correct_rollouts(batch)  # may reject tokens: GAE then skips them, as verl's does
         mask = batch["response_mask"]  # [N, T]
-        last = (mask.sum(-1) - 1).clamp(min=0)  # index of each row's last response token
         token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
         token_rewards[torch.arange(len(batch)), last] = batch["scores"].float()
         if self.kl_in_reward_coef > 0:
