@@ -3,6 +3,7 @@
     python recipes/grpo_gsm8k.py                 # GPU: Qwen2.5-0.5B-Instruct (CPU preset without CUDA)
     python recipes/grpo_gsm8k.py --preset cpu    # offline CPU run: tiny random Qwen2 + the real tokenizer
     python recipes/grpo_gsm8k.py --preset cpu --strategy fsdp2 --devices 2   # the same on 2 FSDP2 ranks (Ray)
+    python recipes/grpo_gsm8k.py --preset cpu --pipeline one_step_off        # generate while training (Ray)
 
 The CPU preset builds a tiny Qwen2-architecture model from a config (random init) with the real
 Qwen2.5 tokenizer and the GSM8K copy shipped in recipes/data, so it runs anywhere with no hub
@@ -44,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rollout", default="hf", help="a registered rollout engine name")
     p.add_argument("--devices", type=int, default=1, help="training ranks (fsdp2: Ray workers when > 1)")
     p.add_argument("--weight-sync", choices=["sync", "async"], default="sync")
+    p.add_argument("--pipeline", choices=["sync", "one_step_off", "async"], default="sync",
+                   help="one_step_off / async: generate while the policy trains (engines in processes of their own; "
+                        "strategy 'single' becomes one in-process fsdp2 rank)")
+    p.add_argument("--max-staleness", type=int, default=1, help="async: policy versions a trained row may lag")
     p.add_argument("--model", help="hub id or local path (default: the preset's)")
     p.add_argument("--tokenizer", help="hub id or local path (default: the preset's)")
     p.add_argument("--train-file", default=str(data_path("gsm8k", "train.jsonl")))
@@ -79,14 +84,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     val = prepare_gsm8k(load_rows(args.val_file), tokenizer, max_prompt_length=args.max_prompt_length)
     module = GRPO(model, tokenizer, reward_funcs="gsm8k", num_generations=args.num_generations,
                   max_new_tokens=args.max_new_tokens, lr=args.lr, kl_coef=args.kl_coef)
+    if args.pipeline != "sync":  # overlapping needs the engines in processes of their own
+        args.strategy = "fsdp2" if args.strategy == "single" else args.strategy
     per_rank = {"threads_per_worker": args.threads} if args.strategy.startswith("fsdp2") and args.threads else {}
+    if args.pipeline != "sync":
+        per_rank["rollout_placement"] = "split"
     strategy = build_strategy(args.strategy, devices=args.devices, precision=args.precision,
                               micro_batch_size=args.micro_batch_size, **per_rank)
     start = time.perf_counter()
     with Trainer(strategy=strategy, rollout=args.rollout, max_steps=args.max_steps, seed=args.seed,
                  val_check_interval=args.val_check_interval, limit_val_batches=args.val_batches,
                  default_root_dir=args.output_dir, enable_progress_bar=not args.no_progress_bar,
-                 weight_sync=args.weight_sync) as trainer:
+                 weight_sync=args.weight_sync, pipeline=args.pipeline, max_staleness=args.max_staleness) as trainer:
         trainer.fit(module, prompt_dataloader(train, args.batch_size, seed=args.seed),
                     val_dataloaders=prompt_dataloader(val, args.batch_size, shuffle=False, drop_last=False))
     keep = ("val/", "critic/score", "timing_s/step")

@@ -123,14 +123,16 @@ class Pipeline:
     def _submit(self, prompts: Prompts, engine: Any = None, inline: bool = False) -> Future:
         """``rollout_step`` on ``prompts``: now (``inline``) or in a controller thread."""
         engine = engine or self.trainer.engine
-        if inline:
+        if inline:  # the trainer waits for it all along: idle time
             future: Future = Future()
+            start = time.perf_counter()
             engine.wake_up()
             try:
                 future.set_result(self._run(prompts, engine))
             except Exception as exc:  # raised by _wait, as a thread's would be
                 future.set_exception(exc)
             engine.sleep()
+            self._waited += time.perf_counter() - start
             return future
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=self.max_requests(), thread_name_prefix="rltrainer-rollout")

@@ -165,8 +165,12 @@ def ensure_ray(init_kwargs: dict[str, Any] | None = None) -> bool:
 
     if ray.is_initialized():
         return False
+    import os
+
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
     kwargs.update(init_kwargs or {})
+    if kwargs.get("address") is None and not os.environ.get("RAY_ADDRESS"):  # a local cluster of our own,
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # for which Ray 2.60 would otherwise want a token
     ray.init(**kwargs)
     log.info("Started Ray: %s", ray.cluster_resources())
     return True

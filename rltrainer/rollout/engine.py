@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,16 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
         """Sample ``sampling.n`` responses for each prompt (a list of token ids, no padding)."""
+
+    def generate_async(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Future:
+        """:meth:`generate` as a ``concurrent.futures.Future``. An engine in other processes returns
+        at once (the controller trains meanwhile); this default generates now and returns it done."""
+        future: Future = Future()
+        try:
+            future.set_result(self.generate(prompts, sampling))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:

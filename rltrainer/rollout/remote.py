@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,12 @@ class RemoteEngine(RolloutEngine):
         raise RuntimeError("RemoteEngine replicas are set up by their strategy (Strategy.connect_engine)")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
+        return self.generate_async(prompts, sampling).result()
+
+    def generate_async(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Future:
+        """Submit the request and return at once: a ``concurrent.futures.Future`` of the
+        :class:`Generation` (a failed or dead replica: its ``WorkerError``). The controller can
+        train meanwhile; pushes submitted after this call land after the request."""
         shares = np.array_split(np.arange(len(prompts)), self.replicas)
         k = self.ranks_per_replica_
         ranks, calls = [], []
@@ -90,14 +97,23 @@ class RemoteEngine(RolloutEngine):
             calls.extend([call] * k)
         with self.submit_lock:  # no push is half-submitted: the request sees one version
             futures, version = self.group._call_async(ranks, "generate", calls), self.weight_version
-        outputs = self.group.get(futures, "generate")
-        generation = concat_generations(outputs[::k], self.tokenizer)  # each replica's first rank
-        reported = {o.weight_version for o in outputs if o.weight_version is not None}
-        if reported and reported != {version}:  # the replicas say which weights they used
-            raise RuntimeError(f"Replicas {ranks} generated with weight versions {sorted(reported)}, but the "
-                               f"controller had pushed version {version} before the request (pushes out of order)")
-        generation.weight_version = version
-        return generation
+        result: Future = Future()
+        threading.Thread(target=self._collect, args=(futures, ranks, version, result), daemon=True,
+                         name="rltrainer-generate").start()
+        return result
+
+    def _collect(self, futures: list[Any], ranks: list[int], version: int, result: Future) -> None:
+        try:
+            outputs = self.group.get(futures, "generate")
+            reported = {o.weight_version for o in outputs if o.weight_version is not None}
+            if reported and reported != {version}:  # the replicas say which weights they used
+                raise RuntimeError(f"Replicas {ranks} generated with weight versions {sorted(reported)}, but the "
+                                   f"controller had pushed version {version} before the request (pushes out of order)")
+            generation = concat_generations(outputs[:: self.ranks_per_replica_], self.tokenizer)  # first ranks
+            generation.weight_version = version
+            result.set_result(generation)
+        except BaseException as exc:  # the caller's result() raises it
+            result.set_exception(exc)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Send ``(hf_name, tensor)`` pairs from this process to every replica, in packed buckets."""

@@ -257,3 +257,15 @@ def test_shutdown_with_requests_in_flight_leaves_no_process_behind(tiny_config, 
     assert time.perf_counter() - seen["at"] < 10  # the requests in flight are not waited for
     assert all(_gone(pid) for pid in seen["pids"])
     assert not [th for th in threading.enumerate() if th.name.startswith("rltrainer-rollout")]
+
+
+def test_remote_generate_async_returns_before_the_replica_finishes(tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                                   ray_session):
+    m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
+    with trainer(split(), rollout=SlowHFEngine(delay_s=(1.5, 1.5)), max_steps=1) as t:
+        t.validate(m, prompt_dataloader(gsm8k_prompts.select(range(2)), batch_size=2))  # sets up, syncs
+        start = time.perf_counter()
+        future = t.engine.generate_async([gsm8k_prompts[0]["prompt_ids"]], m.sampling)
+        assert time.perf_counter() - start < 0.5 and not future.done()
+        generation = future.result(timeout=30)
+        assert generation.weight_version == 0 and len(generation.text) == G
