@@ -70,6 +70,7 @@ class SingleDeviceStrategy(Strategy):
                                           self.gradient_clip_val,
                                           lambda: autocast_context(self.precision, self.device))
         self.versions.bump(stepped)
+        self.weight_versions.policy += 1
         return metrics
 
     def export_weights(self, dtype: torch.dtype | None = None,
@@ -79,6 +80,8 @@ class SingleDeviceStrategy(Strategy):
         for name in names:
             tensor = params[name].detach()
             yield name, tensor.to(dtype) if dtype else tensor
+        if only_changed:
+            self.versions.mark_synced(names)
 
     def weight_names(self) -> list[str]:
         return [n for n, _ in self.module.policy.named_parameters()]
