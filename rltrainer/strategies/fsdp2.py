@@ -243,13 +243,16 @@ class FSDP2Strategy(WorkerGroupStrategy):
             their own Ray placement group; weights go to them bucket by bucket, see
             ``weight_transport``).
         rollout_replicas: engine processes for ``"split"``.
-        weight_transport: how ``"split"`` moves weights to the replicas. ``"broadcast"``: trainer
-            rank 0 and every replica's receiving processes (SGLang: its ``tp_size`` schedulers)
-            form a process group of their own, NCCL when all are on GPUs, else gloo, and each
-            bucket is one broadcast straight into the engines' devices. ``"object_store"``: rank 0
-            packs each bucket and Ray's object store carries it (no extra process group; a copy
-            through host memory per replica). ``"auto"`` (default): broadcast when everything is
-            on GPUs, else the object store (faster than gloo on CPU).
+        weight_transport: how ``"split"`` moves weights to the replicas
+            (:mod:`rltrainer.weights.transports`). ``"broadcast"``: trainer rank 0 and every
+            replica's receiving processes (SGLang: its ``tp_size`` schedulers) form a process group
+            of their own, NCCL when all are on GPUs, else gloo, and each bucket is one broadcast
+            straight into the engines' devices. ``"shared_memory"``: every replica on trainer rank
+            0's node maps two ``/dev/shm`` slots, rank 0 writes each bucket into one, the replicas
+            load views of it. ``"object_store"``: rank 0 returns each bucket and Ray's object store
+            carries it (any node; a copy through host memory per replica). ``"auto"`` (default):
+            broadcast when everything is on GPUs, else shared memory on one node, else the object
+            store.
         bucket_bytes: weight-sync bucket size; the extra memory of a sync is about one bucket.
         cpus_per_worker / gpus_per_worker: Ray resources per process (GPUs: 1 if the cluster
             has GPUs, else 0, by default).

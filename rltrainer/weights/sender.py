@@ -28,6 +28,7 @@ class WeightSource(Protocol):
 
     rank: int
     device: torch.device
+    engine: Any  # colocated: this rank's engine replica (None if it holds none)
 
     def weight_specs(self) -> Specs:
         """The policy's HF names, in export order, with their full shapes and dtypes."""
@@ -108,9 +109,13 @@ class WeightSender:
         return Bucket(entries, flatten_bucket(tensors, entries, "cpu").numpy())
 
     # -- colocated: every rank loads its own engine replica ------------------------------------------------
-    def load_local(self, engine: Any, dtype: torch.dtype | None, version: int) -> dict[str, float]:
-        """Gather the changed weights bucket by bucket into ``engine`` (this rank's replica), then
-        set its ``weight_version``."""
+    def load_local(self, dtype: torch.dtype | None, version: int) -> dict[str, float]:
+        """Gather the changed weights bucket by bucket into this rank's engine replica, then set its
+        ``weight_version``."""
+        engine = self.source.engine
+        if engine is None:
+            raise RuntimeError(f"Training rank {self.source.rank} holds no rollout engine (colocated sync before "
+                               "connect_engine)")
         buckets, skipped = self.plan(dtype, only_changed=True)
         count = nbytes = 0
         for index in range(buckets):
