@@ -296,6 +296,14 @@ class WorkerGroupStrategy(Strategy):
             merged[key] = full
         return RolloutBatch(merged, batch_size=len(batch))
 
+    def train_step(self, mini_batch: RolloutBatch) -> dict[str, float]:
+        outs, _ = self._dispatch("train_step", mini_batch)
+        self.weight_versions.policy += 1
+        metrics = {k: sum(o.get(k, 0.0) for o in outs) for k in outs[0]}  # global-normalised parts add up
+        metrics["actor/grad_norm"] = outs[0]["actor/grad_norm"]  # already the global norm on every rank
+        metrics["actor/lr"] = outs[0]["actor/lr"]
+        return metrics
+
     # -- weights -----------------------------------------------------------------------------------
     def export_weights(self, dtype: torch.dtype | None = None,
                        only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -308,14 +316,6 @@ class WorkerGroupStrategy(Strategy):
 
     def weight_names(self) -> list[str]:
         return list(self._weight_names)
-
-    def train_step(self, mini_batch: RolloutBatch) -> dict[str, float]:
-        outs, _ = self._dispatch("train_step", mini_batch)
-        self.weight_versions.policy += 1
-        metrics = {k: sum(o.get(k, 0.0) for o in outs) for k in outs[0]}  # global-normalised parts add up
-        metrics["actor/grad_norm"] = outs[0]["actor/grad_norm"]  # already the global norm on every rank
-        metrics["actor/lr"] = outs[0]["actor/lr"]
-        return metrics
 
     def transport_for(self, engine: RolloutEngine) -> WeightTransport:
         """The transport :meth:`connect_engine` chose for its replicas; an engine in this process
