@@ -30,6 +30,15 @@ def map_file(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def prefault(buffer: torch.Tensor, write: bool) -> None:
+    """Fault ``buffer``'s pages in now (``write``: allocate them; else map them into this process),
+    so that the first sync runs at memory speed instead of about 1 GB/s of page faults."""
+    if write:
+        buffer.zero_()
+    elif buffer.numel():
+        buffer[::4096].sum()  # one read per page
+
+
 def shared_memory_room(directory: str = "/dev/shm") -> int:
     """Free bytes in ``directory`` (0 if it does not exist)."""
     if not os.path.isdir(directory):
@@ -59,7 +68,10 @@ class SharedSlots:
         try:
             for path in paths:
                 create_file(path, nbytes)
-            return cls(paths, nbytes, [map_file(path, nbytes) for path in paths])
+            slots = [map_file(path, nbytes) for path in paths]
+            for slot in slots:
+                prefault(slot, write=True)
+            return cls(paths, nbytes, slots)
         except BaseException:
             cls.unlink_paths(paths)
             raise
@@ -70,7 +82,10 @@ class SharedSlots:
         if missing:
             raise RuntimeError(f"Shared-memory weight slots {missing} do not exist in this process's view: is it on "
                                "trainer rank 0's node? (weight_transport='shared_memory' needs one node)")
-        return cls(list(paths), nbytes, [map_file(path, nbytes) for path in paths])
+        slots = [map_file(path, nbytes) for path in paths]
+        for slot in slots:
+            prefault(slot, write=False)
+        return cls(list(paths), nbytes, slots)
 
     @staticmethod
     def unlink_paths(paths: list[str]) -> None:

@@ -173,6 +173,8 @@ class ColocatedTransport(WeightTransport):
 class _Split(WeightTransport):
     """A transport from trainer rank 0 to rollout processes of their own, bucket by bucket."""
 
+    depth = 2  # buckets in flight (the shared-memory transport has two slots)
+
     def __init__(self, trainer: Any, rollout: Any, dtype: torch.dtype | None, wait_all: WaitAll) -> None:
         super().__init__()
         self.trainer, self.rollout, self.dtype, self.wait_all = trainer, rollout, dtype, wait_all
@@ -190,7 +192,7 @@ class _Split(WeightTransport):
                 totals[key] += results[-1][0][key]  # the first replica's load
 
         for index in range(buckets):
-            while len(in_flight) >= 2:  # bucket i reuses bucket i - 2's buffers
+            while len(in_flight) >= self.depth:  # bucket i reuses bucket i - 2's buffers
                 finish_oldest()
             in_flight.append(self._send(index, entries[index], version if index == buckets - 1 else None))
         if not buckets:  # nothing changed: the engines still take the version
