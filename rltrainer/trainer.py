@@ -306,6 +306,7 @@ class Trainer:
         for batch in pipeline:  # generated rows; the pipeline decides with which weights
             metrics = training_step(self, batch)
             self.global_step += 1
+            self.strategy.weight_versions.policy = self.global_step
             self.current_epoch, self.batches_seen_in_epoch = pipeline.position(batch)
             metrics.update(pipeline.metrics())
             metrics.update(batch_metrics(batch, metrics["timing_s/step"]))
@@ -371,6 +372,7 @@ class Trainer:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         self.strategy.load_state_dict(checkpoint["strategy"])
         self.global_step = checkpoint["global_step"]
+        self.strategy.weight_versions.policy = self.global_step
         self.current_epoch = checkpoint["current_epoch"]
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
         pipeline = dict(checkpoint.get("pipeline", {}))

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
-from rltrainer.strategies.weights import PackedBucket, unpack_bucket
-
+from rltrainer.weights.receiver import WeightReceiver
 
 
 def _free_port() -> int:
@@ -41,6 +40,7 @@ class Worker:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.engine: RolloutEngine | None = None
+        self.receiver = WeightReceiver(self.device)
         self._own_process_group = False
 
     def pid(self) -> int:
@@ -121,27 +121,21 @@ class Worker:
         self._require_engine().wake_up()
 
     def engine_teardown(self) -> None:
+        self.receiver.close(self.engine)
         if self.engine is not None:
-            self.engine.close_weight_group()
             self.engine.teardown()
             self.engine = None
 
-    def load_bucket(self, packed: PackedBucket) -> dict[str, float]:
-        """Load one packed bucket of ``(hf_name, tensor)`` into this process's engine."""
-        return self._require_engine().update_weights(unpack_bucket(packed))
+    # -- weights: the receiving side of rltrainer.weights' transports ------------------------------
+    def receive_weights(self, op: str, *args: Any) -> Any:
+        """Run :class:`~rltrainer.weights.receiver.WeightReceiver` ``op`` (``load``, ``commit``,
+        ``join_group``, ``receive``, ``open_slots``, ``load_slot``, ``group_ranks``...) on this
+        process's engine; the controller's transports call this."""
+        return getattr(self.receiver, op)(self._require_engine(), *args)
 
-    # split placement, broadcast transport (rltrainer.strategies.broadcast): the receiving side
-    def engine_weight_group_ranks(self) -> int:
-        """Ranks this replica's engine takes in the weight-broadcast group."""
-        return self._require_engine().weight_group_ranks
-
-    def engine_join_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str,
-                                 timeout_s: float, rank_offset: int) -> None:
-        self._require_engine().init_weight_group(address, port, rank_offset, world_size, group_name, backend,
-                                                 device=self.device, timeout_s=timeout_s)
-
-    def engine_receive_bucket(self, entries: list[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
-        return self._require_engine().receive_weights(entries, last)
+    def engine_weight_version(self) -> int:
+        """The version of the last sync this process's engine loaded completely (-1: none yet)."""
+        return self._require_engine().weight_version
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's parameters (for checks and debugging)."""

@@ -69,6 +69,11 @@ class WorkerGroup:
     def get(self, futures: Sequence[Any], method: str) -> list[Any]:
         raise NotImplementedError
 
+    def ref(self, futures: Sequence[Any], method: str) -> Any:
+        """The first call's result as an argument for a call to another group: a Ray ``ObjectRef``
+        (Ray resolves it before that call runs, so the call waits for this one), or the value."""
+        return self.get(futures[:1], method)[0]
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
 
@@ -239,6 +244,9 @@ class RayWorkerGroup(WorkerGroup):
         if self._broken:
             raise RuntimeError(f"Worker group {self.name!r} was shut down after an earlier failure: {self._broken}")
         return [getattr(self.actors[r], method).remote(*a, **kw) for r, (a, kw) in zip(ranks, per_rank)]
+
+    def ref(self, futures: Sequence[Any], method: str) -> Any:
+        return futures[0]
 
     def get(self, futures: Sequence[Any], method: str) -> list[Any]:
         """Wait for all futures. A failure raises at once, naming the worker: a dead process is

@@ -1,10 +1,12 @@
 """The rollout engine interface: generation, weight updates, and memory release.
 
-An engine owns its own copy of the model in its own (inference) layout. The Trainer only ever
-changes the engine's weights through :meth:`RolloutEngine.update_weights`, even in one process:
-the engine never shares parameter objects with the training strategy. In split placement the
-weights may instead arrive by broadcast (:meth:`RolloutEngine.receive_weights`), whose default
-receives the bytes and hands them to ``update_weights``.
+An engine owns its own copy of the model in its own (inference) layout. Its weights change only
+through :meth:`RolloutEngine.update_weights`, even in one process: the engine never shares
+parameter objects with the training strategy. How the tensors got there (a broadcast, shared
+memory, Ray's object store) is :mod:`rltrainer.weights`' business, which also sets
+:attr:`RolloutEngine.weight_version` when a sync has loaded. An engine with a receiving path of
+its own (SGLang's schedulers) sets ``native_weight_broadcast`` and implements the broadcast
+hooks, which that layer drives.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class RolloutEngine(abc.ABC):
 
     tokenizer: Any = None
     dtype: torch.dtype | None = None  # weights are cast to this before they are sent (None: as trained)
-    weight_version: int = -1  # the policy version of the weights it holds (set by the weight sync)
+    weight_version: int = -1  # the version of the last weight sync fully loaded (set by rltrainer.weights)
     trainer_log_probs: bool = False  # its log-probs are the trainer's (same math and dtype), e.g. ``hf``
 
     @property
@@ -110,9 +112,8 @@ class RolloutEngine(abc.ABC):
         """Load ``(hf_name, full_tensor)`` pairs into the inference model; return stats
         (``tensors``, ``bytes``). Tensors may be reused by the caller afterwards: copy them."""
 
-    # -- split placement: weights broadcast from trainer rank 0 (rltrainer.strategies.broadcast) --
-    _weight_group: Any = None
-    _weight_device: torch.device | None = None
+    # -- split placement, broadcast transport: an engine's own receiving path (optional) --------
+    native_weight_broadcast: bool = False  # True: the hooks below receive; else rltrainer.weights does
 
     @property
     def weight_group_ranks(self) -> int:
@@ -121,36 +122,19 @@ class RolloutEngine(abc.ABC):
 
     def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
                           backend: str, device: torch.device | str, timeout_s: float) -> None:
-        """Join the group whose rank 0 (trainer rank 0) hosts a ``TCPStore`` at ``address:port``,
-        as ranks ``rank_offset .. rank_offset + weight_group_ranks - 1`` of ``world_size``. Every
-        member joins at once; this returns when all have (or raises after ``timeout_s``).
-
-        Default: this process joins as one rank, and receives into buffers on ``device``."""
-        from rltrainer.strategies.broadcast import WeightGroup
-
-        self.close_weight_group()
-        self._weight_group = WeightGroup(address, port, rank_offset, world_size, group_name, backend, timeout_s)
-        self._weight_device = torch.device(device)
+        """(``native_weight_broadcast`` only) Join the group whose rank 0 (trainer rank 0) hosts a
+        ``TCPStore`` at ``address:port``, as ranks ``rank_offset .. rank_offset +
+        weight_group_ranks - 1`` of ``world_size``. Every member joins at once."""
+        raise NotImplementedError(f"{type(self).__name__} has no native weight broadcast")
 
     def receive_weights(self, entries: Sequence[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
-        """Receive one broadcast bucket: ``entries`` are ``(hf_name, dtype_name, shape)`` in wire
-        order (the bytes end to end, see :mod:`rltrainer.strategies.broadcast`); ``last`` marks the
-        sync's last bucket. Returns ``update_weights``' stats.
-
-        Default: receive into one buffer, then :meth:`update_weights` with views into it."""
-        from rltrainer.strategies.broadcast import bucket_views, empty_bucket
-
-        if self._weight_group is None:
-            raise RuntimeError(f"{type(self).__name__}.receive_weights before init_weight_group")
-        buffer = empty_bucket(entries, self._weight_device)
-        self._weight_group.broadcast(buffer)
-        return self.update_weights(bucket_views(buffer, entries))
+        """(``native_weight_broadcast`` only) Receive and load one broadcast bucket: ``entries``
+        are ``(hf_name, dtype_name, shape)`` in wire order (:mod:`rltrainer.weights.wire`);
+        ``last`` marks the sync's last bucket. Returns ``tensors`` and ``bytes``."""
+        raise NotImplementedError(f"{type(self).__name__} has no native weight broadcast")
 
     def close_weight_group(self) -> None:
-        """Leave the weight-broadcast group, if in one."""
-        if self._weight_group is not None:
-            self._weight_group.close()
-            self._weight_group = None
+        """(``native_weight_broadcast`` only) Leave the weight-broadcast group, if in one."""
 
     def sleep(self, level: int = 1) -> None:
         """Release memory while training runs (level 1: KV cache; level 2: weights too)."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
-from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES, bucketed, pack_bucket
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Bucket, bucketed
 
 
 class RemoteEngine(RolloutEngine):
@@ -116,13 +116,18 @@ class RemoteEngine(RolloutEngine):
             result.set_exception(exc)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Send ``(hf_name, tensor)`` pairs from this process to every replica, in packed buckets."""
+        """Send ``(hf_name, tensor)`` pairs from this process to every replica, bucket by bucket (the
+        replicas' ``weight_version`` stays: these are not a sync of the policy)."""
         count = nbytes = 0
         for bucket in bucketed(weights, DEFAULT_BUCKET_BYTES):
-            stats = self.group.execute_all("load_bucket", pack_bucket(bucket))[0]
+            stats = self.group.execute_all("receive_weights", "load", Bucket.pack(bucket), None)[0]
             count += stats["tensors"]
             nbytes += stats["bytes"]
         return {"tensors": count, "bytes": nbytes}
+
+    def engine_weight_versions(self) -> list[int]:
+        """Each worker's ``weight_version``, as its engine reports it."""
+        return self.group.execute_all("engine_weight_version")
 
     def sleep(self, level: int = 1) -> None:
         self.group.execute_all("engine_sleep", level)

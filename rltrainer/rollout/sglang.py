@@ -19,7 +19,7 @@ picks there): SGLang's own TP scheduler processes join trainer rank 0's weight-b
 through ``Engine.init_weights_update_group`` (ranks ``rank_offset + tp_rank``), and each bucket is one
 ``Engine.update_weights_from_distributed(..., load_format="flattened_bucket")``: trainer rank 0
 broadcasts the bucket's bytes end to end, in the order of ``names`` (see
-:mod:`rltrainer.strategies.broadcast`); the cache is flushed with the last bucket only.
+:mod:`rltrainer.weights.wire`); the cache is flushed with the last bucket only.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, gpu_engine_files,
                                       missing_engine)
-from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES, bucketed
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, bucketed, entry_nbytes
 
 
 def sglang_requests(prompts: Sequence[Sequence[int]], sampling: SamplingParams,
@@ -131,6 +131,8 @@ class SGLangEngine(RolloutEngine):
         return {"tensors": count, "bytes": nbytes}
 
     # -- split placement: SGLang's schedulers receive trainer rank 0's broadcast -------------------
+    native_weight_broadcast = True  # rltrainer.weights drives the hooks below
+
     @property
     def weight_group_ranks(self) -> int:
         return self.tp_size  # every TP scheduler process receives the full bucket
@@ -146,8 +148,6 @@ class SGLangEngine(RolloutEngine):
         self._group_name = group_name
 
     def receive_weights(self, entries: Sequence[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
-        from rltrainer.strategies.broadcast import entry_nbytes
-
         if self._group_name is None:
             raise RuntimeError("SGLangEngine.receive_weights before init_weight_group")
         self._begin_update()

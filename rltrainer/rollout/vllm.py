@@ -17,9 +17,9 @@ the ``hf`` engine's ``log softmax(logits / temperature)`` when top-k / top-p are
 on, vLLM renormalises over the kept tokens).
 
 Split placement (vLLM on GPUs of its own; ``weight_transport="broadcast"``, which ``"auto"``
-picks there) uses the generic engine side of :class:`RolloutEngine`: the rollout worker, which
-holds the model in its own process, joins trainer rank 0's NCCL group, receives each bucket into
-one CUDA buffer and loads views of it with :meth:`VLLMEngine.update_weights`. vLLM's own
+picks there) needs nothing of the engine: :mod:`rltrainer.weights` joins the rollout worker,
+which holds the model in its own process, to trainer rank 0's NCCL group, receives each bucket
+into one CUDA buffer and loads views of it with :meth:`VLLMEngine.update_weights`. vLLM's own
 weight-transfer engine (``weight_transfer_config={"backend": "nccl"}``) is not used: it needs
 vLLM on the trainer and drives whole-model rounds of its own, where ours sends only the changed
 tensors, bucket by bucket, and runs (and is tested) on gloo as well.

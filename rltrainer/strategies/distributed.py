@@ -4,41 +4,42 @@
 for a single rank, no Ray, so breakpoints work; Ray actors in a placement group otherwise), splits
 each batch across the data-parallel shares, balanced by token count, with the same number of
 micro-batches on every rank (collectives must match; a rank short of rows runs a zero-weight
-padding micro-batch), places the rollout engines (colocated or split), and moves weights (split:
-broadcast from rank 0 over a group of their own, :mod:`rltrainer.strategies.broadcast`, or
-through Ray's object store). Subclasses (``fsdp2``, ``megatron``) name their rank class and how
-ranks map to shares.
+padding micro-batch), places the rollout engines (colocated or split), and picks the weight
+transport (:mod:`rltrainer.weights.transports`). Subclasses (``fsdp2``, ``megatron``) name their
+rank class and how ranks map to shares.
 
-:class:`TrainingWorker` is the rank side: version counters and bucketed export of HF-named
-full tensors, over two methods a subclass provides (``weight_specs``, ``gather_weights``).
+:class:`TrainingWorker` is the rank side; its weight sync is a
+:class:`~rltrainer.weights.sender.WeightSender` over the methods a subclass provides
+(``weight_specs``, ``gather_weights``, optionally ``gather_weights_into``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rltrainer.controller.worker import Worker
-from rltrainer.controller.worker_group import InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray
+from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
+                                               get_together)
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.remote import RemoteEngine
-from rltrainer.strategies.broadcast import BroadcastTransport, Entry, WeightGroup, bucket_entries, flatten_bucket
 from rltrainer.strategies.strategy import (Strategy, clip_gradients, run_compute, run_micro_batches,
                                            run_train_step)
-from rltrainer.strategies.weights import (DEFAULT_BUCKET_BYTES, PackedBucket, ParamVersions, pack_bucket,
-                                          pipelined, plan_buckets, unpack_bucket)
+from rltrainer.weights.sender import WeightSender
+from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
+                                          InProcessTransport, ObjectStoreTransport, SharedMemoryTransport,
+                                          WeightTransport, resolve_transport)
+from rltrainer.weights.versions import ParamVersions
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
     from rltrainer.rollout.engine import RolloutEngine
 
 PLACEMENTS = ("colocated", "split")
-WEIGHT_TRANSPORTS = ("auto", "broadcast", "object_store")
 
 
 class TrainingWorker(Worker):
@@ -48,16 +49,12 @@ class TrainingWorker(Worker):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__(rank, world_size, threads=threads, device=device)
         self.bucket_bytes = bucket_bytes
-        self.versions = ParamVersions()
+        self.sender = WeightSender(self, bucket_bytes)
         self.module: RLModule | None = None
         self.models: dict[str, torch.nn.Module] = {}  # every model of the module, as placed on this rank
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
         self.options: dict[str, Any] = {}
-        self._plan: list[list[str]] = []
-        self._plan_dtype: torch.dtype | None = None
-        self._plan_marks_synced = False
-        self._sender: WeightGroup | None = None  # rank 0, split placement: the weight-broadcast group
 
     # -- what a subclass provides ------------------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -67,6 +64,13 @@ class TrainingWorker(Worker):
     def gather_weights(self, names: list[str], dtype: torch.dtype | None, index: int) -> list[tuple[str, torch.Tensor]]:
         """Full tensors of ``names`` (bucket ``index``; a collective: every rank calls it)."""
         raise NotImplementedError
+
+    def gather_weights_into(self, names: list[str], dtype: torch.dtype | None, index: int, entries: list[Entry],
+                            out: torch.Tensor) -> bool:
+        """Write bucket ``index`` in wire layout (``entries``) straight into ``out``, a shared-memory
+        slot every rank has mapped (a collective); False (the default) if this layout cannot, and
+        then :meth:`gather_weights` runs and rank 0 copies."""
+        return False
 
     def end_of_sync(self) -> None:
         """After the last bucket of a sync (e.g. a barrier before buffers are reused)."""
@@ -78,6 +82,11 @@ class TrainingWorker(Worker):
     def run_micro_batches(self, hook: Any, micro_batches: list[RolloutBatch], backward: bool) -> list[Any]:
         """How the hook runs over this rank's micro-batches (see :func:`run_micro_batches`)."""
         return run_micro_batches(hook, micro_batches, backward)
+
+    @property
+    def versions(self) -> ParamVersions:
+        """The policy's per-parameter versions (what the next sync sends)."""
+        return self.sender.versions
 
     def mark_stepped(self, stepped: list[str]) -> None:
         """The optimizer step changed these policy parameters: bump their HF names' versions."""
@@ -106,84 +115,20 @@ class TrainingWorker(Worker):
         return list(self.weight_specs())
 
     def close(self) -> None:
-        self.leave_weight_broadcast()
+        self.sender.close()
         self.engine_teardown()
         self.destroy_distributed()
 
-    # -- weights -----------------------------------------------------------------------------------
-    def plan_export(self, dtype: torch.dtype | None, only_changed: bool) -> tuple[int, int]:
-        """Plan the buckets of the next export; returns ``(buckets, skipped tensors)``."""
-        specs = self.weight_specs()
-        names = self.versions.changed(specs) if only_changed else list(specs)
-
-        def nbytes(name: str) -> int:
-            shape, own_dtype = specs[name]
-            return math.prod(shape) * torch.empty((), dtype=dtype or own_dtype).element_size()
-
-        self._plan = plan_buckets([(n, nbytes(n)) for n in names], self.bucket_bytes)
-        self._plan_dtype, self._plan_marks_synced = dtype, only_changed
-        return len(self._plan), len(specs) - len(names)
-
-    def export_bucket(self, index: int) -> PackedBucket | None:
-        """Gather bucket ``index`` (a collective: every rank calls it); rank 0 returns it packed."""
-        tensors = self.gather_weights(self._plan[index], self._plan_dtype, index)
-        packed = pack_bucket(tensors) if self.rank == 0 else None
-        if index == len(self._plan) - 1:
-            self.end_of_sync()
-        return packed
-
-    def finish_export(self) -> None:
-        if self._plan_marks_synced:
-            self.versions.mark_synced(n for bucket in self._plan for n in bucket)
-        self._plan = []
+    # -- weights: the sending side of rltrainer.weights' transports -----------------------------------
+    def send_weights(self, op: str, *args: Any) -> Any:
+        """Run :class:`~rltrainer.weights.sender.WeightSender` ``op`` (``plan``, ``export``,
+        ``broadcast``, ``write_slot``, ``finish``, ``load_local``...) on this rank; the
+        controller's transports call this on every rank (gathers are collectives)."""
+        return getattr(self.sender, op)(*args)
 
     def forget_synced(self) -> None:
-        self.versions.forget_synced()
-
-    def sync_local_engine(self, dtype: torch.dtype | None) -> dict[str, float]:
-        """Colocated sync: gather the changed weights bucket by bucket into this rank's engine."""
-        engine = self._require_engine()
-        buckets, skipped = self.plan_export(dtype, only_changed=True)
-        count = nbytes = 0
-        for index, names in enumerate(self._plan):
-            stats = engine.update_weights(self.gather_weights(names, dtype, index))
-            count += stats.get("tensors", 0)
-            nbytes += stats.get("bytes", 0)
-        self.end_of_sync()
-        self.finish_export()
-        return {"tensors": count, "bytes": nbytes, "skipped": skipped, "buckets": buckets}
-
-    # -- split placement, broadcast transport (rltrainer.strategies.broadcast): the sending side --
-    def bucket_entries(self) -> list[list[Entry]]:
-        """Every planned bucket's wire layout ``(hf_name, dtype_name, shape)`` (small: names and
-        shapes, for the receivers to size their buffers)."""
-        specs = self.weight_specs()
-        return [self._bucket_entries(names, specs) for names in self._plan]
-
-    def _bucket_entries(self, names: list[str], specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[Entry]:
-        return bucket_entries((n, specs[n][0], self._plan_dtype or specs[n][1]) for n in names)
-
-    def join_weight_broadcast(self, address: str, port: int, world_size: int, group_name: str, backend: str,
-                              timeout_s: float) -> None:
-        """Rank 0 hosts the weight-broadcast group's store and joins it as rank 0."""
-        self.leave_weight_broadcast()
-        self._sender = WeightGroup(address, port, 0, world_size, group_name, backend, timeout_s)
-
-    def broadcast_bucket(self, index: int) -> None:
-        """Gather bucket ``index`` (a collective: every rank calls it); rank 0 broadcasts its bytes."""
-        tensors = self.gather_weights(self._plan[index], self._plan_dtype, index)
-        if self.rank == 0:
-            if self._sender is None:
-                raise RuntimeError("broadcast_bucket before join_weight_broadcast")
-            entries = self._bucket_entries(self._plan[index], self.weight_specs())  # what the receivers expect
-            self._sender.broadcast(flatten_bucket(dict(tensors), entries, self.device))
-        if index == len(self._plan) - 1:
-            self.end_of_sync()
-
-    def leave_weight_broadcast(self) -> None:
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+        """The engines lost their weights: the next sync sends everything."""
+        self.sender.forget_synced()
 
 
 class WorkerGroupStrategy(Strategy):
@@ -221,7 +166,7 @@ class WorkerGroupStrategy(Strategy):
         self.rollout_group: WorkerGroup | None = None
         self.remote_engine: RemoteEngine | None = None
         self.weight_transport = weight_transport
-        self.transport: BroadcastTransport | None = None
+        self.transport: WeightTransport | None = None  # to remote_engine
         self._started_ray = False
         self._config: Any = None
         self._weight_names: list[str] = []
@@ -273,8 +218,8 @@ class WorkerGroupStrategy(Strategy):
 
     def connect_engine(self, engine: RolloutEngine, tokenizer: Any) -> RolloutEngine:
         """Colocated: one replica in every training process. Split: ``rollout_replicas`` Ray
-        processes of their own (in their own placement group), joined to trainer rank 0 by a
-        weight-broadcast group when ``weight_transport`` resolves to ``"broadcast"``."""
+        processes of their own (in their own placement group), fed by the transport
+        ``weight_transport`` resolves to (:meth:`_split_transport`)."""
         group = self._require_group()
         k = engine.ranks_per_replica
         if self.rollout_placement == "split":
@@ -290,21 +235,28 @@ class WorkerGroupStrategy(Strategy):
                              f"the {self.world_size} training ranks")
         group.execute_all("setup_engine", engine, self._config, tokenizer)
         self.group.execute_all("forget_synced")
-        if self.rollout_placement == "split" and self._split_transport(group) == "broadcast":
-            self.transport = BroadcastTransport(self.group, group)
+        dtype = getattr(engine, "dtype", None)
+        if self.rollout_placement == "split":
+            self.transport = self._split_transport(group, dtype)
             self.transport.connect()
-        self.remote_engine = RemoteEngine(group, tokenizer, getattr(engine, "dtype", None), ranks_per_replica=k,
-                                          trainer_log_probs=getattr(engine, "trainer_log_probs", False))
+        else:
+            self.transport = ColocatedTransport(self.group, dtype)
+        self.remote_engine = RemoteEngine(group, tokenizer, dtype, ranks_per_replica=k)
         return self.remote_engine
 
-    def _split_transport(self, rollout: WorkerGroup) -> str:
-        """``weight_transport``, with ``"auto"`` resolved: broadcast when trainer rank 0 and every
-        replica are on GPUs (NCCL), else Ray's object store (faster than a gloo broadcast on CPU:
-        0.86 vs 0.52 GB/s for the 0.5B model in ``bench_fsdp2.py sync``)."""
-        if self.weight_transport != "auto":
-            return self.weight_transport
-        devices = {self._require_group().execute_rank_zero("device_type"), *rollout.execute_all("device_type")}
-        return "broadcast" if devices == {"cuda"} else "object_store"
+    def _split_transport(self, rollout: WorkerGroup, dtype: torch.dtype | None) -> WeightTransport:
+        """``weight_transport``, with ``"auto"`` resolved (:func:`~rltrainer.weights.transports.resolve_transport`):
+        broadcast when trainer rank 0 and every replica are on GPUs (NCCL); shared memory when every
+        replica is on trainer rank 0's node; else Ray's object store."""
+        trainer = self._require_group()
+        devices = {trainer.execute_rank_zero("device_type"), *rollout.execute_all("device_type")}
+        same_node = set(rollout.execute_all("node_ip")) == {trainer.execute_rank_zero("node_ip")}
+        name = resolve_transport(self.weight_transport, devices, same_node)
+        if name == "broadcast":
+            return BroadcastTransport(trainer, rollout, dtype, get_together)
+        if name == "shared_memory":
+            return SharedMemoryTransport(trainer, rollout, dtype, get_together)
+        return ObjectStoreTransport(trainer, rollout, dtype, get_together)
 
     def _require_group(self) -> WorkerGroup:
         if self.group is None:
@@ -348,52 +300,22 @@ class WorkerGroupStrategy(Strategy):
     # -- weights -----------------------------------------------------------------------------------
     def export_weights(self, dtype: torch.dtype | None = None,
                        only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Gather the policy to this process bucket by bucket (rank 0 packs, Ray carries)."""
+        """Gather the policy to this process bucket by bucket (rank 0 returns each, Ray carries it)."""
         group = self._require_group()
-        buckets, _ = group.execute_all("plan_export", dtype, only_changed)[0]
+        buckets, _ = group.execute_all("send_weights", "plan", dtype, only_changed)[0]
         for index in range(buckets):
-            yield from unpack_bucket(group.execute_all("export_bucket", index)[0])
-        group.execute_all("finish_export")
+            yield from group.execute_all("send_weights", "export", index)[0].views()
+        group.execute_all("send_weights", "finish")
 
     def weight_names(self) -> list[str]:
         return list(self._weight_names)
 
-    def sync_weights(self, engine: RolloutEngine) -> dict[str, float]:
-        start = time.perf_counter()
-        dtype = getattr(engine, "dtype", None)
-        if engine is not self.remote_engine:  # an engine in this process: pull through export_weights
-            stats = super().sync_weights(engine)
-        elif self.rollout_placement == "colocated":
-            stats = self._require_group().execute_all("sync_local_engine", dtype)[0]
-        elif self.transport is not None:
-            stats = self.transport.push(dtype)
-        else:
-            stats = self._push_buckets(dtype)
-        stats["seconds"] = time.perf_counter() - start
-        return stats
-
-    def _push_buckets(self, dtype: torch.dtype | None) -> dict[str, float]:
-        """Split placement through Ray's object store: rank 0 packs each gathered bucket,
-        Ray moves it to every replica; at most two buckets are in flight, so memory stays about
-        two buckets."""
-        group, rollout = self._require_group(), self.rollout_group
-        buckets, skipped = group.execute_all("plan_export", dtype, True)[0]
-        count = nbytes = 0
-
-        def start(index: int) -> tuple[list[Any], list[Any]]:
-            exports = group.execute_all_async("export_bucket", index)
-            packed = exports[0] if isinstance(group, RayWorkerGroup) else group.get(exports[:1], "export_bucket")[0]
-            return exports, rollout.execute_all_async("load_bucket", packed)
-
-        def finish(item: tuple[list[Any], list[Any]]) -> None:
-            nonlocal count, nbytes
-            group.get(item[0], "export_bucket")
-            stats = rollout.get(item[1], "load_bucket")[0]
-            count, nbytes = count + stats["tensors"], nbytes + stats["bytes"]
-
-        pipelined(buckets, start, finish)
-        group.execute_all("finish_export")
-        return {"tensors": count, "bytes": nbytes, "skipped": skipped, "buckets": buckets}
+    def transport_for(self, engine: RolloutEngine) -> WeightTransport:
+        """The transport :meth:`connect_engine` chose for its replicas; an engine in this process
+        pulls :meth:`export_weights`."""
+        if engine is self.remote_engine and self.transport is not None:
+            return self.transport
+        return InProcessTransport(self, engine)
 
     # -- state -------------------------------------------------------------------------------------
     def model_config(self) -> Any:
@@ -427,9 +349,9 @@ class WorkerGroupStrategy(Strategy):
         group.execute_all("load_state_dict", state)
 
     def _close_rollout_group(self) -> None:
-        """Release the split replicas (and trainer rank 0's end of their weight-broadcast group)."""
+        """Release the split replicas (and the training ranks' end of their transport)."""
         if self.transport is not None and self.group is not None:
-            self.group.execute_rank_zero("leave_weight_broadcast")
+            self.transport.close()
         if self.rollout_group is not None:
             self.rollout_group.shutdown()
         self.rollout_group = self.transport = self.remote_engine = None

@@ -20,12 +20,11 @@ import torch
 
 from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
 from rltrainer.strategies.strategy import STRATEGIES, normalize_optimizers
-from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES, SharedBuffers
+from rltrainer.weights.shm import SharedBuffers
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry, bucket_entries, bucket_nbytes, bucket_views
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
-
-
 
 class FSDP2Worker(TrainingWorker):
     """One FSDP2 training rank (and, colocated, one rollout engine replica)."""
@@ -102,31 +101,38 @@ class FSDP2Worker(TrainingWorker):
 
     def _gather_shared(self, names: list[str], params: dict[str, Any], dtype: torch.dtype | None,
                        index: int) -> list[tuple[str, torch.Tensor]]:
-        """Each rank writes its rows of each tensor into the node's shared buffer; after a
-        barrier every rank reads the full tensors (views, valid until bucket ``index + 2``)."""
+        """Each rank writes its rows of each tensor into the node's shared buffer, in wire layout;
+        after a barrier every rank reads the full tensors (views, valid until bucket ``index + 2``)."""
+        entries = bucket_entries((n, tuple(params[n].shape), dtype or params[n].dtype) for n in names)
+        buffer = self.shared.get(index, bucket_nbytes(entries))
+        self._write_rows(params, entries, buffer)
+        views = dict(bucket_views(buffer, entries))
+        return [(n, views[n]) for n in names]
+
+    def gather_weights_into(self, names: list[str], dtype: torch.dtype | None, index: int, entries: list[Entry],
+                            out: torch.Tensor) -> bool:
+        """With the shared-memory gather (one CPU node), every rank writes its rows straight into the
+        transport's slot: the bucket is on the wire without another copy."""
+        if self.shared is None or self.world_size == 1:
+            return False
+        self._write_rows({n: p.detach() for n, p in self.module.policy.named_parameters()}, entries, out)
+        return True
+
+    def _write_rows(self, params: dict[str, Any], entries: list[Entry], buffer: torch.Tensor) -> None:
+        """This rank's rows of each DTensor (rank 0: each replicated tensor) into ``buffer`` at its
+        wire offset, then a barrier: on return the buffer holds the whole bucket."""
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        layout, offset = [], 0
-        for name in names:
+        for name, full in bucket_views(buffer, entries):
             param = params[name]
-            out_dtype = dtype or param.dtype
-            nbytes = param.numel() * torch.empty((), dtype=out_dtype).element_size()
-            layout.append((name, param, out_dtype, offset, nbytes))
-            offset += -(-nbytes // 64) * 64
-        buffer = self.shared.get(index, offset)
-        out = []
-        for name, param, out_dtype, start, nbytes in layout:
-            full = buffer[start:start + nbytes].view(out_dtype).view(param.shape)
             if isinstance(param, DTensor):
                 local = param.to_local()
                 first = self.rank * -(-param.shape[0] // self.world_size)
                 full[first:first + local.shape[0]].copy_(local)
             elif self.rank == 0:
                 full.copy_(param)
-            out.append((name, full))
         dist.barrier()
-        return out
 
     def end_of_sync(self) -> None:
         """Readers of the last bucket finish before the next sync writes the same buffer."""
@@ -237,13 +243,16 @@ class FSDP2Strategy(WorkerGroupStrategy):
             their own Ray placement group; weights go to them bucket by bucket, see
             ``weight_transport``).
         rollout_replicas: engine processes for ``"split"``.
-        weight_transport: how ``"split"`` moves weights to the replicas. ``"broadcast"``: trainer
-            rank 0 and every replica's receiving processes (SGLang: its ``tp_size`` schedulers)
-            form a process group of their own, NCCL when all are on GPUs, else gloo, and each
-            bucket is one broadcast straight into the engines' devices. ``"object_store"``: rank 0
-            packs each bucket and Ray's object store carries it (no extra process group; a copy
-            through host memory per replica). ``"auto"`` (default): broadcast when everything is
-            on GPUs, else the object store (faster than gloo on CPU).
+        weight_transport: how ``"split"`` moves weights to the replicas
+            (:mod:`rltrainer.weights.transports`). ``"broadcast"``: trainer rank 0 and every
+            replica's receiving processes (SGLang: its ``tp_size`` schedulers) form a process group
+            of their own, NCCL when all are on GPUs, else gloo, and each bucket is one broadcast
+            straight into the engines' devices. ``"shared_memory"``: every replica on trainer rank
+            0's node maps two ``/dev/shm`` slots, rank 0 writes each bucket into one, the replicas
+            load views of it. ``"object_store"``: rank 0 returns each bucket and Ray's object store
+            carries it (any node; a copy through host memory per replica). ``"auto"`` (default):
+            broadcast when everything is on GPUs, else shared memory on one node, else the object
+            store.
         bucket_bytes: weight-sync bucket size; the extra memory of a sync is about one bucket.
         cpus_per_worker / gpus_per_worker: Ray resources per process (GPUs: 1 if the cluster
             has GPUs, else 0, by default).

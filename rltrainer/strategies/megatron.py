@@ -44,7 +44,7 @@ from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
 from rltrainer.strategies.megatron_weights import MegatronLayout, hf_from_megatron, hf_names_of, hf_to_megatron
 from rltrainer.strategies.strategy import (STRATEGIES, load_local_training_state, local_training_state,
                                           normalize_optimizers)
-from rltrainer.strategies.weights import DEFAULT_BUCKET_BYTES
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
     from rltrainer.data.batch import RolloutBatch

@@ -79,6 +79,8 @@ class SingleDeviceStrategy(Strategy):
         for name in names:
             tensor = params[name].detach()
             yield name, tensor.to(dtype) if dtype else tensor
+        if only_changed:
+            self.versions.mark_synced(names)
 
     def weight_names(self) -> list[str]:
         return [n for n, _ in self.module.policy.named_parameters()]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import logging
 import math
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,8 @@ import torch
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.registry import Registry
-from rltrainer.strategies.weights import ParamVersions, stepped_parameter_names
+from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightTransport
+from rltrainer.weights.versions import ParamVersions, WeightVersions, stepped_parameter_names
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -52,7 +52,14 @@ class Strategy(abc.ABC):
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.gradient_clip_val = gradient_clip_val
         self.precision = precision
-        self.versions = ParamVersions()
+        self.versions = ParamVersions()  # per parameter: what an in-process export still has to send
+        self.weight_versions = WeightVersions()  # policy / started / loaded
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the policy it trains: the Trainer's ``global_step`` (one per training
+        step, however many optimizer steps that took; the Trainer sets it). A sync's default version."""
+        return self.weight_versions.policy
 
     @property
     def world_size(self) -> int:
@@ -82,7 +89,8 @@ class Strategy(abc.ABC):
     def export_weights(self, dtype: torch.dtype | None = None,
                        only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for the policy, cast to ``dtype`` if given; with
-        ``only_changed``, only the parameters whose version moved since the last sync."""
+        ``only_changed``, only the parameters whose version moved since the last sync, and once the
+        iterator is exhausted they count as synced."""
 
     @abc.abstractmethod
     def weight_names(self) -> list[str]:
@@ -95,30 +103,32 @@ class Strategy(abc.ABC):
         self.versions.forget_synced()
         return engine
 
-    def sync_weights(self, engine: RolloutEngine) -> dict[str, float]:
-        """Push the policy's changed weights into ``engine``, cast to the engine's dtype.
+    def start_weight_sync(self, engine: RolloutEngine, version: int) -> SyncHandle:
+        """Start pushing the policy's changed weights into ``engine`` (cast to the engine's dtype)
+        as ``version``; returns once the trainer side has handed the bytes off.
 
-        Returns ``tensors`` and ``bytes`` sent, ``skipped`` (unchanged since the last sync) and
-        ``seconds``.
+        ``handle.wait()`` returns once every replica has loaded them, with the stats ``tensors``,
+        ``bytes``, ``skipped`` (unchanged since the last sync), ``buckets`` and ``seconds``; from then
+        on ``engine.weight_version == version`` (for remote replicas, in their processes too: they
+        set it when their last bucket loads, even if nothing changed). The engine-side loads are
+        submitted before this returns, so a later ``engine.generate`` runs on the new weights.
+        One sync is in flight at a time: starting another first waits for this one.
         """
-        start = time.perf_counter()
-        sent: list[str] = []
+        self.weight_versions.started = version
 
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self.export_weights(dtype=getattr(engine, "dtype", None), only_changed=True):
-                sent.append(name)
-                yield name, tensor
+        def loaded(v: int) -> None:
+            self.weight_versions.loaded = v
+            engine.weight_version = v  # a controller-side handle (RemoteEngine) mirrors its replicas
 
-        stats = dict(engine.update_weights(stream()) or {})
-        self.versions.mark_synced(sent)
-        stats["skipped"] = len(self.weight_names()) - len(sent)
-        stats["seconds"] = time.perf_counter() - start
-        return stats
+        return self.transport_for(engine).start(version, on_loaded=loaded)
 
-    def start_weight_sync(self, engine: RolloutEngine, version: int) -> Any:
-        """Start :meth:`sync_weights`; the returned handle's ``wait()`` gives its stats. Loads it
-        sends to an engine reach it before any request submitted after this returns."""
-        return _DoneSync(self.sync_weights(engine))
+    def sync_weights(self, engine: RolloutEngine, version: int | None = None) -> dict[str, float]:
+        """:meth:`start_weight_sync` and wait; ``version`` defaults to :attr:`policy_version`."""
+        return self.start_weight_sync(engine, self.policy_version if version is None else version).wait()
+
+    def transport_for(self, engine: RolloutEngine) -> WeightTransport:
+        """How weights reach ``engine`` (here: it lives in this process; pull :meth:`export_weights`)."""
+        return InProcessTransport(self, engine)
 
     @abc.abstractmethod
     def model_config(self) -> Any:
@@ -276,12 +286,3 @@ def autocast_context(precision: str, device: torch.device) -> Any:
 def param_dtype(precision: str) -> torch.dtype:
     return {"bf16-true": torch.bfloat16}.get(precision, torch.float32)
 
-
-class _DoneSync:
-    """A push that already completed."""
-
-    def __init__(self, stats: dict[str, float]) -> None:
-        self.stats = stats
-
-    def wait(self) -> dict[str, float]:
-        return self.stats

@@ -6,8 +6,8 @@ writes a JSON file of the figures.
 
 ``sync``: a random-init model of the Qwen2.5-0.5B architecture (fp32, 1.98 GB) on 2 FSDP2 ranks
 (Ray, gloo, 1 thread each), each with a colocated ``hf`` engine replica (``--placement
-split-broadcast`` / ``split-object-store``: one replica in a process of its own, fed by trainer
-rank 0's broadcast or through Ray's object store). A full sync (every
+split-shared-memory`` / ``split-object-store`` / ``split-broadcast``: one replica in a process of
+its own, fed through shared memory, Ray's object store or trainer rank 0's broadcast). A full sync (every
 tensor: the version counters are reset before each trial) is timed from the controller; the
 baseline is a plain ``copy_`` of the same number of bytes in one process on one thread, measured
 in the same run. Throughput is model bytes delivered per replica per second.
@@ -131,8 +131,10 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--placement", choices=["colocated", "split-broadcast", "split-object-store"], default="colocated",
-                   help="sync: engines in the training ranks, or one replica of its own fed by broadcast / Ray")
+    p.add_argument("--placement", choices=["colocated", "split-shared-memory", "split-object-store", "split-broadcast"],
+                   default="colocated",
+                   help="sync: engines in the training ranks, or one replica of its own fed through /dev/shm, "
+                        "Ray's object store or a broadcast")
     p.add_argument("--out", default=None, help="JSON output (default: tests/benchmarks/results/fsdp2_<what>.json)")
     args = p.parse_args()
     torch.set_num_threads(1)

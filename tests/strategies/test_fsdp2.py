@@ -98,14 +98,16 @@ def test_two_ranks_on_ray_match_one_device(tiny_config, bpe_tokenizer, gsm8k_pro
 @pytest.mark.parametrize("placement", ["colocated", "split"])
 def test_sync_is_bit_exact_and_skips_frozen(placement, tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
     module = make_module(FrozenEmbeddingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
-    # split on CPU: "auto" picks the object store (broadcast is tested in test_split_broadcast.py)
-    strategy = FSDP2Strategy(devices=2, rollout_placement=placement, micro_batch_size=4, bucket_bytes=64 << 10)
+    # split: the object store here (broadcast: test_split_broadcast.py; shared memory, which "auto" picks on
+    # one CPU node: test_shared_memory_sync.py)
+    strategy = FSDP2Strategy(devices=2, rollout_placement=placement, micro_batch_size=4, bucket_bytes=64 << 10,
+                             weight_transport="object_store")
     trainer = Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=3)
     with trainer:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         m = trainer.callback_metrics
         names = strategy.weight_names()
-        assert strategy.transport is None  # colocated: none; split on CPU: "auto" is the object store
+        assert strategy.transport.name == ("colocated" if placement == "colocated" else "object_store")
         frozen = ["model.embed_tokens.weight"]
         assert m["sync/skipped"] == len(frozen) and m["sync/tensors"] == len(names) - len(frozen)
         assert m["sync/buckets"] > 1  # 64 KiB buckets: the transfer really is bucketed
@@ -119,6 +121,8 @@ def test_sync_is_bit_exact_and_skips_frozen(placement, tiny_config, bpe_tokenize
         for replica in replicas:
             for name, tensor in full.items():
                 assert torch.equal(replica[name], tensor), name
+        assert set(group.execute_all("engine_weight_version")) == {strategy.weight_versions.loaded}
+        assert strategy.weight_versions.loaded >= 1  # the last sync carried a trained version
         # the controller can also push tensors of its own to every replica
         norm = torch.full_like(full["model.norm.weight"], 0.5)
         assert trainer.engine.update_weights([("model.norm.weight", norm)])["tensors"] == 1

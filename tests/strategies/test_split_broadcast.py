@@ -24,7 +24,8 @@ from rltrainer import Trainer, prompt_dataloader
 from rltrainer.controller import WorkerError
 from rltrainer.rollout.sglang import SGLangEngine
 from rltrainer.strategies import FSDP2Strategy
-from rltrainer.strategies.broadcast import WeightGroup, bucket_entries, bucket_views, empty_bucket, flatten_bucket
+from rltrainer.weights.group import WeightGroup
+from rltrainer.weights.wire import bucket_entries, bucket_views, empty_bucket, flatten_bucket
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward
 
 ROOT = Path(__file__).resolve().parents[2]

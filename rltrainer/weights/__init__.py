@@ -1,0 +1,26 @@
+"""Weight sync: the one layer that moves weights from a Strategy's training layout to the
+rollout engines. It imports nothing else of rltrainer; ``rollout``, ``controller`` and
+``strategies`` import it.
+
+- :mod:`~rltrainer.weights.wire`: the wire format (a bucket's tensors end to end, SGLang's
+  ``flattened_bucket``) and the bucketer.
+- :mod:`~rltrainer.weights.versions`: per-parameter versions (send only what changed) and the
+  controller's policy / engine versions.
+- :mod:`~rltrainer.weights.transports`: in-process, colocated, object store, broadcast and
+  shared memory, each with ``start(version) -> SyncHandle`` and ``SyncHandle.wait() -> stats``.
+- :mod:`~rltrainer.weights.sender` / :mod:`~rltrainer.weights.receiver`: the training ranks' and
+  the rollout processes' sides.
+- :mod:`~rltrainer.weights.group` / :mod:`~rltrainer.weights.shm`: the broadcast process group and
+  the shared-memory buffers.
+"""
+
+from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
+                                          InProcessTransport, ObjectStoreTransport, SharedMemoryTransport, SyncHandle,
+                                          WeightTransport, resolve_transport)
+from rltrainer.weights.versions import ParamVersions, WeightVersions, stepped_parameter_names
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Bucket, Entry, bucket_by_bytes, bucketed, plan_buckets
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "WEIGHT_TRANSPORTS", "BroadcastTransport", "Bucket", "ColocatedTransport", "Entry",
+           "InProcessTransport", "ObjectStoreTransport", "ParamVersions", "SharedMemoryTransport", "SyncHandle",
+           "WeightTransport", "WeightVersions", "bucket_by_bytes", "bucketed", "plan_buckets", "resolve_transport",
+           "stepped_parameter_names"]

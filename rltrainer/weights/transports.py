@@ -1,0 +1,316 @@
+"""Transports: how a sync's buckets get from the training ranks to the rollout engines. Each one
+is driven from the controller through one interface:
+
+- :meth:`WeightTransport.start` ``(version) -> SyncHandle`` hands the changed weights off and
+  returns; the engine-side load calls are submitted before it returns, so a later call the
+  controller makes to the same engine process (``generate``) runs after them.
+- :meth:`SyncHandle.wait` returns the stats once every replica has loaded the sync: ``tensors``,
+  ``bytes`` (counted by the first replica), ``skipped`` (unchanged since the last sync),
+  ``buckets``, ``seconds`` (from start to loaded).
+
+At most two buckets are in flight: starting bucket ``i`` waits until bucket ``i - 2`` has loaded,
+so a sync of two buckets or fewer returns from ``start`` without waiting for an engine, and
+memory stays about two buckets. One sync is in flight per transport: ``start`` first waits for
+the previous one.
+
+| transport | where the engines are | how the bytes move |
+| --- | --- | --- |
+| :class:`InProcessTransport` | in the controller | the strategy's ``export_weights`` stream, loaded directly |
+| :class:`ColocatedTransport` | one in each training rank | each rank loads its replica from its own gather |
+| :class:`ObjectStoreTransport` | rollout processes, any node | rank 0 puts each bucket in Ray's object store |
+| :class:`BroadcastTransport` | rollout processes, GPUs (NCCL) | rank 0 broadcasts each bucket over a group of their own |
+| :class:`SharedMemoryTransport` | rollout processes on rank 0's node | rank 0 writes each bucket into a ``/dev/shm`` slot they mapped |
+
+The groups are the controller's worker groups (``rltrainer.controller``), used through their
+dispatch methods only; ``wait_all`` is ``rltrainer.controller.get_together``, which waits for
+calls to several groups as one and turns a failure into a ``WorkerError`` naming the worker (the
+other groups, which may be blocked on it, are shut down).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from rltrainer.weights.group import DEFAULT_TIMEOUT_S
+from rltrainer.weights.shm import shared_memory_room
+
+log = logging.getLogger(__name__)
+
+WEIGHT_TRANSPORTS = ("auto", "broadcast", "object_store", "shared_memory")
+Call = tuple[Any, Sequence[Any], str]  # (group, futures, method)
+WaitAll = Callable[[Sequence[Call]], list[list[Any]]]
+Stats = dict[str, float]
+
+
+def resolve_transport(requested: str, devices: set[str], same_node: bool) -> str:
+    """``weight_transport`` for split placement, ``"auto"`` resolved: broadcast when trainer rank 0
+    and every rollout process are on GPUs (NCCL), shared memory when they are all on trainer rank
+    0's node, else Ray's object store."""
+    if requested not in WEIGHT_TRANSPORTS:
+        raise ValueError(f"weight_transport={requested!r}; choose from {', '.join(WEIGHT_TRANSPORTS)} "
+                         "(how split placement moves weights to the rollout replicas)")
+    if requested == "shared_memory" and not same_node:
+        raise ValueError("weight_transport='shared_memory' needs every rollout process on trainer rank 0's node; "
+                         "use 'object_store' (any node) or 'broadcast' (GPUs) across nodes")
+    if requested != "auto":
+        return requested
+    if devices == {"cuda"}:
+        return "broadcast"
+    return "shared_memory" if same_node and shared_memory_room() > 0 else "object_store"
+
+
+class SyncHandle:
+    """A started sync of ``version``; :meth:`wait` returns its stats once loaded (idempotent: a
+    second call returns the same stats, or raises the same error)."""
+
+    def __init__(self, version: int, finish: Callable[[], Stats], started: float,
+                 on_loaded: Callable[[int], None] | None = None) -> None:
+        self.version, self._finish, self._started, self._on_loaded = version, finish, started, on_loaded
+        self._stats: Stats | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has returned (or raised)."""
+        return self._stats is not None or self._error is not None
+
+    def wait(self) -> Stats:
+        if self._error is not None:
+            raise self._error
+        if self._stats is None:
+            try:
+                stats = dict(self._finish())
+            except BaseException as exc:
+                self._error = exc
+                raise
+            stats["seconds"] = time.perf_counter() - self._started
+            self._stats = stats
+            if self._on_loaded is not None:
+                self._on_loaded(self.version)
+        return dict(self._stats)
+
+
+class WeightTransport(abc.ABC):
+    """One way of moving a sync; see the module docstring for the contract."""
+
+    name = "transport"
+
+    def __init__(self) -> None:
+        self._pending: SyncHandle | None = None
+
+    def connect(self) -> None:
+        """Set up what the transport needs once (a process group, shared-memory slots)."""
+
+    def start(self, version: int, on_loaded: Callable[[int], None] | None = None) -> SyncHandle:
+        """Hand the weights changed since the last sync off for loading as ``version``."""
+        if self._pending is not None:
+            self._pending.wait()  # its buffers and versions are about to be reused
+        started = time.perf_counter()
+        self._pending = SyncHandle(version, self._start(version), started, on_loaded)
+        return self._pending
+
+    def wait(self) -> Stats:
+        """Wait for the last started sync (``{}`` if none was)."""
+        return self._pending.wait() if self._pending is not None else {}
+
+    @abc.abstractmethod
+    def _start(self, version: int) -> Callable[[], Stats]:
+        """Start a sync; return what finishes it (waits for the loads, returns the stats)."""
+
+    def close(self) -> None:
+        """Release what :meth:`connect` set up (idempotent; the workers may be gone)."""
+
+
+class InProcessTransport(WeightTransport):
+    """The engine lives in the controller: pull ``source.export_weights(dtype, only_changed=True)``
+    (which marks what it yields synced once exhausted) into ``engine.update_weights``. Loads
+    before :meth:`start` returns."""
+
+    name = "in_process"
+
+    def __init__(self, source: Any, engine: Any) -> None:
+        super().__init__()
+        self.source, self.engine = source, engine
+
+    def _start(self, version: int) -> Callable[[], Stats]:
+        sent = 0
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal sent
+            for name, tensor in self.source.export_weights(dtype=getattr(self.engine, "dtype", None),
+                                                           only_changed=True):
+                sent += 1
+                yield name, tensor
+
+        loaded = dict(self.engine.update_weights(stream()) or {})
+        self.engine.weight_version = version
+        stats = {"tensors": loaded.get("tensors", sent), "bytes": loaded.get("bytes", 0),
+                 "skipped": len(self.source.weight_names()) - sent, "buckets": int(sent > 0)}
+        return lambda: stats
+
+
+class ColocatedTransport(WeightTransport):
+    """Each training rank gathers the changed weights bucket by bucket into its own replica."""
+
+    name = "colocated"
+
+    def __init__(self, trainer: Any, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.trainer, self.dtype = trainer, dtype
+
+    def _start(self, version: int) -> Callable[[], Stats]:
+        futures = self.trainer.execute_all_async("send_weights", "load_local", self.dtype, version)
+        return lambda: self.trainer.get(futures, "send_weights")[0]
+
+
+class _Split(WeightTransport):
+    """A transport from trainer rank 0 to rollout processes of their own, bucket by bucket."""
+
+    depth = 2  # buckets in flight (the shared-memory transport has two slots)
+
+    def __init__(self, trainer: Any, rollout: Any, dtype: torch.dtype | None, wait_all: WaitAll) -> None:
+        super().__init__()
+        self.trainer, self.rollout, self.dtype, self.wait_all = trainer, rollout, dtype, wait_all
+
+    def _start(self, version: int) -> Callable[[], Stats]:
+        trainer, rollout = self.trainer, self.rollout
+        buckets, skipped = trainer.execute_all("send_weights", "plan", self.dtype, True)[0]
+        entries = trainer.execute_rank_zero("send_weights", "entries") if buckets else []
+        totals = {"tensors": 0, "bytes": 0}
+        in_flight: list[list[Call]] = []
+
+        def finish_oldest() -> None:
+            results = self.wait_all(in_flight.pop(0))
+            for key in totals:
+                totals[key] += results[-1][0][key]  # the first replica's load
+
+        for index in range(buckets):
+            while len(in_flight) >= self.depth:  # bucket i reuses bucket i - 2's buffers
+                finish_oldest()
+            in_flight.append(self._send(index, entries[index], version if index == buckets - 1 else None))
+        if not buckets:  # nothing changed: the engines still take the version
+            in_flight.append([(rollout, rollout.execute_all_async("receive_weights", "commit", version),
+                               "receive_weights")])
+        finished = trainer.execute_all_async("send_weights", "finish")
+
+        def finish() -> Stats:
+            while in_flight:
+                finish_oldest()
+            trainer.get(finished, "send_weights")
+            return {**totals, "skipped": skipped, "buckets": buckets}
+
+        return finish
+
+    @abc.abstractmethod
+    def _send(self, index: int, entries: list[Any], version: int | None) -> list[Call]:
+        """Submit bucket ``index`` (sender and receivers); ``version`` on the last. The receivers'
+        call comes last in the returned list."""
+
+
+class ObjectStoreTransport(_Split):
+    """Rank 0 returns each gathered bucket as a value (bytes in a numpy array), Ray's object store
+    carries it to every replica: no extra process group, a copy through host memory per replica."""
+
+    name = "object_store"
+
+    def _send(self, index: int, entries: list[Any], version: int | None) -> list[Call]:
+        exports = self.trainer.execute_all_async("send_weights", "export", index)
+        bucket = self.trainer.ref(exports, "send_weights")  # resolved by Ray before the load runs
+        loads = self.rollout.execute_all_async("receive_weights", "load", bucket, version)
+        return [(self.trainer, exports, "send_weights"), (self.rollout, loads, "receive_weights")]
+
+
+class BroadcastTransport(_Split):
+    """Trainer rank 0 and every replica's receiving processes form a group of their own
+    (:class:`~rltrainer.weights.group.WeightGroup`, NCCL when all are on GPUs, else gloo); each
+    bucket is one broadcast straight into the receivers' buffers (or SGLang's schedulers)."""
+
+    name = "broadcast"
+
+    def __init__(self, trainer: Any, rollout: Any, dtype: torch.dtype | None, wait_all: WaitAll,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(trainer, rollout, dtype, wait_all)
+        self.timeout_s = timeout_s
+        self.group_name = f"rltrainer-weights-{uuid.uuid4().hex[:12]}"
+        self.backend = "gloo"
+        self.world_size = 0
+
+    def connect(self) -> None:
+        """Form the group: trainer rank 0 is rank 0; replica ``r`` takes as many ranks as its engine
+        has receiving processes (SGLang: ``tp_size``), after the replicas before it."""
+        trainer, rollout = self.trainer, self.rollout
+        ranks = rollout.execute_all("receive_weights", "group_ranks")
+        offsets = [1 + sum(ranks[:r]) for r in range(len(ranks))]
+        self.world_size = 1 + sum(ranks)
+        devices = [trainer.execute_rank_zero("device_type"), *rollout.execute_all("device_type")]
+        self.backend = "nccl" if set(devices) == {"cuda"} else "gloo"
+        address, port = trainer.execute_rank_zero("master_address")
+        join = (address, port, self.world_size, self.group_name, self.backend, self.timeout_s)
+        # receivers first: an in-process trainer blocks in its call until every member has joined
+        receivers = rollout.dispatch_async("receive_weights", [(("join_group", *join, off), {}) for off in offsets])
+        sender = trainer.execute_rank_zero_async("send_weights", "join_group", *join)
+        self.wait_all([(rollout, receivers, "receive_weights"), (trainer, sender, "send_weights")])
+        log.info("Weight broadcast group %s: %s, %d ranks (%s per replica)", self.group_name, self.backend,
+                 self.world_size, ranks)
+
+    def _send(self, index: int, entries: list[Any], version: int | None) -> list[Call]:
+        receivers = self.rollout.execute_all_async("receive_weights", "receive", entries, version)
+        sender = self.trainer.execute_all_async("send_weights", "broadcast", index)
+        return [(self.trainer, sender, "send_weights"), (self.rollout, receivers, "receive_weights")]
+
+    def close(self) -> None:
+        _quietly(lambda: self.trainer.execute_rank_zero("send_weights", "leave_group"))
+
+
+class SharedMemoryTransport(_Split):
+    """Split placement on one node: trainer rank 0 writes each bucket's bytes into one of two
+    slots in ``directory`` (shared memory) that every rollout process has mapped, and the rollout
+    processes load views of it. When every training rank is on that node too, they map the slots
+    as well, and a layout that can (FSDP2 on CPU) gathers straight into them: no extra copy.
+
+    The slots are sized at :meth:`connect` for ``bucket_bytes`` (or the largest tensor) and their
+    files unlinked as soon as every process has mapped them."""
+
+    name = "shared_memory"
+
+    def __init__(self, trainer: Any, rollout: Any, dtype: torch.dtype | None, wait_all: WaitAll,
+                 directory: str = "/dev/shm") -> None:
+        super().__init__(trainer, rollout, dtype, wait_all)
+        self.directory = directory
+        self.tag = uuid.uuid4().hex[:12]  # the slots' files are named rltrainer-weights-{tag}-{slot}
+        self.slot_bytes = 0
+
+    def connect(self) -> None:
+        trainer, rollout = self.trainer, self.rollout
+        self.slot_bytes = trainer.execute_rank_zero("send_weights", "slot_bytes", self.dtype)
+        paths = trainer.execute_rank_zero("send_weights", "create_slots", self.directory, self.tag, self.slot_bytes)
+        try:
+            everywhere = len(set(trainer.execute_all("node_ip"))) == 1
+            trainer.execute_all("send_weights", "share_slots", paths, self.slot_bytes, everywhere)
+            rollout.execute_all("receive_weights", "open_slots", paths, self.slot_bytes)
+        finally:
+            trainer.execute_rank_zero("send_weights", "unlink_slots")
+        log.info("Shared-memory weight slots: 2 x %.0f MiB in %s", self.slot_bytes / 2**20, self.directory)
+
+    def _send(self, index: int, entries: list[Any], version: int | None) -> list[Call]:
+        writes = self.trainer.execute_all_async("send_weights", "write_slot", index)
+        ready = self.trainer.ref(writes, "send_weights")  # the loads run once rank 0 has written
+        loads = self.rollout.execute_all_async("receive_weights", "load_slot", index, entries, ready, version)
+        return [(self.trainer, writes, "send_weights"), (self.rollout, loads, "receive_weights")]
+
+    def close(self) -> None:
+        _quietly(lambda: self.trainer.execute_all("send_weights", "close_slots"))
+
+
+def _quietly(call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except Exception as exc:  # the workers may be gone already
+        log.debug("Ignored while closing a weight transport: %s", exc)

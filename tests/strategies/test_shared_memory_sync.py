@@ -1,0 +1,84 @@
+"""Split placement's shared-memory transport on CPU (FSDP2 -> ``hf`` replicas on this node):
+``"auto"`` picks it, a sync makes every replica equal the policy bit for bit and sends only what
+changed, the engines report the sync's version (also for a sync with nothing to send), the
+trainer side returns before the engines have loaded, and nothing is left in ``/dev/shm``."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+
+from rltrainer import Trainer, prompt_dataloader
+from rltrainer.rollout import SamplingParams
+from rltrainer.rollout.hf import HFEngine
+from rltrainer.strategies import FSDP2Strategy
+from rltrainer.testing import FrozenEmbeddingGRPO, length_reward
+from rltrainer.weights import SharedMemoryTransport
+
+FROZEN = ["model.embed_tokens.weight"]
+
+
+def make_module(config, tokenizer):
+    return FrozenEmbeddingGRPO(config, tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8,
+                               lr=1e-2, kl_coef=0.05)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_split_on_one_node_syncs_through_shared_memory(devices, tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                       ray_session):
+    """devices=1: trainer rank 0 is this process and copies each bucket into the slot; devices=2:
+    both FSDP2 ranks map the slots and gather straight into them."""
+    strategy = FSDP2Strategy(devices=devices, rollout_placement="split", micro_batch_size=4, bucket_bytes=16 << 10)
+    trainer = Trainer(strategy=strategy, max_steps=1, logger=False, enable_progress_bar=False, seed=3)
+    with trainer:
+        trainer.fit(make_module(tiny_config, bpe_tokenizer), prompt_dataloader(gsm8k_prompts, batch_size=2))
+        transport = strategy.transport
+        assert isinstance(transport, SharedMemoryTransport)  # "auto", CPU, one node
+        assert not glob.glob(f"/dev/shm/*{transport.tag}*")  # unlinked once mapped
+        m = trainer.callback_metrics
+        names = strategy.weight_names()
+        assert m["sync/skipped"] == len(FROZEN) and m["sync/tensors"] == len(names) - len(FROZEN)
+        assert m["sync/buckets"] > 2  # 16 KiB buckets: both slots reused
+        full = dict(strategy.export_weights())
+        assert m["sync/bytes"] == sum(t.numel() * t.element_size() for n, t in full.items() if n not in FROZEN)
+        for name, tensor in strategy.rollout_group.execute_all("engine_weights")[0].items():
+            assert torch.equal(tensor, full[name]), name
+
+        again = strategy.start_weight_sync(trainer.engine, version=41)  # nothing changed: a commit only
+        assert again.wait()["buckets"] == 0 and again.wait()["skipped"] == len(names)
+        assert strategy.rollout_group.execute_all("engine_weight_version") == [41]
+        assert trainer.engine.weight_version == 41 and strategy.weight_versions.loaded == 41
+
+        strategy.group.execute_all("forget_synced")  # every tensor again
+        handle = strategy.start_weight_sync(trainer.engine, version=42)
+        stats = handle.wait()
+        assert stats["tensors"] == len(names) and stats["seconds"] > 0
+        assert strategy.rollout_group.execute_all("engine_weight_version") == [42]
+        assert trainer.engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2)).response_ids.shape[0] == 1
+    assert not glob.glob(f"/dev/shm/*{transport.tag}*")
+
+
+def test_shared_memory_start_returns_before_the_engines_load(tiny_config, bpe_tokenizer, ray_session):
+    """One training rank in this process, 2 replicas: ``start_weight_sync`` returns with the load
+    calls submitted; a ``generate`` issued right after runs after them (Ray keeps one caller's
+    calls to an actor in order), and ``wait`` reports the version in both replicas."""
+    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=2,
+                             weight_transport="shared_memory")
+    try:
+        strategy.setup(make_module(tiny_config, bpe_tokenizer), seed=0)
+        engine = strategy.connect_engine(HFEngine(), bpe_tokenizer)
+        assert engine.weight_version == -1
+        handle = strategy.start_weight_sync(engine, version=3)
+        assert not handle.done  # one bucket: handed off, not waited for
+        ref = strategy.rollout_group._call_async([0], "engine_weight_version", [((), {})])
+        assert strategy.rollout_group.get(ref, "engine_weight_version") == [3]  # ordered after the load
+        assert handle.wait()["buckets"] == 1 and engine.weight_version == 3
+        assert strategy.rollout_group.execute_all("engine_weight_version") == [3, 3]
+        expected = dict(strategy.export_weights())
+        for weights in strategy.rollout_group.execute_all("engine_weights"):
+            for name, tensor in expected.items():
+                assert torch.equal(weights[name], tensor), name
+    finally:
+        strategy.teardown()
