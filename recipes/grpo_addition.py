@@ -68,6 +68,7 @@ class Config:
     temperature: float = 0.7
     pipeline: str = "sync"  # "one_step_off" / "async": the engine generates in a process of its own meanwhile
     max_staleness: int = 1  # async: policy versions a trained row may lag
+    rollout_correction: str = ""  # e.g. "token_tis": correct lagging rows (GRPO(rollout_correction=...))
     # running
     threads: int = 1  # torch threads: the matrices are tiny, so one is as fast and shares the CPU best
     print_every: int = 100
@@ -224,6 +225,7 @@ def run(config: Config) -> dict[str, float]:
                 num_generations=config.group_size, mini_batch_size=config.mini_batch_size,
                 max_new_tokens=config.digits + 2,  # the answer and <eos>
                 temperature=config.temperature, lr=config.lr, weight_decay=0.0,
+                rollout_correction=config.rollout_correction or None,
             )
             if config.pipeline == "sync":
                 strategy: Any = SingleDeviceStrategy(micro_batch_size=config.micro_batch_size)

@@ -6,7 +6,7 @@ workload is sized so that generating a batch and training on it take about the s
 ``sync`` line prints both), which is where overlapping them pays most: the limit is 2x.
 
     python tests/benchmarks/bench_async.py                    # sync, one_step_off, async (max_staleness=2)
-    python tests/benchmarks/bench_async.py --steps 12 --max-new-tokens 24
+    python tests/benchmarks/bench_async.py --steps 12 --max-new-tokens 96
 
 Prints, per mode: steps/min over the measured steps (after ``--warmup`` steps), the ratio to
 sync, the mean staleness of the trained rows, and the share of wall time the trainer waited for
@@ -68,16 +68,16 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="sync,one_step_off,async")
-    p.add_argument("--steps", type=int, default=10, help="steps per mode, including --warmup")
+    p.add_argument("--steps", type=int, default=22, help="steps per mode, including --warmup")
     p.add_argument("--warmup", type=int, default=2, help="steps not measured")
     p.add_argument("--max-staleness", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=16)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
