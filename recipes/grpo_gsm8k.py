@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one_step_off / async: generate while the policy trains (engines in processes of their own; "
                         "strategy 'single' becomes one in-process fsdp2 rank)")
     p.add_argument("--max-staleness", type=int, default=1, help="async: policy versions a trained row may lag")
+    p.add_argument("--rollout-correction", default="auto",
+                   help="a ROLLOUT_CORRECTIONS name, or none; auto: token_tis unless --pipeline sync")
     p.add_argument("--model", help="hub id or local path (default: the preset's)")
     p.add_argument("--tokenizer", help="hub id or local path (default: the preset's)")
     p.add_argument("--train-file", default=str(data_path("gsm8k", "train.jsonl")))
@@ -82,8 +84,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     train = prepare_gsm8k(load_rows(args.train_file), tokenizer, max_prompt_length=args.max_prompt_length)
     val = prepare_gsm8k(load_rows(args.val_file), tokenizer, max_prompt_length=args.max_prompt_length)
+    correction = args.rollout_correction
+    if correction == "auto":
+        correction = "none" if args.pipeline == "sync" else "token_tis"
     module = GRPO(model, tokenizer, reward_funcs="gsm8k", num_generations=args.num_generations,
-                  max_new_tokens=args.max_new_tokens, lr=args.lr, kl_coef=args.kl_coef)
+                  max_new_tokens=args.max_new_tokens, lr=args.lr, kl_coef=args.kl_coef,
+                  rollout_correction=None if correction == "none" else correction)
     if args.pipeline != "sync":  # overlapping needs the engines in processes of their own
         args.strategy = "fsdp2" if args.strategy == "single" else args.strategy
     per_rank = {"threads_per_worker": args.threads} if args.strategy.startswith("fsdp2") and args.threads else {}
