@@ -252,7 +252,7 @@ class AsyncPipeline(Pipeline):
         self.batch_size: int | None = None
         self._exhausted = False
         self._dropped = 0
-        self._load: dict[int, int] = {}  # replica -> prompts in flight
+        self._prompts = self._next_prompts()
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         while True:
@@ -269,17 +269,20 @@ class AsyncPipeline(Pipeline):
             share = math.ceil(self.batch_size / len(self.replicas))
             count = min(share, len(self.queue), (self.max_staleness + 1) * self.batch_size - outstanding)
             items = [self.queue.popleft() for _ in range(count)]
-            replica = min(range(len(self.replicas)), key=lambda r: (self._load.get(r, 0), r))
+            replica = min(range(len(self.replicas)), key=lambda r: (self._in_flight_on(r), r))
             future = self._submit(Prompts(RolloutBatch.concat([b for _, b in items]), [p for p, _ in items]),
                                   engine=self.replicas[replica])
             future.replica = replica  # type: ignore[attr-defined]
-            self._load[replica] = self._load.get(replica, 0) + count
             outstanding += count
+
+    def _in_flight_on(self, replica: int) -> int:
+        """Prompts in flight on ``replica``."""
+        return sum(len(f.prompts.positions) for f in self._in_flight if f.replica == replica)
 
     def _refill_queue(self) -> bool:
         """Move the next loader batch into the queue if it is empty; False when nothing is left."""
         while not self.queue and not self._exhausted:
-            prompts = next(self._next_prompts_iter, None)
+            prompts = next(self._prompts, None)
             if prompts is None:
                 self._exhausted = True
                 break
@@ -287,12 +290,6 @@ class AsyncPipeline(Pipeline):
             fresh = [(p, prompts.batch[[i]]) for i, p in enumerate(prompts.positions) if p not in self.consumed]
             self.queue.extend(fresh)
         return bool(self.queue)
-
-    @property
-    def _next_prompts_iter(self) -> Iterator[Prompts]:
-        if not hasattr(self, "_prompts_iter"):
-            self._prompts_iter = self._next_prompts()
-        return self._prompts_iter
 
     def _take(self) -> RolloutBatch | None:
         """Wait until ``B`` fresh groups have finished (or the data ran out); drop stale ones."""
@@ -321,7 +318,6 @@ class AsyncPipeline(Pipeline):
         return batch
 
     def _receive(self, future: Future) -> None:
-        self._load[future.replica] -= len(future.prompts.positions)
         batch = self._wait(future)
         step = self.trainer.global_step
         for i, position in enumerate(future.prompts.positions):
@@ -377,7 +373,7 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
             x, value = b[key], pad_values.get(key, 0)
             if x.dim() < 2 or key == "prompt_position":
                 continue
-            if x.shape[1] == p + t and p + t != t:
+            if p and x.shape[1] == p + t:
                 left = torch.nn.functional.pad(x[:, :p], (P - p, 0), value=value)
                 b[key] = torch.cat([left, torch.nn.functional.pad(x[:, p:], (0, T - t), value=value)], dim=1)
             elif x.shape[1] == p and key == "prompts":

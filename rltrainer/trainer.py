@@ -206,8 +206,8 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._await_weights()
         pipeline = self._pipeline.state_dict() if self._pipeline is not None else self._pipeline_state or {}
-        checkpoint = {"pipeline": {"mode": self.pipeline, **pipeline},"global_step": self.global_step, "current_epoch": self.current_epoch,
-                      "batches_seen_in_epoch": self.batches_seen_in_epoch, "strategy": self.strategy.state_dict(),
+        checkpoint = {"pipeline": {"mode": self.pipeline, **pipeline}, "global_step": self.global_step,
+                      "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch, "strategy": self.strategy.state_dict(),
                       "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
         call_callback_hooks(self, "on_save_checkpoint", checkpoint)
