@@ -14,6 +14,7 @@ import torch
 
 from rltrainer.call import call_module_hook
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.strategies.strategy import combine_metrics, is_extreme
 
 if TYPE_CHECKING:
     from rltrainer.trainer import Trainer
@@ -57,11 +58,11 @@ def staleness_metrics(batch: RolloutBatch, step: int) -> dict[str, float]:
 
 def update_policy(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
     """``update_epochs`` passes over the batch in mini-batches of ``mini_batch_size`` rows, one
-    optimizer step each; metrics are averaged over the optimizer steps."""
+    optimizer step each; metrics are averaged over the optimizer steps (``*_max`` / ``*_min``: the
+    extreme over them)."""
     module = trainer.module
     size = module.mini_batch_size or len(batch)
-    sums: dict[str, float] = {}
-    steps = 0
+    parts: list[dict[str, float]] = []
     generator = torch.Generator().manual_seed(trainer.seed + trainer.global_step)
     for epoch in range(module.update_epochs):
         order = torch.randperm(len(batch), generator=generator) if epoch > 0 or size < len(batch) else None
@@ -69,10 +70,9 @@ def update_policy(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
         for mini_batch in shuffled.split(size):
             mini_batch.meta.update(global_tokens=max(float(mini_batch["response_mask"].sum()), 1.0),
                                    global_rows=float(len(mini_batch)))
-            for k, v in trainer.strategy.train_step(mini_batch).items():
-                sums[k] = sums.get(k, 0.0) + v
-            steps += 1
-    return {k: v / steps for k, v in sums.items()}
+            parts.append(trainer.strategy.train_step(mini_batch))
+    combined = combine_metrics(parts)
+    return {k: v if is_extreme(k) else v / len(parts) for k, v in combined.items()}
 
 
 def batch_metrics(batch: RolloutBatch, step_time: float) -> dict[str, float]:

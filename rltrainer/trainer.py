@@ -190,8 +190,9 @@ class Trainer:
     @property
     def off_policy(self) -> bool:
         """Whether rows can come from other weights than the trainer's, or with log-probs the
-        trainer would not compute (then ``old_log_probs`` are recomputed, whatever the module's
-        update schedule): any pipeline but ``"sync"``, or an engine whose log-probs differ."""
+        trainer would not compute (then the module takes ``old_log_probs`` from the trainer, in a
+        pass of their own or from the update's forward, and logs the mismatch; see
+        :class:`~rltrainer.GRPO`): any pipeline but ``"sync"``, or an engine whose log-probs differ."""
         return self.pipeline != "sync" or not getattr(self._engine_spec, "trainer_log_probs", False)
 
     def __enter__(self) -> Trainer:

@@ -14,7 +14,8 @@ Every entry of :data:`ROLLOUT_CORRECTIONS` is called with one signature::
 
 and returns ``Correction(weights, response_mask, metrics)``: IS weights ``[N, T]`` (detached, 0 on
 padding) or ``None``, the response mask with rejected tokens set to 0, and metrics named as verl
-names them (without the ``rollout_corr/`` prefix the caller adds). An entry's parameters and their
+names them (without the ``rollout_corr/`` prefix the caller adds), as 0-dim tensors so that a
+correction running inside the update on an accelerator never waits for the device. An entry's parameters and their
 defaults are registered with it; build one with ``ROLLOUT_CORRECTIONS.build(name, old_log_probs=...,
 rollout_log_probs=..., response_mask=..., **params)``.
 
@@ -63,7 +64,7 @@ class Correction(NamedTuple):
 
     weights: torch.Tensor | None  # [N, T] IS weights, detached, 0 on padding; None: rejection only
     response_mask: torch.Tensor  # [N, T] the input mask with rejected tokens set to 0
-    metrics: dict[str, float]  # verl's names, without the "rollout_corr/" prefix
+    metrics: dict[str, torch.Tensor]  # 0-dim tensors, verl's names, without the "rollout_corr/" prefix
 
 
 def check_rollout_correction(name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +106,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 # -- the two building blocks ---------------------------------------------------------------------
 def truncated_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float
-                         ) -> tuple[torch.Tensor, dict[str, float]]:
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Truncated IS weights ``[N, T]`` and their metrics (verl's ``compute_rollout_correction_weights``
     without batch normalisation, and ``compute_is_metrics``).
 
@@ -130,7 +131,7 @@ def truncated_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str
 
 
 def _is_metrics(raw: torch.Tensor, log_rho: torch.Tensor, mask: torch.Tensor, level: str, threshold: float
-                ) -> dict[str, float]:
+                ) -> dict[str, torch.Tensor]:
     lower = 1.0 / threshold
     if level == "sequence":  # in log space, over all rows
         is_max = log_rho.max().clamp(max=SAFETY_BOUND).exp()
@@ -147,17 +148,17 @@ def _is_metrics(raw: torch.Tensor, log_rho: torch.Tensor, mask: torch.Tensor, le
     bounded = raw.clamp(min=lower, max=threshold)
     normalized = bounded / (masked_mean(bounded, mask) + 1e-8)
     return {
-        "rollout_is_mean": masked_mean(raw, mask).item(),
-        "rollout_is_max": is_max.item(),
-        "rollout_is_min": is_min.item(),
-        "rollout_is_ratio_fraction_high": high.item(),
-        "rollout_is_ratio_fraction_low": low.item(),
-        "rollout_is_eff_sample_size": 1.0 / masked_mean(normalized.square(), mask).item(),
+        "rollout_is_mean": masked_mean(raw, mask),
+        "rollout_is_max": is_max,
+        "rollout_is_min": is_min,
+        "rollout_is_ratio_fraction_high": high,
+        "rollout_is_ratio_fraction_low": low,
+        "rollout_is_eff_sample_size": 1.0 / masked_mean(normalized.square(), mask),
     }
 
 
 def ratio_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, low: float, high: float
-                         ) -> tuple[torch.Tensor, dict[str, float]]:
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The mask with tokens (or whole sequences) whose ratio lies outside ``[low, high]`` set to 0
     (verl's ``compute_rollout_rejection_mask`` for the ``*_k1`` options), and its metrics.
 
@@ -180,8 +181,8 @@ def ratio_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, level: str
     keep = ((stat >= math.log(low)) & (stat <= math.log(high))).expand_as(log_ratio)  # [N, T]
     in_response = mask.bool()
     metrics = {
-        "rollout_rs_masked_fraction": masked_mean((~keep).to(log_ratio.dtype), mask).item(),
-        "rollout_rs_seq_masked_fraction": (~keep & in_response).any(dim=-1).float().mean().item(),
+        "rollout_rs_masked_fraction": masked_mean((~keep).to(log_ratio.dtype), mask),
+        "rollout_rs_seq_masked_fraction": (~keep & in_response).any(dim=-1).float().mean(),
     }
     return (mask * keep).to(mask.dtype), metrics
 
@@ -292,9 +293,52 @@ ROLLOUT_CORRECTIONS.register_preset(
     description="IcePop: tokens with rho outside [0.5, 5] dropped, the others weighted by rho")
 
 
+def rejects(name: str, params: dict[str, Any]) -> bool:
+    """Whether correction ``name`` with ``params`` can drop tokens: probed on two rows whose every
+    ratio is at the clamp (``exp(+-20)``), which any rejection bound excludes. A correction that
+    only weights keeps the loss's token count, so it can run inside the update (see
+    :func:`share_of_batch`); one that rejects changes the count the loss divides by and must run
+    before it."""
+    bound = torch.full((2, 3), SAFETY_BOUND)
+    bound[1] = -SAFETY_BOUND
+    mask = torch.ones_like(bound)
+    out = ROLLOUT_CORRECTIONS.build(name, old_log_probs=bound, rollout_log_probs=torch.zeros_like(bound),
+                                    response_mask=mask, **params)
+    return not torch.equal(out.response_mask, mask)
+
+
+#: How a metric of this module adds up over micro-batches and ranks when the correction runs inside
+#: the update (:func:`share_of_batch`): ``"token"`` and ``"row"`` means as shares of the global
+#: count, ``"max"`` / ``"min"`` by the strategies' max / min reduction of ``*_max`` / ``*_min``.
+METRIC_KINDS: dict[str, str] = {
+    "kl": "token", "k3_kl": "token", "chi2_token": "token", "chi2_seq": "row", "training_ppl": "row",
+    "rollout_ppl": "row", "log_ppl_diff": "row", "rollout_is_mean": "token", "rollout_is_max": "max",
+    "rollout_is_min": "min", "rollout_is_ratio_fraction_high": "token", "rollout_is_ratio_fraction_low": "token",
+    "rollout_is_eff_sample_size": "token", "rollout_rs_masked_fraction": "token",
+    "rollout_rs_seq_masked_fraction": "row",
+}
+
+
+def share_of_batch(metrics: dict[str, torch.Tensor], response_mask: torch.Tensor, global_tokens: float,
+                   global_rows: float) -> dict[str, torch.Tensor]:
+    """One micro-batch's share of batch-level metrics: a token mean times the micro-batch's share of
+    the response tokens, a row mean times its share of the rows, a max or min as it is. The shares
+    of all micro-batches on all ranks add up to the batch's value, exactly for means; the effective
+    sample size and a sequence-level IS correction's fractions come out as the token-weighted mean
+    of the micro-batches' values (exact when each rank's batch is one micro-batch). Names not in
+    :data:`METRIC_KINDS` count as token means."""
+    tokens, rows = response_mask.sum(), response_mask.shape[0]
+    out = {}
+    for name, value in metrics.items():
+        kind = METRIC_KINDS.get(name, "token")
+        out[name] = value * (tokens / global_tokens) if kind == "token" else (
+            value * (rows / global_rows) if kind == "row" else value)
+    return out
+
+
 # -- diagnostics -------------------------------------------------------------------------------------
 def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
-                     ) -> dict[str, float]:
+                     ) -> dict[str, torch.Tensor]:
     """How far the rollout policy is from the trainer's (verl's ``compute_offpolicy_metrics``), over
     response tokens; all inputs ``[N, T]``. With ``l_t = log rho_t = old - rollout``:
 
@@ -311,11 +355,11 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
     mean_old = masked_mean(old_log_probs, response_mask, dim=-1)  # [N]
     mean_rollout = masked_mean(rollout_log_probs, response_mask, dim=-1)  # [N]
     return {
-        "kl": masked_mean(-log_ratio, response_mask).item(),
-        "k3_kl": masked_mean(log_ratio.exp() - log_ratio - 1, response_mask).item(),
-        "chi2_token": (masked_mean(rho.square(), response_mask) - 1.0).item(),
-        "chi2_seq": ((2.0 * seq_log_ratio).exp().mean() - 1.0).item(),
-        "training_ppl": (-mean_old).exp().mean().item(),
-        "rollout_ppl": (-mean_rollout).exp().mean().item(),
-        "log_ppl_diff": (mean_rollout - mean_old).mean().item(),
+        "kl": masked_mean(-log_ratio, response_mask),
+        "k3_kl": masked_mean(log_ratio.exp() - log_ratio - 1, response_mask),
+        "chi2_token": (masked_mean(rho.square(), response_mask) - 1.0),
+        "chi2_seq": ((2.0 * seq_log_ratio).exp().mean() - 1.0),
+        "training_ppl": (-mean_old).exp().mean(),
+        "rollout_ppl": (-mean_rollout).exp().mean(),
+        "log_ppl_diff": (mean_rollout - mean_old).mean(),
     }

@@ -133,6 +133,8 @@ class RolloutBatch:
             np_index = np.asarray(np_index, dtype=np.int64)
         out = RolloutBatch(meta=self.meta)
         out.tensors = self.tensors[index if not isinstance(index, (list, tuple)) else torch.as_tensor(index)]
+        if out.tensors is self.tensors:  # tensordict returns itself for [:]; fields set on the copy stay there
+            out.tensors = self.tensors.copy()
         out.non_tensors = {k: v[np_index] for k, v in self.non_tensors.items()}
         return out
 

@@ -11,7 +11,8 @@ import torch
 from rltrainer.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, aggregate, kl_penalty, ppo_clip_loss
 from rltrainer.algorithms.advantages import group_signal_metrics
 from rltrainer.algorithms.aggregation import masked_sum_over
-from rltrainer.algorithms.rollout_corr import ROLLOUT_CORRECTIONS, check_rollout_correction, mismatch_metrics
+from rltrainer.algorithms.rollout_corr import (ROLLOUT_CORRECTIONS, check_rollout_correction, mismatch_metrics,
+                                               rejects, share_of_batch)
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
 from rltrainer.module import RLModule
@@ -55,11 +56,17 @@ class GRPO(RLModule):
             defaults. Checked here: an unknown name, parameter or bad value raises.
         model_seed: seed for a randomly initialised ``model`` config.
 
-    Off-policy rollouts: ``old_log_probs`` are recomputed (stage ``old_log_prob``) whenever they can
-    differ from the current policy's at the first optimizer step or from the rollout's: several
-    optimizer steps per batch, a Trainer that is ``off_policy`` (async pipeline, or an engine whose
-    log-probs are not the trainer's), or a ``rollout_correction``. Then ``advantage_step`` logs how
-    far the rollout policy is (verl's names): ``rollout_corr/kl`` (k1, token mean of
+    Off-policy rollouts (a Trainer that is ``off_policy``: an async pipeline, or an engine whose
+    log-probs are not the trainer's; or a ``rollout_correction``) need ``old_log_probs``, the
+    policy's log-probs before the update. With several optimizer steps per batch, or a correction
+    that rejects tokens (it changes the loss's token count before the update), they are recomputed
+    in a pass of their own (stage ``old_log_prob``) and corrected on the controller by
+    ``advantage_step``. With one optimizer step per batch (``update_epochs=1``, no
+    ``mini_batch_size``) and no rejection, the weights cannot move before every micro-batch's
+    forward has run, so ``policy_step`` takes them from its own forward (detached, the same values)
+    and applies the IS weights there: the same loss without the extra forward pass (verl computes
+    the pass; the async pipelines are faster without it). Either way the step logs how far the
+    rollout policy is (verl's names): ``rollout_corr/kl`` (k1, token mean of
     ``rollout_log_probs - old_log_probs``), ``rollout_corr/k3_kl``, ``rollout_corr/chi2_token``,
     ``rollout_corr/chi2_seq``, ``rollout_corr/{training,rollout}_ppl``, ``rollout_corr/log_ppl_diff``;
     with a correction, also ``rollout_corr/rollout_is_{mean,max,min,eff_sample_size}``,
@@ -67,6 +74,8 @@ class GRPO(RLModule):
     ``rollout_corr/rollout_rs_{masked_fraction,seq_masked_fraction}`` (share of tokens / rows
     rejected). The IS weights (``rollout_is_weights [N, T]``) multiply the per-token policy loss;
     rejected tokens leave ``response_mask``, so they count in no loss term and no denominator.
+    Computed inside the update, the metrics are combined over micro-batches and ranks
+    (:func:`~rltrainer.algorithms.rollout_corr.share_of_batch`).
     """
 
     def __init__(
@@ -130,6 +139,8 @@ class GRPO(RLModule):
         self.update_epochs, self.mini_batch_size = update_epochs, mini_batch_size
         self.rollout_correction = rollout_correction
         self.rollout_correction_kwargs = dict(rollout_correction_kwargs or {})
+        self._correction_rejects = rollout_correction is not None and rejects(rollout_correction,
+                                                                               self.rollout_correction_kwargs)
 
     # -- models ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -158,25 +169,40 @@ class GRPO(RLModule):
 
     def compute_stages(self) -> list[str]:
         """``old_log_prob`` if the policy moves within a batch (``update_epochs > 1`` or
-        ``mini_batch_size`` set), the rollouts can be off-policy (``trainer.off_policy``) or a
-        ``rollout_correction`` is set; otherwise the old log-probs equal the current ones and
-        ``policy_step`` uses those, detached. ``ref`` if ``kl_coef > 0``."""
-        off_policy = self._trainer is not None and getattr(self._trainer, "off_policy", False)
-        needs_old = (self.update_epochs > 1 or self.mini_batch_size is not None or off_policy
-                     or self.rollout_correction is not None)
+        ``mini_batch_size`` set), or the rollouts need correcting (:meth:`corrects_rollouts`) with a
+        correction that rejects tokens; otherwise the old log-probs equal the current ones at the
+        update's forward and ``policy_step`` uses those, detached. ``ref`` if ``kl_coef > 0``."""
+        moves = self.update_epochs > 1 or self.mini_batch_size is not None
+        needs_old = moves or (self.corrects_rollouts() and self._correction_rejects)
         return (["old_log_prob"] if needs_old else []) + (["ref"] if self.kl_coef > 0 else [])
+
+    def corrects_rollouts(self) -> bool:
+        """Whether rollouts can be off-policy here (the Trainer's ``off_policy``) or a
+        ``rollout_correction`` is set: then the mismatch is logged and the correction applied."""
+        off_policy = self._trainer is not None and getattr(self._trainer, "off_policy", False)
+        return off_policy or self.rollout_correction is not None
 
     def correct_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
         """Log the rollout/trainer mismatch and apply ``rollout_correction`` (controller, called
         first by :meth:`advantage_step`; needs ``old_log_probs`` and ``rollout_log_probs``).
 
         Adds ``rollout_is_weights [N, T]`` if the correction has weights, and sets rejected tokens of
-        ``response_mask [N, T]`` to 0, as verl does before computing advantages.
+        ``response_mask [N, T]`` to 0, as verl does before computing advantages. Without
+        ``old_log_probs`` (one optimizer step, no rejection: see :meth:`compute_stages`) it sets
+        ``meta["correct_in_update"]`` and :meth:`policy_step` does the same with its own forward's.
         """
         if self.rollout_correction is not None and "rollout_log_probs" not in batch:
             raise KeyError(f"rollout_correction={self.rollout_correction!r} needs 'rollout_log_probs' [N, T] in the "
                            f"batch (the default rollout_step adds them); it has {batch.keys()}")
-        if "rollout_log_probs" not in batch or "old_log_probs" not in batch or not batch["response_mask"].any():
+        if "rollout_log_probs" not in batch or not batch["response_mask"].any():
+            return batch
+        if "old_log_probs" not in batch:
+            if self.corrects_rollouts():
+                if self._correction_rejects:
+                    raise KeyError(f"rollout_correction={self.rollout_correction!r} rejects tokens, so it needs "
+                                   f"'old_log_probs' before the update (stage 'old_log_prob'); the batch has "
+                                   f"{batch.keys()}")
+                batch.meta["correct_in_update"] = True
             return batch
         old, rollout, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
         metrics = mismatch_metrics(old, rollout, mask)
@@ -208,6 +234,24 @@ class GRPO(RLModule):
         return batch
 
     # -- compute flow ---------------------------------------------------------------------------
+    def correct_micro_batch(self, old_log_probs: torch.Tensor, micro_batch: RolloutBatch
+                            ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """:meth:`correct_rollouts` inside the update, on one micro-batch whose ``old_log_probs [n, T]``
+        come from the update's own forward: the IS weights ``[n, T]`` (or ``None``) and the
+        ``rollout_corr/*`` metrics as this micro-batch's share of the batch's."""
+        mask, meta = micro_batch["response_mask"], micro_batch.meta
+        rollout = micro_batch["rollout_log_probs"]
+        metrics = mismatch_metrics(old_log_probs, rollout, mask)
+        weights = None
+        if self.rollout_correction is not None:
+            correction = ROLLOUT_CORRECTIONS.build(self.rollout_correction, old_log_probs=old_log_probs,
+                                                   rollout_log_probs=rollout, response_mask=mask,
+                                                   **self.rollout_correction_kwargs)
+            weights = correction.weights
+            metrics.update(correction.metrics)
+        shares = share_of_batch(metrics, mask, meta["global_tokens"], meta["global_rows"])
+        return weights, {f"rollout_corr/{k}": v.detach() for k, v in shares.items()}
+
     def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         mb, meta = micro_batch, micro_batch.meta
         temperature = meta.get("temperature") or 1.0
@@ -218,10 +262,14 @@ class GRPO(RLModule):
                                                 entropy_grad=self.entropy_coef != 0)
         old_log_probs = mb["old_log_probs"] if "old_log_probs" in mb else log_probs.detach()
         is_weights = mb["rollout_is_weights"] if "rollout_is_weights" in mb else None  # off-policy correction
+        corr_metrics = {}
+        if meta.get("correct_in_update"):  # one optimizer step: old_log_probs are this forward's
+            is_weights, corr_metrics = self.correct_micro_batch(old_log_probs, mb)
         pg_loss, metrics = ppo_clip_loss(
             log_probs, old_log_probs, mb["advantages"], mask, self.clip_ratio_low, self.clip_ratio_high,
             self.clip_ratio_c, self.loss_agg_mode, **counts, rollout_is_weights=is_weights,
         )
+        metrics.update(corr_metrics)
         loss = pg_loss
         metrics["actor/pg_loss"] = pg_loss.detach()
         metrics["actor/entropy"] = masked_sum_over(entropy.detach(), mask, meta["global_tokens"])

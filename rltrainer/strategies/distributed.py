@@ -26,8 +26,8 @@ from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGr
                                                get_together)
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.remote import RemoteEngine
-from rltrainer.strategies.strategy import (Strategy, clip_gradients, run_compute, run_micro_batches,
-                                           run_train_step)
+from rltrainer.strategies.strategy import (Strategy, clip_gradients, combine_metrics, run_compute,
+                                           run_micro_batches, run_train_step)
 from rltrainer.weights.sender import WeightSender
 from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
                                           InProcessTransport, ObjectStoreTransport, SharedMemoryTransport,
@@ -292,7 +292,7 @@ class WorkerGroupStrategy(Strategy):
 
     def train_step(self, mini_batch: RolloutBatch) -> dict[str, float]:
         outs, _ = self._dispatch("train_step", mini_batch)
-        metrics = {k: sum(o.get(k, 0.0) for o in outs) for k in outs[0]}  # global-normalised parts add up
+        metrics = combine_metrics(outs)  # global-normalised parts add up; *_max / *_min reduce
         metrics["actor/grad_norm"] = outs[0]["actor/grad_norm"]  # already the global norm on every rank
         metrics["actor/lr"] = outs[0]["actor/lr"]
         return metrics

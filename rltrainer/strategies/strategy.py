@@ -82,8 +82,8 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def train_step(self, mini_batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step over ``mini_batch``: ``policy_step`` + backward per micro-batch,
-        gradients summed, clipped, stepped. Returns the summed metrics plus ``actor/grad_norm``
-        and ``actor/lr``."""
+        gradients summed, clipped, stepped. Returns the metrics combined over micro-batches and
+        ranks (:func:`combine_metrics`) plus ``actor/grad_norm`` and ``actor/lr``."""
 
     @abc.abstractmethod
     def export_weights(self, dtype: torch.dtype | None = None,
@@ -196,10 +196,8 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
         with autocast_factory():
             return module.policy_step(mb)
 
-    totals: dict[str, Any] = {}
-    for _, metrics in runner(step, micro_batches, True):
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else v)
+    totals = combine_metrics({k: v.detach().float() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+                             for _, metrics in runner(step, micro_batches, True))
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     grad_norm = (clip_fn or clip_gradients)(params, clip)
     out = {k: float(v) for k, v in totals.items()}
@@ -215,6 +213,31 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
     else:
         log.warning("Non-finite gradient norm (%s): optimizer step skipped", grad_norm)
     return out, stepped
+
+
+def combine_metrics(parts: Any) -> dict[str, Any]:
+    """Combine ``policy_step`` metrics over micro-batches (or ranks): a name ending in ``_max`` or
+    ``/max`` takes the largest value, one ending in ``_min`` or ``/min`` the smallest, every other
+    adds up (each part is already its share of the global count, see
+    :func:`~rltrainer.algorithms.aggregation.masked_sum_over`). A name missing from a part is
+    skipped there."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for k, v in part.items():
+            if k not in out:
+                out[k] = v
+            elif k.endswith(("_max", "/max")):
+                out[k] = max(out[k], v)  # numbers or 0-dim tensors
+            elif k.endswith(("_min", "/min")):
+                out[k] = min(out[k], v)
+            else:
+                out[k] = out[k] + v
+    return out
+
+
+def is_extreme(name: str) -> bool:
+    """Whether :func:`combine_metrics` reduces ``name`` by max or min instead of a sum."""
+    return name.endswith(("_max", "/max", "_min", "/min"))
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None) -> float:

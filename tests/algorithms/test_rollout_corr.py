@@ -72,7 +72,7 @@ def assert_metrics_equal(ours: dict[str, float], theirs: dict[str, float]) -> No
     """Every metric of ours has verl's name (with the ``rollout_corr/`` prefix) and value."""
     for name, value in ours.items():
         assert f"rollout_corr/{name}" in theirs, f"{name} is not one of verl's metric names"
-        torch.testing.assert_close(torch.tensor(value, dtype=torch.float64),
+        torch.testing.assert_close(torch.tensor(float(value), dtype=torch.float64),
                                    torch.tensor(theirs[f"rollout_corr/{name}"], dtype=torch.float64),
                                    rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 

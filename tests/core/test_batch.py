@@ -32,6 +32,9 @@ def test_index_slice_select_union():
     other = RolloutBatch({"y": torch.ones(6)}, {"gt": list("abcdef")})
     u = b.union(other)
     assert "y" in u and "gt" in u and "y" not in b
+    for view in (b[:], b[0:6], b[torch.arange(6)]):  # a field set on any slice stays on it
+        view["z"] = torch.zeros(6)
+        assert "z" not in b and "z" in view
 
 
 def test_repeat_chunk_split_concat():

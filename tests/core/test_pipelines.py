@@ -120,6 +120,9 @@ def test_one_step_off_trains_step_t_on_samples_of_version_t_minus_1(tiny_config,
         with trainer(split(), pipeline=pipeline, max_epochs=1) as t:
             t.fit(m, prompt_dataloader(prompts, batch_size=B))
             runs[name] = (m.records, dict(t.strategy.export_weights()))
+            if pipeline == "one_step_off":  # off-policy, one optimizer step: measured inside the update
+                assert "rollout_corr/kl" in t.callback_metrics and "timing_s/old_log_prob" not in t.callback_metrics
+                assert abs(t.callback_metrics["rollout_corr/kl"]) > 0  # the previous version's log-probs
     records, weights = runs["one_step_off"]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for r in records:

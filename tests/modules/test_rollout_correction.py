@@ -67,20 +67,79 @@ def prepared(module: GRPO, batch: RolloutBatch) -> RolloutBatch:
     return batch
 
 
-def test_old_log_prob_stage_runs_whenever_rollouts_can_be_off_policy() -> None:
+def test_old_log_prob_stage_runs_when_the_update_cannot_supply_them() -> None:
+    """A pass of its own when the policy moves within a batch or a correction rejects tokens; with
+    one optimizer step and weights only, the update's own forward gives the same values."""
     module = make_module()
     assert module.compute_stages() == []  # on-policy, one optimizer step: old = current, detached
     module._trainer = SimpleNamespace(off_policy=False, step_metrics={})
-    assert module.compute_stages() == []
+    assert module.compute_stages() == [] and not module.corrects_rollouts()
     module._trainer = SimpleNamespace(off_policy=True, step_metrics={})  # async pipeline / engine numerics
-    assert module.compute_stages() == ["old_log_prob"]
-    assert make_module(rollout_correction="token_tis").compute_stages() == ["old_log_prob"]
+    assert module.compute_stages() == [] and module.corrects_rollouts()
+    assert make_module(rollout_correction="token_tis").compute_stages() == []
+    assert make_module(rollout_correction="seq_tis").compute_stages() == []
+    for rejecting in ["token_rs", "seq_rs", "geo_rs", "token_mis", "seq_mis", "geo_rs_token_tis", "icepop"]:
+        assert make_module(rollout_correction=rejecting).compute_stages() == ["old_log_prob"], rejecting
+    assert make_module(rollout_correction="token_tis", update_epochs=2).compute_stages() == ["old_log_prob"]
     assert make_module(update_epochs=2).compute_stages() == ["old_log_prob"]
     assert make_module(kl_coef=0.1, mini_batch_size=2).compute_stages() == ["old_log_prob", "ref"]
     ppo = PPO(tiny_qwen2_config(vocab_size=VOCAB), SimpleNamespace(pad_token_id=0), zero_reward)
     assert ppo.compute_stages() == ["values"]
     ppo._trainer = SimpleNamespace(off_policy=True, step_metrics={})
+    assert ppo.compute_stages() == ["values"]
+    ppo.update_epochs = 2
     assert ppo.compute_stages() == ["old_log_prob", "values"]
+
+
+def micro_batch_update(module: GRPO, batch: RolloutBatch, bounds: list[int]
+                       ) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """What a strategy does for one optimizer step: ``policy_step`` + backward per micro-batch (rows
+    ``bounds[i]:bounds[i+1]``); returns the gradients and the combined metrics."""
+    from rltrainer.strategies.strategy import combine_metrics
+
+    module.policy.zero_grad()
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        loss, metrics = module.policy_step(batch[lo:hi])
+        loss.backward()
+        parts.append(metrics)
+    grads = [p.grad.clone() for p in module.policy.parameters() if p.grad is not None]
+    return grads, {k: float(v) for k, v in combine_metrics(parts).items()}
+
+
+@pytest.mark.parametrize("name", ["token_tis", "seq_tis", None])
+def test_correction_inside_the_update_equals_the_separate_pass(name: str | None) -> None:
+    """One optimizer step: correcting inside the update (old log-probs from its own forward) gives
+    the gradients and ``rollout_corr/*`` metrics of the separate ``old_log_prob`` pass."""
+    kwargs = {"rollout_correction": name, "rollout_correction_kwargs": {"threshold": 1.3}} if name else {}
+    separate, inside = make_module(**kwargs), make_module(**kwargs)
+    off_policy = SimpleNamespace(off_policy=True, step_metrics={})
+    separate._trainer, inside._trainer = off_policy, SimpleNamespace(off_policy=True, step_metrics={})
+    assert inside.compute_stages() == []
+    full = make_batch(separate)
+    raw = full.select(*[k for k in full.keys() if k != "old_log_probs"])
+    with torch.no_grad():  # the old_log_prob stage: the policy before the update
+        raw["rollout_log_probs"] = (policy_log_probs(separate, raw) + 0.4 * torch.randn(N, T)) * raw["response_mask"]
+    with_old = raw[:]
+    with torch.no_grad():
+        with_old["old_log_probs"] = policy_log_probs(separate, raw)
+
+    batch_s = prepared(separate, with_old)
+    batch_i = prepared(inside, raw[:])
+    assert batch_i.meta.get("correct_in_update") and "rollout_is_weights" not in batch_i
+    expected = {k: v for k, v in off_policy.step_metrics.items() if k.startswith("rollout_corr/")}
+    assert expected and ("rollout_corr/rollout_is_max" in expected) == (name is not None)
+    grads_s, _ = micro_batch_update(separate, batch_s, [0, 2, 6])
+    for bounds in ([0, N], [0, 2, 6]):  # one micro-batch, two of different sizes
+        grads_i, metrics = micro_batch_update(inside, batch_i, bounds)
+        for g_s, g_i in zip(grads_s, grads_i, strict=True):
+            torch.testing.assert_close(g_i, g_s, rtol=1e-4, atol=1e-6)
+        for key, value in expected.items():
+            approximate = len(bounds) > 2 and (key.endswith("eff_sample_size") or (
+                name == "seq_tis" and "fraction" in key))  # token-weighted over micro-batches
+            if not approximate:
+                assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (key, bounds)
+        assert set(expected) <= set(metrics)
 
 
 def test_policy_loss_is_weighted_by_the_truncated_ratios() -> None:
@@ -200,15 +259,17 @@ def test_ppo_with_a_correction() -> None:
     assert math.isfinite(loss.item()) and "critic/vf_loss" in metrics
 
 
-def test_fit_with_a_correction(tiny_config, bpe_tokenizer, gsm8k_prompts) -> None:
+@pytest.mark.parametrize("name", ["token_tis", "token_mis"])
+def test_fit_with_a_correction(tiny_config, bpe_tokenizer, gsm8k_prompts, name: str) -> None:
     """End to end: the HF engine computes log-probs with the trainer's weights in fp32, so the
-    mismatch is ~0 and every IS weight ~1."""
+    mismatch is ~0 and every IS weight ~1. A weighting correction runs inside the update (no
+    ``old_log_prob`` pass), a rejecting one after that pass."""
     module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=zero_reward, num_generations=2, max_new_tokens=6,
-                  rollout_correction="token_tis")
+                  rollout_correction=name)
     trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False)
     trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
     m = trainer.callback_metrics
-    assert "timing_s/old_log_prob" in m
+    assert ("timing_s/old_log_prob" in m) == (name == "token_mis")
     assert abs(m["rollout_corr/kl"]) < 1e-4 and m["rollout_corr/k3_kl"] < 1e-6
     assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1.0, abs=1e-4)
     assert m["rollout_corr/rollout_is_max"] == pytest.approx(1.0, abs=1e-3)
