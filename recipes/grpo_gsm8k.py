@@ -1,12 +1,15 @@
 """GRPO on GSM8K.
 
     python recipes/grpo_gsm8k.py                 # GPU: Qwen2.5-0.5B-Instruct (CPU preset without CUDA)
+    python recipes/grpo_gsm8k.py --model Qwen/Qwen3-0.6B                    # GPU: Qwen3 (tokenizer: the model's)
     python recipes/grpo_gsm8k.py --preset cpu    # offline CPU run: tiny random Qwen2 + the real tokenizer
+    python recipes/grpo_gsm8k.py --preset cpu --model tiny-qwen3            # the same with Qwen3 (+ its tokenizer)
     python recipes/grpo_gsm8k.py --preset cpu --strategy fsdp2 --devices 2   # the same on 2 FSDP2 ranks (Ray)
     python recipes/grpo_gsm8k.py --preset cpu --pipeline one_step_off        # generate while training (Ray)
 
 The CPU preset builds a tiny Qwen2-architecture model from a config (random init) with the real
-Qwen2.5 tokenizer and the GSM8K copy shipped in recipes/data, so it runs anywhere with no hub
+Qwen2.5 tokenizer (``--model tiny-qwen3``: a tiny Qwen3 with the Qwen3 tokenizer) and the GSM8K
+copy shipped in recipes/data, so it runs anywhere with no hub
 access; it shows the pipeline working end to end (a random model scores ~0 on GSM8K). The GPU
 preset is what a user wants on real hardware. Every preset value can be overridden by a flag.
 """
@@ -24,10 +27,13 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data import load_rows, prepare_gsm8k
 from rltrainer.strategies import build_strategy
-from rltrainer.testing import data_path, tiny_qwen2_config
+from rltrainer.testing import data_path, tiny_qwen2_config, tiny_qwen3_config
+
+#: ``--model`` names of tiny random-init models (the shipped tokenizer each uses by default).
+TINY_MODELS = {"tiny-qwen2": (tiny_qwen2_config, "qwen2.5-instruct"), "tiny-qwen3": (tiny_qwen3_config, "qwen3")}
 
 PRESETS = {
-    "gpu": dict(model="Qwen/Qwen2.5-0.5B-Instruct", tokenizer="Qwen/Qwen2.5-0.5B-Instruct", precision="bf16-mixed",
+    "gpu": dict(model="Qwen/Qwen2.5-0.5B-Instruct", tokenizer=None, precision="bf16-mixed",
                 batch_size=32, num_generations=8, max_new_tokens=512, max_prompt_length=512, lr=1e-6,
                 kl_coef=0.001, max_steps=200, micro_batch_size=16, val_check_interval=25, val_batches=10,
                 threads=None),
@@ -51,8 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=1, help="async: policy versions a trained row may lag")
     p.add_argument("--rollout-correction", default="auto",
                    help="a ROLLOUT_CORRECTIONS name, or none; auto: token_tis unless --pipeline sync")
-    p.add_argument("--model", help="hub id or local path (default: the preset's)")
-    p.add_argument("--tokenizer", help="hub id or local path (default: the preset's)")
+    p.add_argument("--model", help=f"hub id, local path, or {' / '.join(TINY_MODELS)} (default: the preset's)")
+    p.add_argument("--tokenizer", help="hub id or local path (default: the model's; a tiny model's shipped one)")
     p.add_argument("--train-file", default=str(data_path("gsm8k", "train.jsonl")))
     p.add_argument("--val-file", default=str(data_path("gsm8k", "test.jsonl")))
     for name, kind in [("precision", str), ("batch_size", int), ("num_generations", int), ("max_new_tokens", int),
@@ -79,8 +85,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(data_path("tokenizers", "qwen2.5-instruct")))
-    model = tiny_qwen2_config(len(tokenizer)) if args.model == "tiny-qwen2" else args.model
+    tiny_config, shipped = TINY_MODELS.get(args.model, (None, None))
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or (str(data_path("tokenizers", shipped)) if shipped
+                                                                 else args.model))
+    model = tiny_config(len(tokenizer)) if tiny_config else args.model
 
     train = prepare_gsm8k(load_rows(args.train_file), tokenizer, max_prompt_length=args.max_prompt_length)
     val = prepare_gsm8k(load_rows(args.val_file), tokenizer, max_prompt_length=args.max_prompt_length)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
-from rltrainer.strategies.strategy import STRATEGIES, normalize_optimizers
+from rltrainer.strategies.strategy import STRATEGIES, check_model_type, normalize_optimizers
 from rltrainer.weights.shm import SharedBuffers
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry, bucket_entries, bucket_nbytes, bucket_views
 
@@ -44,6 +44,7 @@ class FSDP2Worker(TrainingWorker):
         module.configure_model()
         if getattr(module, "policy", None) is None:
             raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
+        check_model_type(module.policy, "fsdp2", FSDP2Strategy.supported_model_types)
         self.options = options
         precision = options["precision"]
         if precision == "bf16-true":
@@ -265,6 +266,7 @@ class FSDP2Strategy(WorkerGroupStrategy):
 
     name = "fsdp2"
     worker_cls = FSDP2Worker
+    supported_model_types = frozenset({"llama", "qwen2", "qwen3"})
 
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, cpu_offload: bool = False,
                  activation_checkpointing: bool = False, reshard_after_forward: bool = True,

@@ -42,6 +42,11 @@ class Strategy(abc.ABC):
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``.
     """
 
+    #: The model families (transformers ``config.model_type``) this strategy is tested with, the
+    #: README's "Model families per strategy" table; setup refuses a policy of any other family
+    #: (:func:`check_model_type`). ``None``: no check (e.g. a user's own strategy).
+    supported_model_types: frozenset[str] | None = None
+
     def __init__(self, micro_batch_size: int = 8, max_tokens_per_micro_batch: int | None = None,
                  gradient_clip_val: float | None = 1.0, precision: str = "32-true") -> None:
         if micro_batch_size < 1:
@@ -150,6 +155,22 @@ class Strategy(abc.ABC):
         if self.max_tokens_per_micro_batch:
             return batch.split_by_tokens(self.max_tokens_per_micro_batch)
         return batch.split(self.micro_batch_size)
+
+
+def check_model_type(model: torch.nn.Module, strategy: str, supported: frozenset[str] | None) -> None:
+    """Raise if ``model`` (a policy just built by ``configure_model``) is not of a family in
+    ``supported`` (its transformers ``config.model_type``; ``None`` accepts any). Strategies call it
+    where they build or receive the model, before placing it."""
+    if supported is None:
+        return
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in supported:
+        got = f"model_type={model_type!r}" if model_type else f"a {type(model).__name__} with no transformers config"
+        raise ValueError(
+            f"strategy={strategy!r} supports the model families {', '.join(sorted(supported))} (transformers "
+            f"config.model_type), the ones its tests cover; the policy is {got}. Use a model of one of these "
+            f"families or a strategy that supports it (README: 'Model families per strategy')."
+        )
 
 
 def run_micro_batches(hook: Callable[[RolloutBatch], Any], micro_batches: list[RolloutBatch],

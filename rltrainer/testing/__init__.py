@@ -24,7 +24,8 @@ def data_path(*parts: str) -> Path:
 
 
 def load_tokenizer(name: str = "gsm8k-bpe4k") -> Any:
-    """A shipped tokenizer: ``"gsm8k-bpe4k"`` (4k entries, fast) or ``"qwen2.5-instruct"``."""
+    """A shipped tokenizer: ``"gsm8k-bpe4k"`` (4k entries, fast), ``"qwen2.5-instruct"`` or ``"qwen3"``
+    (the same 151,643-token BPE; Qwen3's added tokens, ``<think>`` among them, and its chat template)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(data_path("tokenizers", name)))
@@ -42,6 +43,24 @@ def tiny_qwen2_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions, tie_word_embeddings=True, use_cache=False, **overrides,
     )
+
+
+def tiny_qwen3_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                      num_kv_heads: int = 2, head_dim: int | None = None, intermediate_size: int | None = None,
+                      max_positions: int = 1024, **overrides: Any) -> Any:
+    """A Qwen3-architecture (dense) config for a randomly initialised tiny model: grouped-query
+    attention with RMSNorm on each head's queries and keys (``q_norm``, ``k_norm``), no QKV bias,
+    tied embeddings. ``head_dim`` defaults to ``2 * hidden_size // num_heads``: as in Qwen3-0.6B,
+    ``num_heads * head_dim`` differs from ``hidden_size`` (``q_proj`` widens, ``o_proj`` narrows).
+    ``overrides`` may replace any of these (e.g. ``tie_word_embeddings=False``, as Qwen3-8B)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": intermediate_size or 4 * hidden_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim or 2 * hidden_size // num_heads, "max_position_embeddings": max_positions,
+        "attention_bias": False, "tie_word_embeddings": True, "use_cache": False, **overrides,
+    })
 
 
 def prepared_batch(module: Any, strategy: Any, prompts: Any) -> Any:

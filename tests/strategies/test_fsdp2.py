@@ -15,7 +15,7 @@ from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 from rltrainer.strategies.distributed import partition_for_ranks
-from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch
+from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch, tiny_qwen3_config
 
 
 class DyingGRPO(GRPO):
@@ -62,7 +62,10 @@ def test_partition_balances_tokens_and_pads_to_equal_micro_batch_counts():
     assert len(parts[0]) == len(parts[1])
 
 
-def test_two_ranks_on_ray_match_one_device(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_two_ranks_on_ray_match_one_device(family, tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    if family == "qwen3":  # qk-norm weights (16 rows) and q_proj (64 x 32) shard across the 2 ranks too
+        tiny_config = tiny_qwen3_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
     prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])
     single_module = make_module(GRPO, tiny_config, bpe_tokenizer)
     single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)

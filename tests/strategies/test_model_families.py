@@ -1,0 +1,111 @@
+"""Model families per strategy: Qwen3 (qk-norm, no QKV bias, heads x head_dim != hidden) and Llama
+(untied LM head) train on ``single`` and ``fsdp2`` and sync bit-exactly into the ``hf`` engine,
+colocated and split; a family no test covers fails at setup, naming the ones that are.
+(Qwen2 is every other test's model; 2-rank Qwen3 FSDP2: ``test_fsdp2.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
+from rltrainer.testing import length_reward, load_tokenizer, tiny_qwen3_config
+
+
+def tiny_llama_config(vocab_size):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, use_cache=False)
+
+
+CONFIGS = {"qwen3": lambda v: tiny_qwen3_config(v, hidden_size=32, num_layers=2), "llama": tiny_llama_config}
+
+
+def make_module(config, tokenizer):
+    return GRPO(config, tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8, lr=1e-3,
+                kl_coef=0.05, entropy_coef=0.01)
+
+
+def engine_weights(trainer, strategy):
+    """What the engine(s) hold: the in-process ``hf`` engine's model, or every replica's."""
+    if isinstance(strategy, SingleDeviceStrategy):
+        return [dict(trainer.engine.model.named_parameters())]
+    return (strategy.rollout_group or strategy.group).execute_all("engine_weights")
+
+
+def test_tiny_qwen3_config_is_qwen3():
+    config = tiny_qwen3_config(100)
+    assert config.model_type == "qwen3" and not config.attention_bias
+    assert config.num_attention_heads * config.head_dim == 2 * config.hidden_size  # as Qwen3-0.6B
+    names = {n for n, _ in initial_policy(config).named_parameters()}
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= names
+    assert not any(n.endswith("_proj.bias") for n in names)
+
+
+def initial_policy(config):
+    """The policy a module builds before training (GRPO's default ``model_seed=0``)."""
+    from rltrainer.models import build_causal_lm
+
+    return build_causal_lm(config, seed=0)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_family_trains_on_single_and_fsdp2_and_syncs_exactly(family, bpe_tokenizer, gsm8k_prompts):
+    """Two GRPO steps: ``single`` and one in-process ``fsdp2`` rank (colocated ``hf`` engine) agree,
+    every tensor moved (qk-norm weights included), and each engine holds the trained weights exactly."""
+    config = CONFIGS[family](len(bpe_tokenizer))
+    results = {}
+    for name, strategy in (("single", SingleDeviceStrategy(device="cpu")), ("fsdp2", FSDP2Strategy(devices=1))):
+        with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=5) as trainer:
+            trainer.fit(make_module(config, bpe_tokenizer), prompt_dataloader(gsm8k_prompts, batch_size=2))
+            results[name] = dict(strategy.export_weights())
+            for replica in engine_weights(trainer, strategy):
+                assert replica.keys() >= results[name].keys()
+                for n, tensor in results[name].items():
+                    assert torch.equal(replica[n], tensor), (name, n)
+    initial = dict(initial_policy(config).named_parameters())
+    for n, tensor in results["single"].items():
+        torch.testing.assert_close(results["fsdp2"][n], tensor, rtol=0, atol=1e-5, msg=n)
+        assert not torch.equal(tensor, initial[n].detach()), n  # the step reached every tensor
+    if family == "qwen3":
+        assert "model.layers.1.self_attn.k_norm.weight" in results["single"]
+
+
+def test_qwen3_split_hf_engine_gets_exact_weights(bpe_tokenizer, gsm8k_prompts, ray_session):
+    """``fsdp2`` with the ``hf`` engine in a Ray process of its own: after each step the replica holds
+    the trained Qwen3 weights exactly."""
+    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4)
+    config = CONFIGS["qwen3"](len(bpe_tokenizer))
+    with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=3) as trainer:
+        trainer.fit(make_module(config, bpe_tokenizer), prompt_dataloader(gsm8k_prompts, batch_size=2))
+        assert strategy.weight_versions.loaded >= 1
+        full = dict(strategy.export_weights())
+        (replica,) = strategy.rollout_group.execute_all("engine_weights")
+        for n, tensor in full.items():
+            assert torch.equal(replica[n], tensor), n
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp2"])
+def test_untested_family_fails_at_setup_with_the_list(strategy, bpe_tokenizer):
+    from transformers import GPT2Config
+
+    module = make_module(GPT2Config(vocab_size=len(bpe_tokenizer), n_embd=32, n_layer=1, n_head=2), bpe_tokenizer)
+    built = SingleDeviceStrategy(device="cpu") if strategy == "single" else FSDP2Strategy(devices=1)
+    try:
+        with pytest.raises(ValueError, match=rf"strategy='{strategy}' supports the model families llama, qwen2, "
+                                             r"qwen3 .*the policy is model_type='gpt2'"):
+            built.setup(module, seed=0)
+    finally:
+        built.teardown()
+
+
+def test_qwen3_tokenizer_is_shipped():
+    tokenizer = load_tokenizer("qwen3")
+    assert len(tokenizer) == 151669 and tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.convert_tokens_to_ids(["<think>", "</think>"]) == [151667, 151668]
+    assert tokenizer("Hello, world!").input_ids == [9707, 11, 1879, 0]  # the Qwen2 BPE
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           tokenize=False, enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
