@@ -7,10 +7,10 @@ vLLM spans ``tensor_parallel_size`` of them; alone it runs vLLM's in-process exe
 vLLM's V1 multiprocessing is off, so the model lives in this process and weights load with the
 model's own ``load_weights`` (which re-shards for tensor parallelism), then the prefix cache is
 reset. ``sleep(level)`` / ``wake_up()`` map onto ``LLM.sleep`` / ``LLM.wake_up`` (weights first,
-then the KV cache, each after ``torch.cuda.empty_cache()``: the trainer's cached blocks are
-invisible to vLLM's allocator), as in vLLM's sleep mode. Level 1 keeps a CPU copy of the weights;
-level 2 discards them (only buffers are kept), so it sets ``weights_discarded`` and the next sync
-sends every weight.
+then the KV cache; vLLM's allocator empties this process's CUDA cache before it maps memory
+back, so a colocated trainer's cached blocks are free), as in vLLM's sleep mode. Level 1 keeps a
+CPU copy of the weights; level 2 discards them (only buffers are kept), so it sets
+``weights_discarded`` and the next sync sends every weight.
 
 Sampling: each prompt gets its own ``SamplingParams`` so that a seed differs per prompt (vLLM
 gives a request's ``n`` samples ``seed + j``; one shared seed would give equal prompts equal
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
-                                      free_cached_blocks, gpu_engine_files, missing_engine, stop_token_ids)
+                                      gpu_engine_files, missing_engine, stop_token_ids)
 
 
 def vllm_sampling_params(sampling: SamplingParams, stop_token_ids: list[int], prompts: int) -> list[Any]:
@@ -155,7 +155,6 @@ class VLLMEngine(RolloutEngine):
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         if self._asleep:
-            free_cached_blocks()
             self.llm.wake_up(tags=["weights"])  # load into mapped memory, never into freed pages
         count = nbytes = 0
 
@@ -180,7 +179,6 @@ class VLLMEngine(RolloutEngine):
 
     def wake_up(self) -> None:
         if self._asleep and self.llm is not None:
-            free_cached_blocks()
             self.llm.wake_up()
             self._asleep = 0
 

@@ -107,7 +107,8 @@ def test_vllm_surface(vllm):
     assert "child_sampling_params.seed = seed + index" in vllm.text("vllm/v1/engine/parallel_sampling.py")
     stop = vllm.text("vllm/v1/core/sched/utils.py")
     assert "if last_token_id in (sampling_params.stop_token_ids or ()):" in stop
-    assert "if not self.ignore_eos:\n            self._eos_token_id = eos_token_id" in vllm.text("vllm/sampling_params.py")
+    eos = "if not self.ignore_eos:\n            self._eos_token_id = eos_token_id"
+    assert eos in vllm.text("vllm/sampling_params.py")
     assert "Level 2: Discard all GPU memory (weights + KV cache)." in vllm.text(llm)
     assert '"processed_logprobs"' in vllm.text("vllm/config/model.py")
     assert '"external_launcher"' in vllm.text("vllm/config/parallel.py")
