@@ -146,10 +146,11 @@ class RolloutEngine(abc.ABC):
 
     def sleep(self, level: int = 1) -> None:
         """Release memory while training runs. Level 1: the KV cache (and CUDA graphs); the weights
-        survive (vLLM copies them to CPU memory, SGLang and ``hf`` keep them). Level 2: the weights'
-        GPU memory too; an engine that keeps no copy of them (vLLM; SGLang without
-        ``enable_weights_cpu_backup``) sets :attr:`weights_discarded`, so the next weight sync sends
-        every weight, frozen ones included, instead of only those changed since the last sync."""
+        survive (vLLM, and SGLang with ``enable_weights_cpu_backup``, copy them to CPU memory; SGLang
+        without it and ``hf`` keep them on the GPU). Level 2: the weights' GPU memory too; an engine
+        that keeps no copy of them (vLLM; SGLang without ``enable_weights_cpu_backup``) sets
+        :attr:`weights_discarded`, so the next weight sync sends every weight, frozen ones included,
+        instead of only those changed since the last sync (``hf`` moves them to CPU memory)."""
 
     def wake_up(self) -> None:
         """Restore what :meth:`sleep` released."""

@@ -11,7 +11,8 @@ processes through CUDA IPC) and one ``flush_cache()`` after the last bucket.
 Memory (needs ``enable_memory_saver``): ``sleep(1)`` releases the KV cache and CUDA graphs,
 ``sleep(2)`` the weights too, with ``release_memory_occupation(tags=...)``. SGLang keeps no copy
 of released weights unless ``engine_kwargs={"enable_weights_cpu_backup": True}``; without it,
-``sleep(2)`` sets ``weights_discarded`` and the next sync sends every weight. Waking is two
+``sleep(2)`` sets ``weights_discarded`` and the next sync sends every weight. With it, the weights
+survive in CPU memory, so ``sleep(1)`` releases them too (vLLM's level 1). Waking is two
 steps, each after ``torch.cuda.empty_cache()`` in this process (a colocated trainer's cached
 blocks are invisible to SGLang's scheduler processes): a weight update resumes the weights only,
 ``generate`` the KV cache and CUDA graphs.
@@ -245,12 +246,14 @@ class SGLangEngine(RolloutEngine):
         check_sleep_level("SGLangEngine", level)
         if not self.enable_memory_saver or self.engine is None:
             return
-        tags = [t for t in ([KV_CACHE, CUDA_GRAPH] + ([WEIGHTS] if level == 2 else [])) if t not in self._released]
+        backup = bool(self.engine_kwargs.get("enable_weights_cpu_backup"))  # released weights survive on CPU
+        wanted = [KV_CACHE, CUDA_GRAPH] + ([WEIGHTS] if level == 2 or backup else [])
+        tags = [t for t in wanted if t not in self._released]
         if not tags:
             return
         _checked(self.engine.release_memory_occupation(tags=tags), "release_memory_occupation")
         self._released.update(tags)
-        if WEIGHTS in tags and not self.engine_kwargs.get("enable_weights_cpu_backup"):
+        if WEIGHTS in tags and not backup:
             self.weights_discarded = True  # SGLang kept no copy: the next sync sends every weight
 
     def wake_up(self) -> None:

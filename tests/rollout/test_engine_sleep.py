@@ -113,7 +113,8 @@ def test_sglang_wakes_weights_for_the_update_and_kv_cache_for_generation(sglang)
 
 
 def test_sglang_sleep_levels(sglang):
-    """Level 1 keeps the weights; level 2 releases them and, with no CPU backup, says they are gone."""
+    """Level 1 keeps the weights; level 2 releases them and, with no CPU backup, says they are gone.
+    With ``enable_weights_cpu_backup`` the released weights survive, so level 1 releases them too."""
     engine = sglang()
     engine.update_weights([("w", torch.ones(4))])
     engine.sleep(1)
@@ -128,9 +129,15 @@ def test_sglang_sleep_levels(sglang):
     engine.sleep(1)
     engine.sleep(2)  # KV cache already released: only the weights now
     assert engine.engine.calls[-1] == ("release", ["weights"])
-    backed_up = sglang(cpu_backup=True)
+    backed_up = sglang(cpu_backup=True)  # the weights survive in CPU memory: level 1 releases them too
+    backed_up.update_weights([("w", torch.ones(4))])
+    backed_up.sleep(1)
+    assert backed_up.engine.calls[-1] == ("release", ["cuda_graph", "kv_cache", "weights"])
+    assert not backed_up.weights_discarded
+    backed_up.wake_up()
     backed_up.sleep(2)
     assert not backed_up.weights_discarded
+    backed_up.generate([[1]], GREEDY)  # the fake restored them from its copy
     with pytest.raises(ValueError, match=r"SGLangEngine.sleep\(level=3\): level must be 1 .* or 2"):
         engine.sleep(3)
 
