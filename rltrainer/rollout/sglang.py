@@ -190,8 +190,14 @@ class SGLangEngine(RolloutEngine):
                          "update_weights_from_tensor")
                 count += len(bucket)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        finally:
-            self._end_update()  # a failed update still closes its session
+        except BaseException:
+            self._updating = False  # close the session, keep the original error
+            try:
+                self.engine.end_weight_update()
+            except Exception as exc:  # noqa: BLE001 (the engine may be the thing that failed)
+                log.debug("end_weight_update after a failed update: %s", exc)
+            raise
+        self._end_update()
         _checked(self.engine.flush_cache(), "flush_cache")  # cached KV was computed with the old weights
         return {"tensors": count, "bytes": nbytes}
 

@@ -77,6 +77,10 @@ def test_sglang_colocated_update_is_one_checked_session():
     engine.engine = RecordingSGLang(refuse="update_weights_from_tensor")
     with pytest.raises(RuntimeError, match=r"update_weights_from_tensor\(\) failed: .* refused"):
         engine.update_weights(weights)
+    assert engine.engine.calls[-1] == "end_weight_update"  # the failed update's session is closed
+    engine.engine = RecordingSGLang()
+    engine.update_weights(weights)  # and the next one opens its own
+    assert engine.engine.calls[0] == "begin_weight_update"
 
 
 # -- what the libraries do, as read in their wheels (sglang 0.5.23, vllm 0.33.0) ---------------------
