@@ -28,9 +28,14 @@ ENGINES: Registry[RolloutEngine] = Registry("rollout engine")
 class SamplingParams:
     """How to sample. Names and meanings follow vLLM's ``SamplingParams``.
 
-    ``temperature=0`` means greedy. ``top_k=0`` / ``top_p=1.0`` switch those filters off.
-    Generation stops at any of ``stop_token_ids`` (the tokenizer's EOS by default; ``[]``: none) or after
-    ``max_new_tokens``. Each prompt is sampled ``n`` times; samples of one prompt are adjacent.
+    ``temperature=0`` means greedy (its ``n`` samples of a prompt are one sample, repeated).
+    ``top_k=0`` / ``top_p=1.0`` switch those filters off. Generation stops at any of
+    ``stop_token_ids`` (the tokenizer's EOS by default; ``[]``: none) or after ``max_new_tokens``
+    (SGLang also stops at the model's EOS whenever the list is not empty: it can stop at given
+    tokens only together with EOS). Each prompt is sampled ``n`` times; samples of one prompt are
+    adjacent. ``seed`` makes a request reproducible on the same engine: ``hf`` draws the request
+    from one generator seeded with it; vLLM and SGLang draw sample ``j`` of prompt ``i`` with
+    ``seed + i * n + j`` (SGLang only with ``enable_deterministic_inference``; it warns otherwise).
     """
 
     n: int = 1
@@ -82,6 +87,9 @@ class RolloutEngine(abc.ABC):
     dtype: torch.dtype | None = None  # weights are cast to this before they are sent (None: as trained)
     weight_version: int = -1  # the version of the last weight sync fully loaded (set by rltrainer.weights)
     trainer_log_probs: bool = False  # its log-probs are the trainer's (same math and dtype), e.g. ``hf``
+    # True once a sleep discarded the inference weights: the next sync must send every weight. The
+    # Strategy starting that sync reads it and sets it back to False (see :meth:`sleep`).
+    weights_discarded: bool = False
 
     @property
     def ranks_per_replica(self) -> int:
@@ -137,13 +145,42 @@ class RolloutEngine(abc.ABC):
         """(``native_weight_broadcast`` only) Leave the weight-broadcast group, if in one."""
 
     def sleep(self, level: int = 1) -> None:
-        """Release memory while training runs (level 1: KV cache; level 2: weights too)."""
+        """Release memory while training runs. Level 1: the KV cache (and CUDA graphs); the weights
+        survive (vLLM, and SGLang with ``enable_weights_cpu_backup``, copy them to CPU memory; SGLang
+        without it and ``hf`` keep them on the GPU). Level 2: the weights' GPU memory too; an engine
+        that keeps no copy of them (vLLM; SGLang without ``enable_weights_cpu_backup``) sets
+        :attr:`weights_discarded`, so the next weight sync sends every weight, frozen ones included,
+        instead of only those changed since the last sync (``hf`` moves them to CPU memory)."""
 
     def wake_up(self) -> None:
         """Restore what :meth:`sleep` released."""
 
     def teardown(self) -> None:
         """Free everything; the engine is not used again."""
+
+
+def check_sleep_level(engine: str, level: int) -> None:
+    if level not in (1, 2):
+        raise ValueError(f"{engine}.sleep(level={level!r}): level must be 1 (KV cache) or 2 (KV cache and weights)")
+
+
+def stop_token_ids(sampling: SamplingParams, tokenizer: Any) -> list[int]:
+    """The tokens a request stops at: ``sampling.stop_token_ids``, else the tokenizer's EOS."""
+    if sampling.stop_token_ids is not None:
+        return list(sampling.stop_token_ids)  # [] means: no stop token, always max_new_tokens
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError("No stop tokens: pass SamplingParams(stop_token_ids=[...]) (or [] for none), or use a "
+                         "tokenizer with an EOS token.")
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def free_cached_blocks() -> None:
+    """Return this process's cached CUDA blocks to the driver (``torch.cuda.empty_cache()``), so that
+    an engine waking up beside a trainer finds them: blocks PyTorch caches are invisible to
+    another allocator (vLLM's CuMem pool) or another process (SGLang's schedulers)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def gpu_engine_files(name: str, device: torch.device | str | None, model_config: Any,

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from rltrainer.models import token_log_probs
-from rltrainer.rollout.engine import ENGINES, Generation, RolloutEngine, SamplingParams
+from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
+                                      stop_token_ids)
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,7 @@ class HFEngine(RolloutEngine):
 
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees cached allocator blocks (the KV cache); level 2 also moves weights to CPU."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights); got {level}")
+        check_sleep_level("HFEngine", level)
         if self.model is not None and level == 2 and self.device.type != "cpu":
             self.model.to("cpu")
         self._sleep_level = level
@@ -180,14 +180,7 @@ class HFEngine(RolloutEngine):
         )
 
     def _stop_token_ids(self, sampling: SamplingParams) -> torch.Tensor:
-        stop = sampling.stop_token_ids  # [] means: no stop token, always max_new_tokens
-        if stop is None:
-            eos = self.tokenizer.eos_token_id
-            if eos is None:
-                raise ValueError("No stop tokens: pass SamplingParams(stop_token_ids=[...]) (or [] for none), or "
-                                 "use a tokenizer with an EOS token.")
-            stop = [eos] if isinstance(eos, int) else list(eos)
-        return torch.tensor(stop, dtype=torch.long, device=self.device)
+        return torch.tensor(stop_token_ids(sampling, self.tokenizer), dtype=torch.long, device=self.device)
 
     def _decode_chunk(self, prompts: Sequence[Sequence[int]], owners: list[int], sampling: SamplingParams,
                       stop_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None) -> _Chunk:

@@ -60,6 +60,15 @@ class RemoteEngine(RolloutEngine):
     def weight_version(self, version: int) -> None:
         self._state.version = version
 
+    @property  # type: ignore[override]
+    def weights_discarded(self) -> bool:
+        """Whether a :meth:`sleep` discarded a replica's weights since the last sync started."""
+        return self._state.weights_discarded
+
+    @weights_discarded.setter
+    def weights_discarded(self, discarded: bool) -> None:
+        self._state.weights_discarded = discarded
+
     def replica(self, index: int) -> RemoteEngine:
         """A view that sends ``generate`` to replica ``index`` only (same lock and version)."""
         view = object.__new__(RemoteEngine)
@@ -84,14 +93,18 @@ class RemoteEngine(RolloutEngine):
     def generate_async(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Future:
         """Submit the request and return at once: a ``concurrent.futures.Future`` of the
         :class:`Generation` (a failed or dead replica: its ``WorkerError``). The controller can
-        train meanwhile; pushes submitted after this call land after the request."""
+        train meanwhile; pushes submitted after this call land after the request.
+
+        With a seed, the replica whose share starts at prompt ``i`` gets ``seed + i * n``: vLLM and
+        SGLang then draw every sample with the seed one engine would give it (``seed + i * n + j``),
+        and no two replicas share a seed."""
         shares = np.array_split(np.arange(len(prompts)), self.replicas)
         k = self.ranks_per_replica_
         ranks, calls = [], []
         for replica, idx in zip(self.replica_ids, shares):
             if not len(idx):
                 continue
-            seed = None if sampling.seed is None else sampling.seed + replica
+            seed = None if sampling.seed is None else sampling.seed + int(idx[0]) * sampling.n
             call = (([list(prompts[i]) for i in idx], dataclasses.replace(sampling, seed=seed)), {})
             ranks.extend(range(replica * k, (replica + 1) * k))  # every rank of the replica, same call
             calls.extend([call] * k)
@@ -131,6 +144,9 @@ class RemoteEngine(RolloutEngine):
 
     def sleep(self, level: int = 1) -> None:
         self.group.execute_all("engine_sleep", level)
+        if level >= 2:  # level 1 keeps the weights; at level 2 the replicas say whether theirs survived
+            if any(self.group.execute_all("receive_weights", "take_weights_discarded")):
+                self.weights_discarded = True
 
     def wake_up(self) -> None:
         self.group.execute_all("engine_wake_up")
@@ -143,11 +159,13 @@ class RemoteEngine(RolloutEngine):
 
 
 class _Shared:
-    """What the views of one RemoteEngine share: the submit lock and the weight version."""
+    """What the views of one RemoteEngine share: the submit lock, the weight version, and whether
+    a sleep discarded the replicas' weights."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.version = -1
+        self.weights_discarded = False
 
 
 def concat_generations(parts: Sequence[Generation], tokenizer: Any) -> Generation:

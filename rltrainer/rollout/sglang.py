@@ -6,13 +6,30 @@ Every weight update runs inside one ``begin_weight_update()`` / ``end_weight_upd
 (SGLang 0.5.23 refuses updates outside one), and every control call's ``(success, message)`` is
 checked. Colocated, weights arrive through :meth:`SGLangEngine.update_weights`, bucket by
 bucket, with ``Engine.update_weights_from_tensor`` (the tensors reach SGLang's scheduler
-processes through CUDA IPC) and one ``flush_cache()`` after the last bucket. ``sleep`` /
-``wake_up`` are ``release_memory_occupation`` / ``resume_memory_occupation`` (needs
-``enable_memory_saver``).
+processes through CUDA IPC) and one ``flush_cache()`` after the last bucket.
+
+Memory (needs ``enable_memory_saver``): ``sleep(1)`` releases the KV cache and CUDA graphs,
+``sleep(2)`` the weights too, with ``release_memory_occupation(tags=...)``. SGLang keeps no copy
+of released weights unless ``engine_kwargs={"enable_weights_cpu_backup": True}``; without it,
+``sleep(2)`` sets ``weights_discarded`` and the next sync sends every weight. With it, the weights
+survive in CPU memory, so ``sleep(1)`` releases them too (vLLM's level 1). Waking is two
+steps, each after ``torch.cuda.empty_cache()`` in this process (a colocated trainer's cached
+blocks are invisible to SGLang's scheduler processes): a weight update resumes the weights only,
+``generate`` the KV cache and CUDA graphs.
+
+Stops: SGLang's ``ignore_eos`` also switches ``stop_token_ids`` off, and without it SGLang stops
+at the model's EOS as well, so an empty stop list is ``ignore_eos`` and any other list stops at
+those tokens and EOS (a warning says so once when the list leaves EOS out).
 
 Log-probs: SGLang reports ``log softmax(logits / temperature)`` of each sampled token (unless
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set), the ``hf`` engine's definition. ``n`` samples of a
-prompt are ``n`` requests of that prompt, adjacent, each with its own seed when a seed is given.
+prompt are ``n`` requests of that prompt, adjacent; with a seed, sample ``j`` of prompt ``i`` gets
+``seed + i * n + j``, which SGLang honours only with ``enable_deterministic_inference`` (else it
+warns once: the samples are random).
+
+Tensor parallelism: a ``tp_size > 1`` engine starts its schedulers on GPUs ``base_gpu_id ..
+base_gpu_id + tp_size - 1`` of the GPUs its process sees. A Ray worker sees one GPU, so setup
+refuses there; use ``tp_size=1`` replicas, or an engine in a process that sees its GPUs.
 
 Split placement (SGLang on GPUs of its own; ``weight_transport="broadcast"``, which ``"auto"``
 picks there): SGLang's own TP scheduler processes join trainer rank 0's weight-broadcast group
@@ -24,29 +41,38 @@ broadcasts the bucket's bytes end to end, in the order of ``names`` (see
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, gpu_engine_files,
-                                      missing_engine)
+from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
+                                      free_cached_blocks, gpu_engine_files, missing_engine, stop_token_ids)
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, bucketed, entry_nbytes
+
+log = logging.getLogger(__name__)
+
+# release_memory_occupation / resume_memory_occupation tags (sglang/srt/constants.py)
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
 
 
 def sglang_requests(prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                     stop_token_ids: list[int]) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """One request per sample: ``input_ids`` and SGLang sampling-parameter dicts, samples of a
-    prompt adjacent (our ``n`` becomes repetition, so every sample has its own seed)."""
+    prompt adjacent (our ``n`` becomes repetition, so every sample has its own seed).
+
+    ``ignore_eos`` only for an empty stop list: SGLang's ``ignore_eos`` returns before it looks at
+    ``stop_token_ids`` (``Req._check_token_based_finish``), so with it nothing would stop."""
     input_ids, params = [], []
     for i, prompt in enumerate(prompts):
         for j in range(sampling.n):
             input_ids.append(list(prompt))
             p: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                  "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-                                 "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": stop_token_ids,
-                                 "ignore_eos": True, "skip_special_tokens": True}  # stops: exactly stop_token_ids
+                                 "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": list(stop_token_ids),
+                                 "ignore_eos": not stop_token_ids, "skip_special_tokens": True}
             if sampling.seed is not None:
                 p["sampling_seed"] = sampling.seed + i * sampling.n + j
             params.append(p)
@@ -87,45 +113,90 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, tp_size: int = 1, mem_fraction_static: float = 0.5, dtype: torch.dtype | str = torch.bfloat16,
                  enable_memory_saver: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  engine_kwargs: dict[str, Any] | None = None) -> None:
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"SGLangEngine(tp_size={tp_size!r}): need an int >= 1 (GPUs per SGLang engine)")
         self.tp_size, self.mem_fraction_static = tp_size, mem_fraction_static
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.enable_memory_saver, self.bucket_bytes = enable_memory_saver, bucket_bytes
         self.engine_kwargs = dict(engine_kwargs or {})
         self.engine: Any = None
-        self._asleep = False
+        self._released: set[str] = set()  # memory tags released by sleep and not resumed yet
+        self._warned: set[str] = set()  # warnings given once
         self._model_dir: tempfile.TemporaryDirectory | None = None
         self._group_name: str | None = None  # the weight-broadcast group SGLang's schedulers joined
         self._updating = False  # a begin_weight_update() session is open
 
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
+        index = torch.device(device).index if device is not None and torch.device(device).index is not None else 0
+        if device is not None and torch.device(device).type == "cuda":
+            self._check_visible_gpus(index)
         try:
             import sglang
         except ImportError as exc:
             raise missing_engine("sglang", "0.5.23") from exc
         self.tokenizer = tokenizer
         self._model_dir = gpu_engine_files("sglang", device, model_config, tokenizer)
-        index = torch.device(device).index if device is not None and torch.device(device).index is not None else 0
         kwargs = {"model_path": self._model_dir.name, "load_format": "dummy", "tp_size": self.tp_size,
                   "mem_fraction_static": self.mem_fraction_static, "dtype": str(self.dtype).removeprefix("torch."),
                   "enable_memory_saver": self.enable_memory_saver, "base_gpu_id": index}
         kwargs.update(self.engine_kwargs)
         self.engine = sglang.Engine(**kwargs)
 
+    def _check_visible_gpus(self, index: int) -> None:
+        """SGLang starts TP rank ``k`` on GPU ``base_gpu_id + k`` of this process's visible GPUs."""
+        import os
+
+        visible = torch.cuda.device_count()
+        if index + self.tp_size > visible:
+            raise ValueError(
+                f"SGLangEngine(tp_size={self.tp_size}) starts its schedulers on GPUs {index}.."
+                f"{index + self.tp_size - 1} of this process, which sees {visible} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). "
+                "A Ray worker (colocated or split rollout) is given one GPU. Use tp_size=1 with more replicas "
+                "(rollout_replicas=... for split placement), or run the engine in one process that sees "
+                f"{self.tp_size} GPUs (an in-process strategy on a machine with them).")
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
         self.wake_up()
-        stop = sampling.stop_token_ids if sampling.stop_token_ids is not None else [self.tokenizer.eos_token_id]
+        stop = stop_token_ids(sampling, self.tokenizer)
+        self._warn_about(sampling, stop)
         input_ids, params = sglang_requests(prompts, sampling, stop)
         outputs = self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return generation_from_sglang(outputs, pad)
 
+    def _warn_about(self, sampling: SamplingParams, stop: list[int]) -> None:
+        """Once each: what SGLang cannot do as asked (a seed without deterministic inference; stop
+        tokens that leave EOS out)."""
+        eos = self.tokenizer.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if stop and not set(eos_ids) <= set(stop) and "stop" not in self._warned:
+            self._warned.add("stop")
+            log.warning("SGLang stops at EOS %s as well as at stop_token_ids=%s (its ignore_eos would switch the "
+                        "stop tokens off too); the hf and vllm engines stop at the given tokens only.", eos_ids, stop)
+        if (sampling.seed is not None and sampling.temperature > 0 and "seed" not in self._warned
+                and not self.engine_kwargs.get("enable_deterministic_inference")):
+            self._warned.add("seed")
+            log.warning("SGLang ignores per-request seeds unless deterministic inference is on, so seed=%d does not "
+                        "make these samples reproducible. Pass SGLangEngine(engine_kwargs={'enable_deterministic_"
+                        "inference': True}) for seeded sampling (batch-invariant kernels, slower).", sampling.seed)
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         self._begin_update()
         count = nbytes = 0
-        for bucket in bucketed(weights, self.bucket_bytes):
-            _checked(self.engine.update_weights_from_tensor(bucket, flush_cache=False), "update_weights_from_tensor")
-            count += len(bucket)
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        try:
+            for bucket in bucketed(weights, self.bucket_bytes):
+                _checked(self.engine.update_weights_from_tensor(bucket, flush_cache=False),
+                         "update_weights_from_tensor")
+                count += len(bucket)
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        except BaseException:
+            self._updating = False  # close the session, keep the original error
+            try:
+                self.engine.end_weight_update()
+            except Exception as exc:  # noqa: BLE001 (the engine may be the thing that failed)
+                log.debug("end_weight_update after a failed update: %s", exc)
+            raise
         self._end_update()
         _checked(self.engine.flush_cache(), "flush_cache")  # cached KV was computed with the old weights
         return {"tensors": count, "bytes": nbytes}
@@ -169,7 +240,7 @@ class SGLangEngine(RolloutEngine):
 
     def _begin_update(self) -> None:
         if not self._updating:
-            self.wake_up()  # load into resumed memory
+            self._resume([WEIGHTS])  # load into resumed memory; the KV cache waits for generate
             _checked(self.engine.begin_weight_update(), "begin_weight_update")
             self._updating = True
 
@@ -178,14 +249,31 @@ class SGLangEngine(RolloutEngine):
         _checked(self.engine.end_weight_update(), "end_weight_update")
 
     def sleep(self, level: int = 1) -> None:
-        if self.enable_memory_saver and self.engine is not None and not self._asleep:
-            self.engine.release_memory_occupation()
-            self._asleep = True
+        check_sleep_level("SGLangEngine", level)
+        if not self.enable_memory_saver or self.engine is None:
+            return
+        backup = bool(self.engine_kwargs.get("enable_weights_cpu_backup"))  # released weights survive on CPU
+        wanted = [KV_CACHE, CUDA_GRAPH] + ([WEIGHTS] if level == 2 or backup else [])
+        tags = [t for t in wanted if t not in self._released]
+        if not tags:
+            return
+        _checked(self.engine.release_memory_occupation(tags=tags), "release_memory_occupation")
+        self._released.update(tags)
+        if WEIGHTS in tags and not backup:
+            self.weights_discarded = True  # SGLang kept no copy: the next sync sends every weight
 
     def wake_up(self) -> None:
-        if self._asleep and self.engine is not None:
-            self.engine.resume_memory_occupation()
-            self._asleep = False
+        self._resume([WEIGHTS, KV_CACHE, CUDA_GRAPH])
+
+    def _resume(self, tags: list[str]) -> None:
+        """Resume the released ``tags`` only (SGLang raises on a tag it did not release), after
+        handing this process's cached CUDA blocks back to the driver."""
+        tags = [t for t in tags if t in self._released]
+        if not tags or self.engine is None:
+            return
+        free_cached_blocks()
+        _checked(self.engine.resume_memory_occupation(tags=tags), "resume_memory_occupation")
+        self._released.difference_update(tags)
 
     def teardown(self) -> None:
         if self.engine is not None:

@@ -7,7 +7,14 @@ vLLM spans ``tensor_parallel_size`` of them; alone it runs vLLM's in-process exe
 vLLM's V1 multiprocessing is off, so the model lives in this process and weights load with the
 model's own ``load_weights`` (which re-shards for tensor parallelism), then the prefix cache is
 reset. ``sleep(level)`` / ``wake_up()`` map onto ``LLM.sleep`` / ``LLM.wake_up`` (weights first,
-then the KV cache), as in vLLM's sleep mode.
+then the KV cache; vLLM's allocator empties this process's CUDA cache before it maps memory
+back, so a colocated trainer's cached blocks are free), as in vLLM's sleep mode. Level 1 keeps a
+CPU copy of the weights; level 2 discards them (only buffers are kept), so it sets
+``weights_discarded`` and the next sync sends every weight.
+
+Sampling: each prompt gets its own ``SamplingParams`` so that a seed differs per prompt (vLLM
+gives a request's ``n`` samples ``seed + j``; one shared seed would give equal prompts equal
+samples). Greedy with ``n > 1``, which vLLM refuses, is one greedy sample per prompt, repeated.
 
 The engine starts from random weights (``load_format="dummy"``) built from the policy's config:
 the real weights arrive through :meth:`VLLMEngine.update_weights`, like every engine's.
@@ -27,6 +34,7 @@ tensors, bucket by bucket, and runs (and is tested) on gloo as well.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -34,18 +42,30 @@ from typing import Any
 
 import torch
 
-from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, gpu_engine_files,
-                                      missing_engine)
+from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
+                                      gpu_engine_files, missing_engine, stop_token_ids)
 
 
-def vllm_sampling_params(sampling: SamplingParams, stop_token_ids: list[int]) -> Any:
-    """Our :class:`SamplingParams` as vLLM's (same names; one log-prob per sampled token)."""
+def vllm_sampling_params(sampling: SamplingParams, stop_token_ids: list[int], prompts: int) -> list[Any]:
+    """Our :class:`SamplingParams` as vLLM's, one per prompt (same names; one log-prob per sampled
+    token). With a seed, prompt ``i`` gets ``seed + i * n`` (vLLM adds ``j`` for its sample ``j``).
+    ``ignore_eos`` with ``stop_token_ids``: vLLM still stops at those, so the stops are exactly them."""
     from vllm import SamplingParams as VLLMSamplingParams
 
-    return VLLMSamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                              top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, seed=sampling.seed,
-                              stop_token_ids=stop_token_ids, ignore_eos=True, logprobs=0,
-                              detokenize=True)  # stops: exactly stop_token_ids (EOS by default), like hf
+    return [VLLMSamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                               top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
+                               seed=None if sampling.seed is None else sampling.seed + i * sampling.n,
+                               stop_token_ids=stop_token_ids, ignore_eos=True, logprobs=0, detokenize=True)
+            for i in range(prompts)]
+
+
+def repeat_samples(generation: Generation, n: int) -> Generation:
+    """Each row ``n`` times, adjacent: ``n`` greedy samples of a prompt are one sample."""
+    return Generation(generation.response_ids.repeat_interleave(n, 0), generation.response_mask.repeat_interleave(n, 0),
+                      generation.log_probs.repeat_interleave(n, 0), [t for t in generation.text for _ in range(n)],
+                      [r for r in generation.finish_reason for _ in range(n)],
+                      metrics={**generation.metrics, "gen_tokens": generation.metrics.get("gen_tokens", 0.0) * n},
+                      weight_version=generation.weight_version)
 
 
 def generation_from_outputs(outputs: Sequence[Any], pad_token_id: int, tokenizer: Any) -> Generation:
@@ -124,10 +144,12 @@ class VLLMEngine(RolloutEngine):
         return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
+        if sampling.temperature == 0 and sampling.n > 1:  # vLLM: "n must be 1 when using greedy sampling"
+            return repeat_samples(self.generate(prompts, dataclasses.replace(sampling, n=1)), sampling.n)
         self.wake_up()
-        stop = sampling.stop_token_ids if sampling.stop_token_ids is not None else [self.tokenizer.eos_token_id]
+        stop = stop_token_ids(sampling, self.tokenizer)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                                    vllm_sampling_params(sampling, stop), use_tqdm=False)
+                                    vllm_sampling_params(sampling, stop, len(prompts)), use_tqdm=False)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return generation_from_outputs(outputs, pad, self.tokenizer)
 
@@ -148,9 +170,12 @@ class VLLMEngine(RolloutEngine):
         return {"tensors": count, "bytes": nbytes}
 
     def sleep(self, level: int = 1) -> None:
+        check_sleep_level("VLLMEngine", level)
         if self.enable_sleep_mode and self.llm is not None and not self._asleep:
             self.llm.sleep(level=level)
             self._asleep = level
+            if level == 2:
+                self.weights_discarded = True  # vLLM kept only the buffers: the next sync sends every weight
 
     def wake_up(self) -> None:
         if self._asleep and self.llm is not None:

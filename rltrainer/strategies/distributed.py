@@ -310,6 +310,9 @@ class WorkerGroupStrategy(Strategy):
     def weight_names(self) -> list[str]:
         return list(self._weight_names)
 
+    def forget_synced(self) -> None:
+        self._require_group().execute_all("forget_synced")  # every rank: the next sync sends every weight
+
     def transport_for(self, engine: RolloutEngine) -> WeightTransport:
         """The transport :meth:`connect_engine` chose for its replicas; an engine in this process
         pulls :meth:`export_weights`."""

@@ -108,6 +108,10 @@ class Strategy(abc.ABC):
         self.versions.forget_synced()
         return engine
 
+    def forget_synced(self) -> None:
+        """The engine lost its weights: the next sync sends every weight, not only the changed ones."""
+        self.versions.forget_synced()
+
     def start_weight_sync(self, engine: RolloutEngine, version: int) -> SyncHandle:
         """Start pushing the policy's changed weights into ``engine`` (cast to the engine's dtype)
         as ``version``; returns once the trainer side has handed the bytes off.
@@ -117,8 +121,12 @@ class Strategy(abc.ABC):
         on ``engine.weight_version == version`` (for remote replicas, in their processes too: they
         set it when their last bucket loads, even if nothing changed). The engine-side loads are
         submitted before this returns, so a later ``engine.generate`` runs on the new weights.
-        One sync is in flight at a time: starting another first waits for this one.
+        One sync is in flight at a time: starting another first waits for this one. If a sleep
+        discarded the engine's weights (``engine.weights_discarded``), this sync sends every weight.
         """
+        if getattr(engine, "weights_discarded", False):
+            self.forget_synced()
+            engine.weights_discarded = False
         self.weight_versions.started = version
 
         def loaded(v: int) -> None:

@@ -49,6 +49,14 @@ class WeightReceiver:
         """A sync with nothing to send still moves the engine's version."""
         return self._loaded(engine, None, version)
 
+    @staticmethod
+    def take_weights_discarded(engine: Any) -> bool:
+        """Whether a sleep discarded the engine's weights (then the next sync must send every
+        weight); the engine's flag is reset, the controller keeps the answer until that sync."""
+        discarded = bool(getattr(engine, "weights_discarded", False))
+        engine.weights_discarded = False
+        return discarded
+
     # -- collective broadcast ----------------------------------------------------------------------------
     @staticmethod
     def group_ranks(engine: Any) -> int:

@@ -1,9 +1,22 @@
-"""GRPO on one GPU: update-phase MFU, decode tokens/s, weight-sync GB/s next to a device-to-device
-copy of the same bytes. Needs torch and transformers only (plus tensordict, see gpu.sh); no Ray,
-no vLLM, no datasets.
+"""What only a GPU can check, one ``--check`` per run (gpu.sh runs them all, each with its budget):
+
+- ``grpo`` (default): GRPO on one GPU: bf16 update-phase MFU, decode tokens/s, weight-sync GB/s
+  next to a device-to-device copy of the same bytes. Needs torch and transformers only (plus
+  tensordict, see gpu.sh); no Ray, no vLLM, no datasets.
+- ``weight-group``: the weight-broadcast group (:class:`rltrainer.weights.group.WeightGroup`) on
+  NCCL: a bucket in wire layout broadcast and read back bit-exact, with its GB/s. NCCL takes one
+  GPU per member, so with one GPU the group has one member (its construction, SGLang's store
+  layout, the broadcast and the shutdown on a real CUDA build); with two, trainer and receiver.
+  On CPU: the same on gloo.
+- ``engines``: each engine of ``--engines`` (vLLM, SGLang where installed; ``hf`` anywhere) on a
+  tiny random model: greedy with ``n > 1``, stop tokens honoured, seeds (equal prompts differ,
+  a repeat reproduces), and ``sleep(1)`` / ``sleep(2)`` then a full update then generate, which must
+  give the greedy output from before (the wake-up order, and ``weights_discarded`` at level 2).
 
     bash tests/benchmarks/gpu.sh                       # the lent H200: Qwen2.5-0.5B architecture, bf16
     python tests/benchmarks/bench_gpu.py --device cpu --model tiny --steps 2    # a smoke run anywhere
+    python tests/benchmarks/bench_gpu.py --check weight-group --device cpu
+    python tests/benchmarks/bench_gpu.py --check engines --engines hf --device cpu
 
 Model: a random-init model of the Qwen2.5-0.5B architecture (494M parameters, tied embeddings)
 with the real Qwen2.5 tokenizer and GSM8K prompts from ``recipes/data``. Training runs in
@@ -21,8 +34,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import sys
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -78,13 +95,138 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main() -> None:
-    from rltrainer import GRPO, Callback, Trainer, prompt_dataloader
-    from rltrainer.rollout.hf import HFEngine
-    from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
-    from rltrainer.testing import load_tokenizer
+def weight_group_check(device: torch.device, mib: int) -> dict:
+    """Broadcast a ``mib`` MiB bucket (bf16 and fp32 tensors, wire layout) over a WeightGroup of
+    one member per GPU (at most two; two threads on gloo for CPU) and read it back."""
+    from rltrainer.weights.group import WeightGroup
+    from rltrainer.weights.wire import bucket_entries, bucket_views, empty_bucket, flatten_bucket
 
+    cuda = device.type == "cuda"
+    members = min(torch.cuda.device_count(), 2) if cuda else 2
+    backend = "nccl" if cuda else "gloo"
+    n = mib * 2**20 // 6  # a bf16 and an fp32 tensor of n elements each
+    tensors = {"w": torch.randn(n).to(torch.bfloat16), "b": torch.randn(n)}
+    entries = bucket_entries((k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+
+    def member(rank: int) -> tuple[float, bool]:
+        here = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(here)
+        group = WeightGroup("127.0.0.1", port, rank, members, name, backend, timeout_s=60)
+        try:
+            buffer = flatten_bucket(tensors, entries, here) if rank == 0 else empty_bucket(entries, here)
+            group.broadcast(buffer)  # warm-up: NCCL sets up its channels on the first call
+            trials, start = 5, time.perf_counter()
+            for _ in range(trials):
+                group.broadcast(buffer)
+            seconds = (time.perf_counter() - start) / trials
+            exact = all(torch.equal(v.cpu(), tensors[k]) for k, v in bucket_views(buffer, entries))
+        finally:
+            group.close()
+        return seconds, exact
+
+    with ThreadPoolExecutor(members) as pool:
+        results = list(pool.map(member, range(members)))
+    nbytes = int(sum(t.numel() * t.element_size() for t in tensors.values()))
+    seconds = max(s for s, _ in results)
+    return {"backend": backend, "members": members, "bytes": nbytes, "bit_exact": all(e for _, e in results),
+            "gb_per_s": nbytes / seconds / 1e9 if members > 1 else None}
+
+
+ENGINE_KWARGS = {"hf": {}, "vllm": {"gpu_memory_utilization": 0.3, "enforce_eager": True},
+                 "sglang": {"mem_fraction_static": 0.3}}
+DISCARDS_AT_LEVEL_2 = {"hf": False, "vllm": True, "sglang": True}  # hf moves its weights to CPU
+
+
+def engine_check(name: str, device: torch.device) -> dict:
+    """The issue-12 behaviours of one engine on a tiny random model; ``ok`` is whether all held
+    (SGLang's seeds count only with deterministic inference, so they are reported, not required)."""
+    import importlib.util
+
+    from rltrainer.models import build_causal_lm
+    from rltrainer.rollout import ENGINES, SamplingParams
+    from rltrainer.testing import load_tokenizer, tiny_qwen2_config
+
+    if name != "hf" and importlib.util.find_spec(name) is None:
+        return {"engine": name, "skipped": f"{name} is not installed here (its wheels and their kernels are "
+                                           "larger than what a run can carry)"}
+    start = time.perf_counter()
+    tokenizer = load_tokenizer("gsm8k-bpe4k")
+    config = tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=2)
+    model = build_causal_lm(config, seed=0).to(device)
+    engine = ENGINES.build(name, **ENGINE_KWARGS[name])
+    engine.setup(config, tokenizer, device=device)
+    try:
+        engine.update_weights(model.named_parameters())
+        prompts = [tokenizer("What is 3 + 4?")["input_ids"], tokenizer("A robe takes 2 bolts")["input_ids"]]
+        checks: dict = {}
+        greedy = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=8, temperature=0.0))
+        checks["greedy_n3_rows_equal"] = all(bool((greedy.response_ids[i * 3:i * 3 + 3] == greedy.response_ids[i * 3])
+                                                  .all()) for i in range(2))
+        free = engine.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[]))
+        stop = int(free.response_ids[0, 3])
+        first = int((free.response_ids[0] == stop).nonzero()[0])
+        stopped = engine.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                              stop_token_ids=[stop, tokenizer.eos_token_id]))
+        checks["runs_to_max_without_stop_tokens"] = free.finish_reason == ["length"] and \
+            int(free.response_mask.sum()) == 16
+        checks["stops_at_stop_token"] = stopped.finish_reason == ["stop"] and \
+            int(stopped.response_mask.sum()) == first + 1
+        seeded = SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=1)
+        a, b = engine.generate([prompts[0]] * 2, seeded), engine.generate([prompts[0]] * 2, seeded)
+        seeds = {"seed_reproduces": torch.equal(a.response_ids, b.response_ids),
+                 "equal_prompts_differ": not torch.equal(a.response_ids[:2], a.response_ids[2:])}
+        if name == "sglang" and not ENGINE_KWARGS[name].get("engine_kwargs", {}).get("enable_deterministic_inference"):
+            checks["seeds_without_deterministic_inference"] = seeds  # reported: SGLang ignores them
+        else:
+            checks.update(seeds)
+        reference = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[]))
+        for level in (1, 2):
+            engine.sleep(level)
+            checks[f"sleep{level}_weights_discarded_as_expected"] = \
+                engine.weights_discarded == (level == 2 and DISCARDS_AT_LEVEL_2[name])
+            engine.weights_discarded = False
+            engine.update_weights(model.named_parameters())  # asleep, a full update: what the next sync sends
+            engine.wake_up()  # as the pipeline does before a rollout
+            again = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[]))
+            checks[f"sleep{level}_update_generate_same_greedy"] = torch.equal(again.response_ids,
+                                                                              reference.response_ids)
+    finally:
+        engine.teardown()
+    required = [v for k, v in checks.items() if isinstance(v, bool)]
+    return {"engine": name, "ok": all(required), "seconds": time.perf_counter() - start, **checks}
+
+
+def run_checks(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    if args.check == "weight-group":
+        result = weight_group_check(device, args.mib)
+        rate = f"{result['gb_per_s']:.1f} GB/s" if result["gb_per_s"] else "n/a (one member: one GPU)"
+        print(f"weight group ({result['backend']}, {result['members']} members, {result['bytes'] / 2**20:.0f} MiB "
+              f"bucket): bit-exact {result['bit_exact']}, broadcast {rate}")
+        ok = result["bit_exact"]
+    else:
+        result = {"engines": [engine_check(name, device) for name in args.engines.split(",")]}
+        for r in result["engines"]:
+            print(f"engine {r['engine']}: " + (f"skipped ({r['skipped']})" if "skipped" in r else
+                                               ", ".join(f"{k} {v}" for k, v in r.items() if k != "engine")))
+        ok = all(r.get("ok", True) for r in result["engines"])
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    if not ok:
+        sys.exit(1)
+
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", choices=["grpo", "weight-group", "engines"], default="grpo")
+    p.add_argument("--mib", type=int, default=256, help="weight-group: the bucket's size")
+    p.add_argument("--engines", default="vllm,sglang", help="engines: which, comma-separated (hf, vllm, sglang)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", choices=["0.5b", "tiny"], default="0.5b")
     p.add_argument("--strategy", choices=["single", "fsdp2", "megatron"], default="single",
@@ -94,8 +236,21 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=32)
-    p.add_argument("--out", default=str(ROOT / "tests" / "benchmarks" / "results" / "gpu.json"))
+    p.add_argument("--out", default=None, help="where the JSON goes (grpo: tests/benchmarks/results/gpu.json)")
     args = p.parse_args()
+    if args.check != "grpo":
+        run_checks(args)
+        return
+    grpo(args)
+
+
+def grpo(args: argparse.Namespace) -> None:
+    from rltrainer import GRPO, Callback, Trainer, prompt_dataloader
+    from rltrainer.rollout.hf import HFEngine
+    from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
+    from rltrainer.testing import load_tokenizer
+
+    args.out = args.out or str(ROOT / "tests" / "benchmarks" / "results" / "gpu.json")
     device = torch.device(args.device)
     tokenizer = load_tokenizer("qwen2.5-instruct")
     config = model_config(args.model, len(tokenizer))

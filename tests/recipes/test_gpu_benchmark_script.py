@@ -28,3 +28,33 @@ def test_gpu_benchmark_script_smoke_on_cpu(strategy, tmp_path):
     assert result["update_mfu_median"] > 0 and result["decode_tokens_per_s_median"] > 0
     assert result["sync_gb_per_s_median"] > 0 and result["copy_gb_per_s"] > 0
     assert "update MFU" in proc.stdout and "weight sync GB/s" in proc.stdout
+
+
+def test_gpu_checks_smoke_on_cpu(tmp_path):
+    """gpu.sh's other phases: the weight-broadcast group (gloo on CPU, NCCL there) and the engine
+    checks (``hf`` here; vLLM and SGLang where installed)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = str(ROOT / "tests" / "benchmarks" / "bench_gpu.py")
+    group = subprocess.run([sys.executable, script, "--check", "weight-group", "--device", "cpu", "--mib", "4",
+                            "--out", str(tmp_path / "group.json")], capture_output=True, text=True, timeout=120,
+                           env=env)
+    assert group.returncode == 0, group.stderr[-3000:]
+    result = json.loads((tmp_path / "group.json").read_text())
+    assert result["bit_exact"] and result["members"] == 2 and result["gb_per_s"] > 0
+    engines = subprocess.run([sys.executable, script, "--check", "engines", "--engines", "hf,vllm", "--device", "cpu",
+                              "--out", str(tmp_path / "engines.json")], capture_output=True, text=True, timeout=300,
+                             env=env)
+    assert engines.returncode == 0, engines.stderr[-3000:]
+    hf, vllm = json.loads((tmp_path / "engines.json").read_text())["engines"]
+    assert hf["ok"] and hf["greedy_n3_rows_equal"] and hf["sleep2_update_generate_same_greedy"]
+    assert "ok" in vllm or "not installed" in vllm["skipped"]
+
+
+def test_gpu_sh_runs_every_phase_within_eight_minutes():
+    """The phases' budgets add up to under 8 minutes, and a failed phase fails the script."""
+    text = (ROOT / "tests" / "benchmarks" / "gpu.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "tests" / "benchmarks" / "gpu.sh")], check=True)
+    budgets = [int(line.split()[2]) * (2 if "$engine" in line else 1) for line in text.splitlines()
+               if line.strip().startswith("phase ") and not line.strip().startswith("phase()")]
+    assert len(budgets) == 3 and sum(budgets) < 8 * 60 - 20  # grpo, weight-group, two engines; 20 s to start
+    assert "--check weight-group" in text and "--check engines" in text and 'exit 1' in text

@@ -99,6 +99,17 @@ def test_vllm_surface(vllm):
     assert {"n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos", "logprobs",
             "detokenize"} <= vllm.fields("vllm/sampling_params.py", "SamplingParams")
     assert "prompt_token_ids" in vllm.fields("vllm/inputs/llm.py", "TokensPrompt")
+    # issue 12: greedy refuses n > 1; one params per prompt; child j of a seeded request gets seed + j;
+    # stop_token_ids stop even with ignore_eos; level 2 keeps only buffers
+    greedy = ast.unparse(vllm.method("vllm/sampling_params.py", "SamplingParams", "_verify_greedy_sampling"))
+    assert "if self.n > 1:" in greedy and "n must be 1 when using greedy sampling" in greedy
+    assert "if len(params) != num_requests:" in vllm.text("vllm/entrypoints/common/offline.py")
+    assert "child_sampling_params.seed = seed + index" in vllm.text("vllm/v1/engine/parallel_sampling.py")
+    stop = vllm.text("vllm/v1/core/sched/utils.py")
+    assert "if last_token_id in (sampling_params.stop_token_ids or ()):" in stop
+    eos = "if not self.ignore_eos:\n            self._eos_token_id = eos_token_id"
+    assert eos in vllm.text("vllm/sampling_params.py")
+    assert "Level 2: Discard all GPU memory (weights + KV cache)." in vllm.text(llm)
     assert '"processed_logprobs"' in vllm.text("vllm/config/model.py")
     assert '"external_launcher"' in vllm.text("vllm/config/parallel.py")
     assert '"dummy"' in vllm.text("vllm/model_executor/model_loader/__init__.py")
@@ -172,6 +183,29 @@ def test_sglang_split_broadcast_protocol(sglang):
     assert "offset % dtype.itemsize" in empty  # hence our order: larger elements first
     assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
             "sampling_seed", "n"} <= sglang.fields("sglang/srt/sampling/sampling_params.py", "SamplingParams")
+
+
+def test_sglang_behaviour_the_adapter_works_around(sglang):
+    """Issue 12: what tests/rollout/test_engine_adapters.py and test_engine_sleep.py fake."""
+    finish = ast.unparse(sglang.method("sglang/srt/managers/schedule_batch.py", "Req", "_check_token_based_finish"))
+    assert finish.index("if self.sampling_params.ignore_eos:\n        return False") < finish.index("stop_token_ids")
+    assert "matched_eos |= token_id in self.eos_token_ids" in finish  # EOS stops whenever ignore_eos is off
+    engine = "sglang/srt/entrypoints/engine.py"
+    accepts(sglang.method(engine, "Engine", "release_memory_occupation"), "tags")
+    accepts(sglang.method(engine, "Engine", "resume_memory_occupation"), "tags")
+    assert 'GPU_MEMORY_TYPE_KV_CACHE = "kv_cache"' in sglang.text("sglang/srt/constants.py")
+    updater = "sglang/srt/managers/scheduler_components/weight_updater.py"
+    release = ast.unparse(sglang.method(updater, "SchedulerWeightUpdaterManager", "release_memory_occupation"))
+    resume = ast.unparse(sglang.method(updater, "SchedulerWeightUpdaterManager", "resume_memory_occupation"))
+    assert "tags = GPU_MEMORY_ALL_TYPES" in release and "self.offload_tags.remove(tag)" in resume
+    fields = sglang.text("sglang/srt/arg_groups/fields/exec_.py")
+    assert "enable_weights_cpu_backup: A[" in fields and "enable_deterministic_inference: A[" in fields
+    loader = sglang.text("sglang/srt/model_executor/model_runner_components/load_model_utils.py")
+    assert "enable_cpu_backup = get_exec().features.enable_weights_cpu_backup" in loader
+    seeds = ast.unparse(sglang.method("sglang/srt/sampling/sampling_batch_info.py", "SamplingBatchInfo",
+                                      "from_schedule_batch"))
+    assert "non_blocking=True) if enable_deterministic else None" in seeds  # seeds read only when deterministic
+    assert "get_device().base_gpu_id" in sglang.text(engine) and "(tp_rank % tp_size_per_node)" in sglang.text(engine)
     text = sglang.text("sglang/srt/managers/schedule_batch.py")
     assert '"type": "length"' in text and '"type": "stop"' in text
     assert "output_token_logprobs" in sglang.text("sglang/srt/managers/tokenizer_manager.py")

@@ -31,7 +31,8 @@ def test_sglang_requests_and_outputs():
     ids, params = sglang_requests([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=5, top_k=0, seed=10), [2])
     assert ids == [[1, 2], [1, 2], [3], [3]]
     assert [p["sampling_seed"] for p in params] == [10, 11, 12, 13]  # one seed per sample
-    assert params[0]["top_k"] == -1 and params[0]["stop_token_ids"] == [2] and params[0]["ignore_eos"]
+    assert params[0]["top_k"] == -1 and params[0]["stop_token_ids"] == [2] and not params[0]["ignore_eos"]
+    assert sglang_requests([[3]], SamplingParams(), [])[1][0]["ignore_eos"]  # no stop tokens: run to the limit
     outputs = [{"output_ids": [4, 2], "text": "a", "meta_info": {"output_token_logprobs": [(-0.5, 4, None), (-1.5, 2, None)],
                                                                    "finish_reason": {"type": "stop", "matched": 2}}},
                {"output_ids": [6], "text": "b", "meta_info": {"output_token_logprobs": [(-0.7, 6, None)],
@@ -76,3 +77,182 @@ def test_sglang_colocated_update_is_one_checked_session():
     engine.engine = RecordingSGLang(refuse="update_weights_from_tensor")
     with pytest.raises(RuntimeError, match=r"update_weights_from_tensor\(\) failed: .* refused"):
         engine.update_weights(weights)
+    assert engine.engine.calls[-1] == "end_weight_update"  # the failed update's session is closed
+    engine.engine = RecordingSGLang()
+    engine.update_weights(weights)  # and the next one opens its own
+    assert engine.engine.calls[0] == "begin_weight_update"
+
+
+# -- what the libraries do, as read in their wheels (sglang 0.5.23, vllm 0.33.0) ---------------------
+EOS = 2
+
+
+def sglang_finishes(params: dict, token: int, eos_ids: set[int]) -> bool:
+    """``Req._check_token_based_finish`` (sglang/srt/managers/schedule_batch.py:1856-1878):
+    ``ignore_eos`` returns False before ``stop_token_ids`` is consulted; without it a token
+    finishes the request if it is a stop token or one of the model's / tokenizer's EOS ids."""
+    if params["ignore_eos"]:
+        return False
+    return token in (params["stop_token_ids"] or ()) or token in eos_ids
+
+
+class ScriptedSGLang:
+    """``sglang.Engine.generate`` on a scripted token stream (the same for every request), finishing
+    as SGLang does; records every call. Seeds are read only with deterministic inference
+    (sglang/srt/sampling/sampling_batch_info.py:157-172), which this fake does not model."""
+
+    def __init__(self, script, eos_ids=frozenset({EOS})):
+        self.script, self.eos_ids, self.calls = list(script), set(eos_ids), []
+
+    def generate(self, input_ids, sampling_params, return_logprob):
+        self.calls.append(("generate", None))
+        outputs = []
+        for params in sampling_params:
+            out, finish = [], {"type": "length", "length": params["max_new_tokens"]}
+            for token in self.script[:params["max_new_tokens"]]:
+                out.append(token)
+                if sglang_finishes(params, token, self.eos_ids):
+                    finish = {"type": "stop", "matched": token}
+                    break
+            outputs.append({"output_ids": out, "text": "", "meta_info": {
+                "output_token_logprobs": [(-1.0, t, None) for t in out], "finish_reason": finish}})
+        return outputs
+
+
+def sglang_engine(fake, **kwargs):
+    from rltrainer.rollout.sglang import SGLangEngine
+
+    engine = SGLangEngine(**kwargs)
+    engine.engine, engine.tokenizer = fake, SimpleNamespace(eos_token_id=EOS, pad_token_id=0)
+    return engine
+
+
+def test_sglang_stops_at_eos_by_default_and_runs_on_with_no_stop_tokens():
+    """Issue 12.1: ``stop_token_ids=[eos]`` with ``ignore_eos=True`` never stopped on SGLang."""
+    engine = sglang_engine(ScriptedSGLang([5, 6, EOS, 7, 8, 9]))
+    gen = engine.generate([[1]], SamplingParams(max_new_tokens=6))
+    assert gen.response_ids.tolist() == [[5, 6, EOS]] and gen.finish_reason == ["stop"]
+    free = engine.generate([[1]], SamplingParams(max_new_tokens=6, stop_token_ids=[]))
+    assert free.response_ids.tolist() == [[5, 6, EOS, 7, 8, 9]] and free.finish_reason == ["length"]
+    own = engine.generate([[1]], SamplingParams(max_new_tokens=6, stop_token_ids=[6, EOS]))
+    assert own.response_ids.tolist() == [[5, 6]] and own.finish_reason == ["stop"]
+
+
+def test_sglang_says_once_that_it_also_stops_at_eos(caplog):
+    engine = sglang_engine(ScriptedSGLang([5, EOS, 7]))
+    with caplog.at_level("WARNING", logger="rltrainer.rollout.sglang"):
+        gen = engine.generate([[1]], SamplingParams(max_new_tokens=3, stop_token_ids=[7]))
+        engine.generate([[1]], SamplingParams(max_new_tokens=3, stop_token_ids=[7]))
+    assert gen.response_ids.tolist() == [[5, EOS]]  # what SGLang does; the warning says so
+    assert [r.message.count("stops at EOS [2] as well") for r in caplog.records] == [1]
+
+
+def test_sglang_warns_once_that_seeds_need_deterministic_inference(caplog):
+    """Issue 12.7: without ``enable_deterministic_inference`` SGLang samples with no seed
+    (sampling_batch_info.py:157-172 builds ``sampling_seed`` only when it is on)."""
+    seeded = SamplingParams(max_new_tokens=2, seed=3)
+    with caplog.at_level("WARNING", logger="rltrainer.rollout.sglang"):
+        engine = sglang_engine(ScriptedSGLang([5, 6]))
+        engine.generate([[1]], seeded)
+        engine.generate([[1]], seeded)
+        sglang_engine(ScriptedSGLang([5, 6]), engine_kwargs={"enable_deterministic_inference": True}).generate(
+            [[1]], seeded)
+        sglang_engine(ScriptedSGLang([5, 6])).generate([[1]], SamplingParams(max_new_tokens=2, seed=3,
+                                                                             temperature=0.0))  # greedy: no seed used
+    warnings = [r.message for r in caplog.records if "enable_deterministic_inference" in r.message]
+    assert len(warnings) == 1 and "seed=3" in warnings[0]
+
+
+def test_sglang_tensor_parallel_needs_its_gpus_visible(monkeypatch, tiny_config, bpe_tokenizer):
+    """Issue 12.4: SGLang starts TP rank k on GPU ``base_gpu_id + k`` (sglang/srt/entrypoints/engine.py:935-939);
+    a Ray worker sees one GPU, so tp_size=2 there is refused before SGLang starts."""
+    from rltrainer.rollout.sglang import SGLangEngine
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tp_size=2\) starts its schedulers on GPUs 0..1 of this process, which "
+                                         r"sees 1 .*tp_size=1 with more replicas"):
+        SGLangEngine(tp_size=2).setup(tiny_config, bpe_tokenizer, device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="GPUs 1..2 of this process, which sees 2"):
+        SGLangEngine(tp_size=2).setup(tiny_config, bpe_tokenizer, device="cuda:1")
+    with pytest.raises(ValueError, match=r"tp_size=0.*int >= 1"):
+        SGLangEngine(tp_size=0)
+
+
+class FakeVLLMSamplingParams:
+    """vLLM's ``SamplingParams`` as far as the adapter relies on it: greedy with ``n > 1`` raises
+    (vllm/sampling_params.py:615-620 and 769-773)."""
+
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+        if self.temperature < 1e-5 and self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+
+class FakeLLM:
+    """``vllm.LLM.generate``: one params per prompt or one for all (vllm/entrypoints/common/offline.py:253-267);
+    child ``j`` of a seeded request samples with ``seed + j`` (vllm/v1/engine/parallel_sampling.py:69-81).
+    A sample's tokens are a function of its prompt and seed (random without one; argmax-like when greedy)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, sampling_params, use_tqdm):
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"The lengths of prompts ({len(prompts)}) and params ({len(params)}) must be the same.")
+        outputs = []
+        for prompt, p in zip(prompts, params):
+            completions = []
+            for j in range(p.n):
+                if p.temperature == 0:
+                    tokens = [sum(prompt["prompt_token_ids"]) % 50 + 3] * 3
+                else:
+                    gen = torch.Generator().manual_seed(p.seed + j) if p.seed is not None else None
+                    tokens = torch.randint(3, 1000, (3,), generator=gen).tolist()
+                completions.append(completion(j, tokens, [-1.0] * 3, "length"))
+            outputs.append(SimpleNamespace(outputs=completions))
+        return outputs
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+
+@pytest.fixture
+def vllm_engine(monkeypatch):
+    import sys
+
+    from rltrainer.rollout.vllm import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=FakeVLLMSamplingParams))
+    engine = VLLMEngine()
+    engine.llm, engine.tokenizer = FakeLLM(), SimpleNamespace(eos_token_id=EOS, pad_token_id=0)
+    return engine
+
+
+def test_vllm_greedy_with_several_samples_is_one_sample_repeated(vllm_engine):
+    """Issue 12.6: vLLM refuses greedy with n > 1; validation asks for exactly that."""
+    gen = vllm_engine.generate([[1, 2], [7]], SamplingParams(n=3, max_new_tokens=3, temperature=0.0))
+    assert gen.response_ids.tolist() == [[6, 6, 6]] * 3 + [[10, 10, 10]] * 3
+    assert gen.response_mask.shape == (6, 3) and len(gen.text) == len(gen.finish_reason) == 6
+    assert gen.metrics["gen_tokens"] == 18.0
+
+
+def test_vllm_seeds_differ_per_prompt_and_reproduce(vllm_engine):
+    """Issue 12.7: one shared SamplingParams gave every prompt the same seeds, so two equal prompts
+    in a batch got equal samples; each prompt now gets ``seed + i * n`` (vLLM adds ``j``)."""
+    sampling = SamplingParams(n=2, max_new_tokens=3, seed=5)
+    gen = vllm_engine.generate([[1, 2], [1, 2]], sampling)
+    rows = [tuple(r) for r in gen.response_ids.tolist()]
+    assert len(set(rows)) == 4  # seeds 5, 6 | 7, 8
+    assert torch.equal(vllm_engine.generate([[1, 2], [1, 2]], sampling).response_ids, gen.response_ids)
+    one = vllm_engine.generate([[1, 2]], SamplingParams(n=4, max_new_tokens=3, seed=5))
+    assert [tuple(r) for r in one.response_ids.tolist()] == rows  # seed + i * n + j, as one request of 4
+
+
+def test_sglang_and_vllm_seed_each_sample_alike():
+    _, params = sglang_requests([[1], [2]], SamplingParams(n=2, seed=5), [EOS])
+    assert [p["sampling_seed"] for p in params] == [5, 6, 7, 8]

@@ -52,7 +52,7 @@ def test_replicas_spanning_two_processes_get_identical_calls():
     prompts = [[1], [2], [3]]
     gen = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=2, seed=10))
     assert group.calls[0] == group.calls[1] == ([[1], [2]], 10)  # replica 0: ranks 0 and 1
-    assert group.calls[2] == group.calls[3] == ([[3]], 11)  # replica 1: ranks 2 and 3
+    assert group.calls[2] == group.calls[3] == ([[3]], 14)  # replica 1: ranks 2 and 3; its prompts start at 2
     assert gen.text == ["0"] * 4 + ["2"] * 2  # first rank of each replica, prompts in order
     assert gen.metrics["gen_tokens"] == 12.0  # counted once per replica
 
@@ -60,7 +60,7 @@ def test_replicas_spanning_two_processes_get_identical_calls():
 def test_one_process_per_replica_splits_prompts_over_every_rank():
     group = RecordingGroup(world_size=2)
     gen = RemoteEngine(group, Tok()).generate([[1], [2], [3]], SamplingParams(n=1, max_new_tokens=2, seed=0))
-    assert group.calls == {0: ([[1], [2]], 0), 1: ([[3]], 1)}
+    assert group.calls == {0: ([[1], [2]], 0), 1: ([[3]], 2)}
     assert gen.text == ["0", "0", "1"]
 
 
@@ -72,3 +72,48 @@ def test_replica_span_must_tile_the_group():
 def test_vllm_replica_spans_its_tensor_parallel_ranks():
     assert VLLMEngine(tensor_parallel_size=2).ranks_per_replica == 2  # no vLLM import needed to ask
     assert VLLMEngine().ranks_per_replica == 1
+
+
+def test_replicas_seed_each_sample_as_one_engine_would():
+    """With a seed, the replica whose share starts at prompt ``i`` gets ``seed + i * n``, so
+    per-sample seeds (SGLang, vLLM: ``seed + i * n + j``) match one engine's and never repeat
+    across replicas (``seed + replica`` gave replica 1's first sample replica 0's second seed)."""
+    from rltrainer.rollout.sglang import sglang_requests
+
+    group = RecordingGroup(world_size=3)
+    prompts, sampling = [[1], [2], [3], [4], [5]], SamplingParams(n=2, max_new_tokens=2, seed=7)
+    RemoteEngine(group, Tok()).generate(prompts, sampling)
+    per_sample = []
+    for rank in range(3):
+        share, seed = group.calls[rank]
+        per_sample += [p["sampling_seed"] for p in sglang_requests(share, SamplingParams(n=2, seed=seed), [2])[1]]
+    one_engine = [p["sampling_seed"] for p in sglang_requests(prompts, sampling, [2])[1]]
+    assert per_sample == one_engine == list(range(7, 17))
+
+
+class SleepingGroup:
+    """A worker group whose engines report (and reset) whether a sleep discarded their weights."""
+
+    world_size = 2
+
+    def __init__(self, discarded):
+        self.discarded, self.calls = list(discarded), []
+
+    def execute_all(self, method, *args):
+        self.calls.append((method, *args))
+        if method == "receive_weights" and args == ("take_weights_discarded",):
+            answer, self.discarded = self.discarded, [False] * self.world_size
+            return answer
+        return [None] * self.world_size
+
+
+def test_remote_sleep_asks_the_replicas_at_level_2_only():
+    group = SleepingGroup([False, True])
+    engine = RemoteEngine(group, Tok())
+    engine.sleep(1)
+    assert group.calls == [("engine_sleep", 1)] and not engine.weights_discarded
+    engine.sleep(2)
+    assert group.calls[1:] == [("engine_sleep", 2), ("receive_weights", "take_weights_discarded")]
+    assert engine.weights_discarded and engine.replica(1).weights_discarded  # views share it
+    engine.replica(0).weights_discarded = False  # what the strategy does when it starts the full sync
+    assert not engine.weights_discarded
