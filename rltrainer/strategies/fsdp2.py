@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
+from rltrainer.strategies.dispatch import WorkerGroupStrategy
+from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import STRATEGIES, check_model_type, normalize_optimizers
 from rltrainer.weights.shm import SharedBuffers
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry, bucket_entries, bucket_nbytes, bucket_views

@@ -14,7 +14,7 @@ from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
-from rltrainer.strategies.distributed import partition_for_ranks
+from rltrainer.strategies.dispatch import partition_for_ranks
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch, tiny_qwen3_config
 
 
