@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -66,7 +68,9 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 # -- building on the meta device, loading each rank's part -------------------------------------------
 _DEFERRED: ContextVar[bool | None] = ContextVar("rltrainer_deferred_init", default=None)
 _SOURCE_ATTR = "_rltrainer_weight_source"
-_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
 
 
 @contextlib.contextmanager
@@ -111,8 +115,9 @@ class RandomInit:
 
 
 class SafetensorsWeights:
-    """The ``*.safetensors`` files of a model directory. :meth:`read` reads rows of one tensor
-    (only their bytes: the files are memory-mapped)."""
+    """The ``*.safetensors`` files of a model directory. :meth:`read` reads rows of one tensor with
+    plain file reads, straight into the destination when it can: only those bytes are read, and no
+    file is memory-mapped (mapped pages would count in the process's resident memory)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -124,49 +129,63 @@ class SafetensorsWeights:
                 f"{', ...' if len(present) > 12 else ''}). Sharded strategies load a checkpoint from its safetensors "
                 "files only: save it with save_pretrained(path) (safetensors is its default), or convert its "
                 "*.bin / *.pt files.")
-        self._handles: dict[str, Any] = {}
-        self._where: dict[str, str] | None = None
+        self._entries: dict[str, tuple[str, int, torch.dtype, tuple[int, ...]]] | None = None
         self.bytes_read = 0
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SafetensorsWeights:
         return self
 
-    def _open(self, file: str) -> Any:
-        from safetensors import safe_open
-
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file]
-
-    def names(self) -> dict[str, str]:
-        """Tensor name -> the file holding it (headers only)."""
-        if self._where is None:
-            self._where = {name: f for f in self.files for name in self._open(f).keys()}  # noqa: SIM118
-        return self._where
+    def names(self) -> dict[str, tuple[str, int, torch.dtype, tuple[int, ...]]]:
+        """Tensor name -> (file, offset of its first byte, dtype, shape), from the files' headers."""
+        if self._entries is None:
+            self._entries = {}
+            for file in self.files:
+                with open(file, "rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(size))
+                for name, entry in header.items():
+                    if name == "__metadata__":
+                        continue
+                    if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                        raise ValueError(f"{file}: tensor {name!r} has dtype {entry['dtype']}; readable dtypes are "
+                                         f"{', '.join(_SAFETENSORS_DTYPES)}")
+                    self._entries[name] = (file, 8 + size + entry["data_offsets"][0],
+                                           _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        return self._entries
 
     def find(self, aliases: list[str]) -> str:
         """The first of ``aliases`` (a parameter's names, tied ones included) in the checkpoint."""
         return _find(aliases, self.names(), self.path)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self.names()[name]).get_slice(name).get_shape())
+        return self.names()[name][3]
 
     def dtype(self) -> torch.dtype | None:
         """The first floating tensor's dtype (transformers' ``dtype="auto"`` when config.json has none)."""
-        handle = self._open(self.files[0])
-        for name in handle.keys():  # noqa: SIM118
-            dtype = _SAFETENSORS_FLOATS.get(handle.get_slice(name).get_dtype())
-            if dtype is not None:
-                return dtype
-        return None
+        return next((e[2] for e in self.names().values() if e[2].is_floating_point), None)
 
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of tensor ``name`` (the whole tensor by default)."""
-        handle = self._open(self.names()[name])
-        part = handle.get_slice(name)
-        tensor = part[start:stop] if part.get_shape() else handle.get_tensor(name)
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+    def read(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``name`` (all by default), into ``out`` if given (cast and
+        moved as needed; read in place when it is a contiguous CPU tensor of the file's dtype)."""
+        file, offset, dtype, shape = self.names()[name]
+        row = math.prod(shape[1:]) * dtype.itemsize
+        stop = (shape[0] if shape else 1) if stop is None else stop
+        rows = (stop - start, *shape[1:]) if shape else ()
+        direct = out is not None and out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+        target = out if direct else torch.empty(rows, dtype=dtype)
+        buffer = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        with open(file, "rb", buffering=0) as f:
+            f.seek(offset + start * row)
+            done = 0
+            while done < len(buffer):  # large reads may return short
+                got = f.readinto(buffer[done:])
+                if not got:
+                    raise ValueError(f"{file} ends inside tensor {name!r}: the file is truncated")
+                done += got
+        self.bytes_read += len(buffer)
+        if out is not None and not direct:
+            return out.copy_(target)
+        return target
 
 
 def _find(aliases: list[str], names: Any, where: str) -> str:

@@ -294,7 +294,7 @@ def load_shards(label: str, model: torch.nn.Module, source: SafetensorsWeights |
             if scatter:
                 _scatter_rows(local, param.shape, source.read(keys[name]) if rank == 0 else None, world_size, device)
             else:
-                local.copy_(source.read(keys[name], start, stop) if local.dim() else source.read(keys[name]))
+                source.read(keys[name], start, stop if local.dim() else None, out=local)
             report["loaded_bytes"] += local.numel() * local.element_size()
     return report
 
