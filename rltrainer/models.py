@@ -242,8 +242,8 @@ def _checkpoint_on_meta(spec: str, dtype: torch.dtype | None) -> torch.nn.Module
 
 def _checkpoint_dir(spec: str) -> str:
     """A local directory as given; a hub id's snapshot (config and safetensors only) otherwise."""
-    if os.path.isdir(spec):
-        return spec
+    if os.path.isdir(os.path.expanduser(spec)):
+        return os.path.expanduser(spec)
     if os.path.exists(spec) or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise FileNotFoundError(f"model={spec!r} is not a directory. Give a model directory (config.json and "
                                 "*.safetensors files) or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct'.")

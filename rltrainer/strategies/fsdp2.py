@@ -6,6 +6,10 @@ Ray, so breakpoints work). The controller splits each batch across the data-para
 balanced by token count, with the same number of micro-batches on every rank (FSDP's collectives
 must match); a rank short of rows runs a zero-weight padding micro-batch.
 
+``configure_model`` builds on the meta device and each rank loads only its rows once the model is
+sharded: from a checkpoint's safetensors files (no rank ever holds the whole model), or, for a
+random init, from rank 0, the one rank that runs it whole (see :meth:`FSDP2Worker.setup`).
+
 Gradients are summed across ranks, not averaged: ``policy_step`` normalises by the global token
 or row count in ``micro_batch.meta``, so a 2-rank step equals a 1-rank step.
 """
