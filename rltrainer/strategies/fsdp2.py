@@ -6,25 +6,35 @@ Ray, so breakpoints work). The controller splits each batch across the data-para
 balanced by token count, with the same number of micro-batches on every rank (FSDP's collectives
 must match); a rank short of rows runs a zero-weight padding micro-batch.
 
+``configure_model`` builds on the meta device and each rank loads only its rows once the model is
+sharded: from a checkpoint's safetensors files (no rank ever holds the whole model), or, for a
+random init, from rank 0, the one rank that runs it whole (see :meth:`FSDP2Worker.setup`).
+
 Gradients are summed across ranks, not averaged: ``policy_step`` normalises by the global token
 or row count in ``micro_batch.meta``, so a 2-rank step equals a 1-rank step.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.strategies.distributed import TrainingWorker, WorkerGroupStrategy
+from rltrainer.models import RandomInit, SafetensorsWeights, deferred_init, take_weight_source
+from rltrainer.strategies.dispatch import WorkerGroupStrategy
+from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import STRATEGIES, check_model_type, normalize_optimizers
 from rltrainer.weights.shm import SharedBuffers
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry, bucket_entries, bucket_nbytes, bucket_views
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
+
+log = logging.getLogger(__name__)
+
 
 class FSDP2Worker(TrainingWorker):
     """One FSDP2 training rank (and, colocated, one rollout engine replica)."""
@@ -33,32 +43,79 @@ class FSDP2Worker(TrainingWorker):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__(rank, world_size, threads=threads, device=device, bucket_bytes=bucket_bytes)
         self.shared: SharedBuffers | None = None
+        self.loaded: dict[str, dict[str, Any]] = {}
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
-        """``configure_model`` with the same seed on every rank, shard every model, then
-        ``configure_optimizers`` over the sharded (DTensor) parameters."""
+        """``configure_model`` with the same seed on every rank, inside
+        :func:`~rltrainer.models.deferred_init`: the models it builds with ``build_causal_lm`` have
+        their parameters on the meta device. Each model is sharded (:func:`shard_model`), then every
+        rank fills only its own rows (:func:`load_shards`): read from the checkpoint's safetensors
+        files, or, for a random init, scattered from rank 0, which alone runs it (in full, with the
+        draws every rank made before, so the same seed gives the same weights and, shared after it,
+        the same RNG state). A model built in full (a callable spec, a model the hook loads itself)
+        is sharded as it is. Then ``configure_optimizers`` over the sharded (DTensor) parameters."""
         from torch.distributed.device_mesh import init_device_mesh
 
         torch.manual_seed(seed)
-        module.configure_model()
+        with deferred_init(init_random_here=self.rank == 0):
+            module.configure_model()
         if getattr(module, "policy", None) is None:
             raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
         check_model_type(module.policy, "fsdp2", FSDP2Strategy.supported_model_types)
         self.options = options
-        precision = options["precision"]
-        if precision == "bf16-true":
+        if options["precision"] == "bf16-true":
             module.to(torch.bfloat16)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         trainable = module.trainable_models()
         self.models = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
+        random_init = False
         for name, model in self.models.items():
             if options["activation_checkpointing"] and name in trainable:
                 enable_activation_checkpointing(name, model)
-            model.to(self.device)
-            shard_model(model, mesh, precision, options["cpu_offload"], options["reshard_after_forward"])
+            source = take_weight_source(model)
+            random_init |= isinstance(source, RandomInit)
+            self.loaded[name] = self._place(name, model, source, mesh)
+        if random_init and self.world_size > 1:
+            share_rng_state()
+        if self.rank == 0:
+            for name, r in self.loaded.items():
+                log.info("%s: %s, rank 0 holds %.3g of %.3g GB (%.3g GB read or received)", name, r["source"],
+                         r["shard_bytes"] / 1e9, r["full_bytes"] / 1e9, r["loaded_bytes"] / 1e9)
         self.module = module
         self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
+
+    def _place(self, name: str, model: torch.nn.Module, source: SafetensorsWeights | RandomInit | None,
+               mesh: Any) -> dict[str, Any]:
+        """Shard ``model`` and give this rank its rows; returns what :meth:`load_report` shows."""
+        o = self.options
+        shard = (mesh, o["precision"], o["cpu_offload"], o["reshard_after_forward"])
+        if not any(p.is_meta for p in model.parameters()):  # built in full on every rank
+            model.to(self.device)
+            shard_model(model, *shard)
+            report = shard_bytes(model, self.rank, self.world_size)
+            return {"source": "built in full", **report, "loaded_bytes": report["full_bytes"]}
+        on_meta = [n for n, b in model.named_buffers() if b.is_meta]
+        if source is None or on_meta:
+            raise RuntimeError(
+                f"{name} has parameters on the meta device but no weights to load "
+                f"({'buffers ' + ', '.join(on_meta[:4]) + ' are on meta too' if on_meta else 'no weight source'}): "
+                "build it with rltrainer.models.build_causal_lm (a hub id, a path or a config) and assign it "
+                "directly in configure_model, or build it in full.")
+        buffers = dict(model.named_buffers())  # computed at build time (RoPE), not loaded: kept
+        built = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}  # added by configure_model
+        shard_model(model, *shard)
+        model.to_empty(device="cpu" if o["cpu_offload"] else self.device)  # this rank's rows only
+        for key, buffer in buffers.items():
+            owner, _, leaf = key.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = buffer.to(self.device)
+        return load_shards(name, model, source, built, self.rank, self.world_size, self.device)
+
+    def load_report(self) -> dict[str, dict[str, Any]]:
+        """Per model: where its weights came from (``source``), the bytes of the whole model
+        (``full_bytes``), of this rank's shard (``shard_bytes``), and what this rank read from a
+        checkpoint or received from rank 0 while loading (``loaded_bytes``)."""
+        return self.loaded
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {n: (tuple(p.shape), p.dtype) for n, p in self.module.policy.named_parameters()}
@@ -199,6 +256,116 @@ def _all_gather(out: torch.Tensor, local: torch.Tensor) -> Any:
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, local, async_op=True)
+
+
+def load_shards(label: str, model: torch.nn.Module, source: SafetensorsWeights | RandomInit,
+                built: dict[str, torch.Tensor], rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
+    """Fill this rank's rows of every parameter of ``model`` (the module's ``label``; sharded, just materialised by
+    ``to_empty``): a checkpoint's rows are read here, a random init's are scattered from rank 0 (a
+    collective: every rank calls it), a parameter ``configure_model`` added in full (``built``) is
+    copied. Raises before anything moves if the source lacks a tensor or has another shape."""
+    import torch.distributed as dist
+
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)  # a tied weight has several names
+    params = [(name, param) for name, param in model.named_parameters() if name not in built]  # from the source
+    scatter = isinstance(source, RandomInit)
+    keys: dict[str, str] = {}  # parameter -> its tensor in the source
+    error = None
+    if not scatter or rank == 0:  # a random init is known to rank 0 only
+        try:
+            keys = {name: _source_key(source, aliases[id(p)], tuple(p.shape)) for name, p in params}
+        except (KeyError, ValueError) as e:
+            error = str(e.args[0])
+    if scatter and world_size > 1:
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)  # every rank raises, none waits in a scatter
+        error = shared[0]
+    if error:
+        raise ValueError(f"Cannot load {label}: {error}")
+    report = {"source": f"safetensors files in {source.path}" if not scatter else "random init on rank 0",
+              **shard_bytes(model, rank, world_size), "loaded_bytes": 0}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local, start = _local_rows(param, rank, world_size)
+            stop = start + (local.shape[0] if local.dim() else 0)
+            if name in built:
+                local.copy_(built[name][start:stop] if local.dim() else built[name])
+                continue
+            if not scatter and local.dim() and not local.shape[0]:
+                continue  # an empty last shard
+            if scatter:
+                _scatter_rows(local, param.shape, source.read(keys[name]) if rank == 0 else None, world_size, device)
+            else:
+                source.read(keys[name], start, stop if local.dim() else None, out=local)
+            report["loaded_bytes"] += local.numel() * local.element_size()
+    return report
+
+
+def _source_key(source: SafetensorsWeights | RandomInit, aliases: list[str], shape: tuple[int, ...]) -> str:
+    key = source.find(aliases)
+    if source.shape(key) != shape:
+        where = getattr(source, "path", "the random init")
+        raise ValueError(f"{where}: tensor {key!r} has shape {list(source.shape(key))}, but the model built from its "
+                         f"config has {list(shape)} there. The checkpoint's tensors must match its config.json.")
+    return key
+
+
+def _local_rows(param: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
+    """This rank's part of ``param`` and the first row it holds (fully_shard: chunks of
+    ``ceil(rows / world_size)`` rows along dim 0, the last ones shorter or empty)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.detach(), 0
+    local = param.detach().to_local()
+    return local, (rank * -(-param.shape[0] // world_size) if param.dim() else 0)
+
+
+def _scatter_rows(local: torch.Tensor, shape: torch.Size, full: torch.Tensor | None, world_size: int,
+                  device: torch.device) -> None:
+    """Rank 0 holds ``full``; each rank receives its rows into ``local`` (one scatter; chunks padded
+    to the same length; a 0-dim tensor is broadcast)."""
+    import torch.distributed as dist
+
+    if world_size == 1:
+        local.copy_(full)
+        return
+    if not shape:
+        buffer = full.to(device, local.dtype) if full is not None else torch.empty((), dtype=local.dtype, device=device)
+        dist.broadcast(buffer, src=0)
+        local.copy_(buffer)
+        return
+    chunk = -(-shape[0] // world_size)
+    out = torch.empty((chunk, *shape[1:]), dtype=local.dtype, device=device)
+    pieces = None
+    if full is not None:
+        padded = torch.zeros((chunk * world_size, *shape[1:]), dtype=local.dtype, device=device)
+        padded[: shape[0]].copy_(full)
+        pieces = list(padded.chunk(world_size))
+    dist.scatter(out, pieces, src=0)
+    local.copy_(out[: local.shape[0]])
+
+
+def share_rng_state() -> None:
+    """Every rank takes rank 0's torch RNG state: rank 0 alone drew the random init, where without
+    deferral every rank drew the same (so colocated engines sample as before)."""
+    import torch.distributed as dist
+
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
+
+
+def shard_bytes(model: torch.nn.Module, rank: int, world_size: int) -> dict[str, int]:
+    """Bytes of ``model``'s parameters in full, and of this rank's shard of them."""
+    full = local = 0
+    for param in model.parameters():
+        full += param.numel() * param.element_size()
+        part = _local_rows(param, rank, world_size)[0]
+        local += part.numel() * part.element_size()
+    return {"full_bytes": full, "shard_bytes": local}
 
 
 def shard_model(model: torch.nn.Module, mesh: Any, precision: str, cpu_offload: bool,

@@ -14,7 +14,7 @@ from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
-from rltrainer.strategies.distributed import partition_for_ranks
+from rltrainer.strategies.dispatch import partition_for_ranks
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch, tiny_qwen3_config
 
 
@@ -80,6 +80,10 @@ def test_two_ranks_on_ray_match_one_device(family, tiny_config, bpe_tokenizer, g
         before = dict(fsdp.export_weights())
         for name, p in single_module.policy.named_parameters():
             assert torch.equal(before[name], p.detach()), name  # same seed, same init on every rank
+        # rank 0 ran the random init in full; rank 1 built on meta and received only its rows
+        report = fsdp.group.execute_all("load_report")[1]["policy"]
+        assert report["source"] == "random init on rank 0"
+        assert report["loaded_bytes"] == report["shard_bytes"] < 0.6 * report["full_bytes"]
         for stage in ("ref",):
             torch.testing.assert_close(fsdp.compute(batch, stage)[f"{stage}_log_probs"], batch["ref_log_probs"],
                                        rtol=0, atol=1e-5)

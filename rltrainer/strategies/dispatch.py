@@ -1,0 +1,332 @@
+"""The controller side of a multi-process strategy: :class:`WorkerGroupStrategy` and its dispatch.
+
+It runs in the controller. It starts the ranks (one in-process worker for a single rank, no Ray,
+so breakpoints work; Ray actors in a placement group otherwise), splits each batch across the
+data-parallel shares, balanced by token count, with the same number of micro-batches on every rank
+(:func:`partition_for_ranks`: collectives must match; a rank short of rows runs a zero-weight
+padding micro-batch), places the rollout engines (colocated or split), and picks the weight
+transport (:mod:`rltrainer.weights.transports`). Subclasses (``fsdp2``, ``megatron``) name their
+rank class (a :class:`~rltrainer.strategies.rank_worker.TrainingWorker`, the rank side) and how
+ranks map to shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rltrainer.controller.worker import Worker
+from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
+                                               get_together)
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.rollout.remote import RemoteEngine
+from rltrainer.strategies.rank_worker import TrainingWorker
+from rltrainer.strategies.strategy import Strategy, combine_metrics
+from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
+                                          InProcessTransport, ObjectStoreTransport, SharedMemoryTransport,
+                                          WeightTransport, resolve_transport)
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    from rltrainer.module import RLModule
+    from rltrainer.rollout.engine import RolloutEngine
+
+PLACEMENTS = ("colocated", "split")
+
+
+class WorkerGroupStrategy(Strategy):
+    """A strategy whose ranks are :class:`TrainingWorker` processes. Args: see :class:`FSDP2Strategy`."""
+
+    name = "distributed"
+    worker_cls: type[TrainingWorker] = TrainingWorker
+
+    def __init__(self, devices: int | str = 1, num_nodes: int = 1, rollout_placement: str = "colocated",
+                 rollout_replicas: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, cpus_per_worker: float = 1.0,
+                 gpus_per_worker: float | None = None, threads_per_worker: int | None = None,
+                 ray_init_kwargs: dict[str, Any] | None = None, weight_transport: str = "auto",
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if devices == "auto":
+            devices = max(torch.cuda.device_count(), 1)
+        if not isinstance(devices, int) or devices < 1 or not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"{self.name} needs devices >= 1 and num_nodes >= 1 (ints), got devices={devices!r}, "
+                             f"num_nodes={num_nodes!r}")
+        if rollout_placement not in PLACEMENTS:
+            raise ValueError(f"rollout_placement={rollout_placement!r}; choose from {', '.join(PLACEMENTS)}")
+        if rollout_replicas < 1:
+            raise ValueError(f"rollout_replicas must be >= 1, got {rollout_replicas}")
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport={weight_transport!r}; choose from {', '.join(WEIGHT_TRANSPORTS)} "
+                             "(how split placement moves weights to the rollout replicas)")
+        self.world_size_ = devices * num_nodes
+        self.options: dict[str, Any] = {"precision": self.precision, "gradient_clip_val": self.gradient_clip_val}
+        self.rollout_placement, self.rollout_replicas = rollout_placement, rollout_replicas
+        self.bucket_bytes = bucket_bytes
+        self.cpus_per_worker, self.gpus_per_worker = cpus_per_worker, gpus_per_worker
+        self.threads_per_worker = threads_per_worker or max(1, int(cpus_per_worker))
+        self.ray_init_kwargs = ray_init_kwargs
+        self.group: WorkerGroup | None = None
+        self.rollout_group: WorkerGroup | None = None
+        self.remote_engine: RemoteEngine | None = None
+        self.weight_transport = weight_transport
+        self.transport: WeightTransport | None = None  # to remote_engine
+        self._started_ray = False
+        self._config: Any = None
+        self._weight_names: list[str] = []
+        self._seed = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.world_size_
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _ray_group(self, worker_cls: type, size: int, name: str, **init_kwargs: Any) -> RayWorkerGroup:
+        import ray
+
+        self._started_ray = ensure_ray(self.ray_init_kwargs) or self._started_ray
+        gpus = self.gpus_per_worker
+        if gpus is None:
+            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+        return RayWorkerGroup(worker_cls, size, name=name, cpus_per_worker=self.cpus_per_worker,
+                              gpus_per_worker=gpus, threads=self.threads_per_worker, **init_kwargs)
+
+    def setup(self, module: RLModule, seed: int) -> None:
+        if self.world_size == 1:
+            self.group = InProcessWorkerGroup(self.worker_cls, name="actor", bucket_bytes=self.bucket_bytes)
+            payload: Any = module
+        else:
+            import ray
+
+            self.group = self._ray_group(self.worker_cls, self.world_size, "actor", bucket_bytes=self.bucket_bytes)
+            ship_user_code(module)
+            payload = ray.put(module)  # serialised once for all ranks
+        addr, port = self.group.execute_rank_zero("master_address")
+        self.group.execute_all("init_distributed", addr, port)
+        self.group.execute_all("setup", payload, self.options, seed)
+        self._seed = seed
+        self._after_setup()
+        self._config = self.group.execute_rank_zero("model_config")
+        self._weight_names = self.group.execute_rank_zero("weight_names")
+
+    def _after_setup(self) -> None:
+        """Called once the ranks have set up (subclass hook)."""
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which share of a batch rank ``rank`` trains on (ranks of one share see the same rows)."""
+        return rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size
+
+    def connect_engine(self, engine: RolloutEngine, tokenizer: Any) -> RolloutEngine:
+        """Colocated: one replica in every training process. Split: ``rollout_replicas`` Ray
+        processes of their own (in their own placement group), fed by the transport
+        ``weight_transport`` resolves to (:meth:`_split_transport`)."""
+        group = self._require_group()
+        k = engine.ranks_per_replica
+        if self.rollout_placement == "split":
+            if self.rollout_group is not None:  # connected before: replace the old replicas
+                self._close_rollout_group()
+            group = self.rollout_group = self._ray_group(Worker, self.rollout_replicas * k, "rollout")
+            group.execute_all("seed_rng", self._seed + 10_000)  # the replicas sample: same seed, same run
+            if k > 1:  # the replicas' processes form a torch.distributed group (vLLM's external_launcher)
+                addr, port = group.execute_rank_zero("master_address")
+                group.execute_all("init_distributed", addr, port)
+        elif self.world_size % k:
+            raise ValueError(f"A {type(engine).__name__} replica spans {k} processes; colocated, that must divide "
+                             f"the {self.world_size} training ranks")
+        group.execute_all("setup_engine", engine, self._config, tokenizer)
+        self.group.execute_all("forget_synced")
+        dtype = getattr(engine, "dtype", None)
+        if self.rollout_placement == "split":
+            self.transport = self._split_transport(group, dtype)
+            self.transport.connect()
+        else:
+            self.transport = ColocatedTransport(self.group, dtype)
+        self.remote_engine = RemoteEngine(group, tokenizer, dtype, ranks_per_replica=k)
+        return self.remote_engine
+
+    def _split_transport(self, rollout: WorkerGroup, dtype: torch.dtype | None) -> WeightTransport:
+        """``weight_transport``, with ``"auto"`` resolved (:func:`~rltrainer.weights.transports.resolve_transport`):
+        broadcast when trainer rank 0 and every replica are on GPUs (NCCL); shared memory when every
+        replica is on trainer rank 0's node; else Ray's object store."""
+        trainer = self._require_group()
+        devices = {trainer.execute_rank_zero("device_type"), *rollout.execute_all("device_type")}
+        same_node = set(rollout.execute_all("node_ip")) == {trainer.execute_rank_zero("node_ip")}
+        name = resolve_transport(self.weight_transport, devices, same_node)
+        if name == "broadcast":
+            return BroadcastTransport(trainer, rollout, dtype, get_together)
+        if name == "shared_memory":
+            return SharedMemoryTransport(trainer, rollout, dtype, get_together)
+        return ObjectStoreTransport(trainer, rollout, dtype, get_together)
+
+    def _require_group(self) -> WorkerGroup:
+        if self.group is None:
+            raise RuntimeError(f"{type(self).__name__} is not set up (Trainer.fit calls setup) or was torn down")
+        return self.group
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _dispatch(self, method: str, batch: RolloutBatch, *extra: Any) -> tuple[list[Any], list[torch.Tensor]]:
+        """Split ``batch`` into data-parallel shares and run ``method`` on every rank; returns one
+        output per share (from the share's first rank) and the batch rows of each share."""
+        parts, rows = partition_for_ranks(batch, self.data_parallel_size, self.micro_batch_size,
+                                          self.max_tokens_per_micro_batch)
+        shares = [self.data_parallel_rank(r) for r in range(self.world_size)]
+        outs = self._require_group().dispatch(method, [((parts[s], *extra), {}) for s in shares])
+        first = {s: outs[r] for r, s in reversed(list(enumerate(shares))) if self.reports(r)}
+        return [first[s] for s in range(self.data_parallel_size)], rows
+
+    def reports(self, rank: int) -> bool:
+        """Whether rank ``rank`` returns its share's outputs and metrics (every rank of a share
+        computes them; a pipeline stage before the last holds none)."""
+        return True
+
+    def compute(self, batch: RolloutBatch, stage: str) -> RolloutBatch:
+        outs, rows = self._dispatch("compute", batch, stage)
+        merged: dict[str, torch.Tensor] = {}
+        for key in outs[0]:
+            first = outs[0][key]
+            full = torch.empty((len(batch), *first.shape[1:]), dtype=first.dtype)
+            for out, idx in zip(outs, rows):
+                full[idx] = out[key][: len(idx)]
+            merged[key] = full
+        return RolloutBatch(merged, batch_size=len(batch))
+
+    def train_step(self, mini_batch: RolloutBatch) -> dict[str, float]:
+        outs, _ = self._dispatch("train_step", mini_batch)
+        metrics = combine_metrics(outs)  # global-normalised parts add up; *_max / *_min reduce
+        metrics["actor/grad_norm"] = outs[0]["actor/grad_norm"]  # already the global norm on every rank
+        metrics["actor/lr"] = outs[0]["actor/lr"]
+        return metrics
+
+    # -- weights -----------------------------------------------------------------------------------
+    def export_weights(self, dtype: torch.dtype | None = None,
+                       only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Gather the policy to this process bucket by bucket (rank 0 returns each, Ray carries it)."""
+        group = self._require_group()
+        buckets, _ = group.execute_all("send_weights", "plan", dtype, only_changed)[0]
+        for index in range(buckets):
+            yield from group.execute_all("send_weights", "export", index)[0].views()
+        group.execute_all("send_weights", "finish")
+
+    def weight_names(self) -> list[str]:
+        return list(self._weight_names)
+
+    def forget_synced(self) -> None:
+        self._require_group().execute_all("forget_synced")  # every rank: the next sync sends every weight
+
+    def transport_for(self, engine: RolloutEngine) -> WeightTransport:
+        """The transport :meth:`connect_engine` chose for its replicas; an engine in this process
+        pulls :meth:`export_weights`."""
+        if engine is self.remote_engine and self.transport is not None:
+            return self.transport
+        return InProcessTransport(self, engine)
+
+    # -- state -------------------------------------------------------------------------------------
+    def model_config(self) -> Any:
+        return self._config
+
+    def state_dict(self) -> dict[str, Any]:
+        """Models, optimizers, schedulers, and every rank's RNG state, the split replicas' too (the
+        engines sample with them, so a resumed run draws the samples an uninterrupted one would)."""
+        state = {"training": self._training_state(), "rng": self._require_group().execute_all("rng_state")}
+        if self.rollout_group is not None:
+            state["rollout_rng"] = self.rollout_group.execute_all("rng_state")
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_training_state(state["training"])
+        if len(state["rng"]) == self.world_size:
+            self._require_group().dispatch("set_rng_state", [((s,), {}) for s in state["rng"]])
+        rollout_rng = state.get("rollout_rng")
+        if self.rollout_group is not None and rollout_rng and len(rollout_rng) == self.rollout_group.world_size:
+            self.rollout_group.dispatch("set_rng_state", [((s,), {}) for s in rollout_rng])
+
+    def _training_state(self) -> Any:
+        return self._require_group().execute_all("state_dict")[0]  # rank 0 holds the full state
+
+    def _load_training_state(self, state: Any) -> None:
+        group = self._require_group()
+        if isinstance(group, RayWorkerGroup):
+            import ray
+
+            state = ray.put(state)  # one copy for every rank
+        group.execute_all("load_state_dict", state)
+
+    def _close_rollout_group(self) -> None:
+        """Release the split replicas (and the training ranks' end of their transport)."""
+        if self.transport is not None and self.group is not None:
+            self.transport.close()
+        if self.rollout_group is not None:
+            self.rollout_group.shutdown()
+        self.rollout_group = self.transport = self.remote_engine = None
+
+    def teardown(self) -> None:
+        for group in (self.rollout_group, self.group):
+            if group is not None:
+                group.shutdown()
+        self.group = self.rollout_group = self.remote_engine = self.transport = None
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+
+
+def ship_user_code(module: Any) -> None:
+    """Pickle the code of the module's class by value when it lives outside installed packages
+    (a script's or a test's local module that the worker processes could not import)."""
+    import sys
+
+    from ray import cloudpickle
+
+    for cls in type(module).__mro__:
+        name = cls.__module__
+        source = sys.modules.get(name)
+        path = str(getattr(source, "__file__", "") or "")
+        if source is None or name == "__main__" or name.split(".")[0] in ("rltrainer", "torch", "builtins"):
+            continue
+        if "site-packages" in path or "dist-packages" in path or not path:
+            continue
+        cloudpickle.register_pickle_by_value(source)
+
+
+def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: int,
+                        max_tokens: int | None) -> tuple[list[list[RolloutBatch]], list[torch.Tensor]]:
+    """Rank ``r``'s micro-batches and the batch rows they hold (real rows first, in order).
+
+    Rows go to ranks balanced by token count (longest first, to the least loaded rank with room;
+    at most ``ceil(N / world_size)`` rows each). Every rank gets the same number of micro-batches;
+    a rank with fewer pads with one-row micro-batches whose ``response_mask`` is all zero (they add
+    nothing to a masked loss, and their outputs are dropped).
+    """
+    n = len(batch)
+    tokens = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [1] * n
+    cap = -(-n // world_size)
+    loads, assigned = [0] * world_size, [[] for _ in range(world_size)]
+    for i in sorted(range(n), key=lambda i: -tokens[i]):
+        rank = min((r for r in range(world_size) if len(assigned[r]) < cap), key=lambda r: (loads[r], r))
+        assigned[rank].append(i)
+        loads[rank] += tokens[i]
+    rows = [torch.tensor(sorted(a), dtype=torch.long) for a in assigned]
+    parts = []
+    for idx in rows:
+        sub = batch[idx] if len(idx) else None
+        if sub is None:
+            parts.append([])
+        elif max_tokens:
+            parts.append(sub.split_by_tokens(max_tokens))
+        else:
+            parts.append(sub.split(micro_batch_size))
+    count = max(len(p) for p in parts)
+    if any(len(p) < count for p in parts):
+        pad = batch[[0]].copy()
+        if "response_mask" in pad:
+            pad["response_mask"] = torch.zeros_like(pad["response_mask"])
+        pad.meta["padding"] = True
+        for p in parts:
+            p.extend(pad for _ in range(count - len(p)))
+    return parts, rows

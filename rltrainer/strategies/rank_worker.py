@@ -1,0 +1,116 @@
+"""The rank side of a multi-process strategy: :class:`TrainingWorker`, one per training process.
+
+The controller's :class:`~rltrainer.strategies.dispatch.WorkerGroupStrategy` calls its methods by
+name on every rank (``setup``, ``compute``, ``train_step``, ``send_weights``...). A strategy's rank
+class (``FSDP2Worker``, ``MegatronWorker``) subclasses it with the model layout: how ``setup``
+places the models, and the weight export's ``weight_specs`` / ``gather_weights`` (optionally
+``gather_weights_into``), which a :class:`~rltrainer.weights.sender.WeightSender` drives. A colocated
+rollout engine replica lives in the same process (the :class:`~rltrainer.controller.worker.Worker`
+base class holds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rltrainer.controller.worker import Worker
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.strategies.strategy import clip_gradients, run_compute, run_micro_batches, run_train_step
+from rltrainer.weights.sender import WeightSender
+from rltrainer.weights.versions import ParamVersions
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry
+
+if TYPE_CHECKING:
+    from rltrainer.module import RLModule
+
+
+class TrainingWorker(Worker):
+    """A training rank (and, colocated, a rollout engine replica)."""
+
+    def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__(rank, world_size, threads=threads, device=device)
+        self.bucket_bytes = bucket_bytes
+        self.sender = WeightSender(self, bucket_bytes)
+        self.module: RLModule | None = None
+        self.models: dict[str, torch.nn.Module] = {}  # every model of the module, as placed on this rank
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.schedulers: list[Any] = []
+        self.options: dict[str, Any] = {}
+
+    # -- what a subclass provides ------------------------------------------------------------------
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The policy's HF names, in export order, with their full shapes and dtypes."""
+        raise NotImplementedError
+
+    def gather_weights(self, names: list[str], dtype: torch.dtype | None, index: int) -> list[tuple[str, torch.Tensor]]:
+        """Full tensors of ``names`` (bucket ``index``; a collective: every rank calls it)."""
+        raise NotImplementedError
+
+    def gather_weights_into(self, names: list[str], dtype: torch.dtype | None, index: int, entries: list[Entry],
+                            out: torch.Tensor) -> bool:
+        """Write bucket ``index`` in wire layout (``entries``) straight into ``out``, a shared-memory
+        slot every rank has mapped (a collective); False (the default) if this layout cannot, and
+        then :meth:`gather_weights` runs and rank 0 copies."""
+        return False
+
+    def end_of_sync(self) -> None:
+        """After the last bucket of a sync (e.g. a barrier before buffers are reused)."""
+
+    def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+        """Reduce (if the layout needs it) and clip gradients; return the global norm."""
+        return clip_gradients(params, max_norm)
+
+    def run_micro_batches(self, hook: Any, micro_batches: list[RolloutBatch], backward: bool) -> list[Any]:
+        """How the hook runs over this rank's micro-batches (see :func:`run_micro_batches`)."""
+        return run_micro_batches(hook, micro_batches, backward)
+
+    @property
+    def versions(self) -> ParamVersions:
+        """The policy's per-parameter versions (what the next sync sends)."""
+        return self.sender.versions
+
+    def mark_stepped(self, stepped: list[str]) -> None:
+        """The optimizer step changed these policy parameters: bump their HF names' versions."""
+        self.versions.bump(stepped)
+
+    # -- compute (every rank, on its share of the batch) ---------------------------------------------
+    def compute(self, micro_batches: list[RolloutBatch], stage: str) -> dict[str, torch.Tensor]:
+        micro_batches = [mb.to(self.device) for mb in micro_batches]
+        return run_compute(self.module, micro_batches, stage, list(self.models.values()), contextlib.nullcontext(),
+                           runner=self.run_micro_batches)
+
+    def train_step(self, micro_batches: list[RolloutBatch]) -> dict[str, float]:
+        micro_batches = [mb.to(self.device) for mb in micro_batches]
+        models = list(self.module.trainable_models().values())
+        metrics, stepped = run_train_step(self.module, micro_batches, models, self.optimizers, self.schedulers,
+                                          self.options["gradient_clip_val"], contextlib.nullcontext,
+                                          clip_fn=self.clip_gradients, runner=self.run_micro_batches)
+        self.mark_stepped(stepped)
+        return metrics
+
+    # -- shared --------------------------------------------------------------------------------------
+    def model_config(self) -> Any:
+        return self.module.policy.config
+
+    def weight_names(self) -> list[str]:
+        return list(self.weight_specs())
+
+    def close(self) -> None:
+        self.sender.close()
+        self.engine_teardown()
+        self.destroy_distributed()
+
+    # -- weights: the sending side of rltrainer.weights' transports -----------------------------------
+    def send_weights(self, op: str, *args: Any) -> Any:
+        """Run :class:`~rltrainer.weights.sender.WeightSender` ``op`` (``plan``, ``export``,
+        ``broadcast``, ``write_slot``, ``finish``, ``load_local``...) on this rank; the
+        controller's transports call this on every rank (gathers are collectives)."""
+        return getattr(self.sender, op)(*args)
+
+    def forget_synced(self) -> None:
+        """The engines lost their weights: the next sync sends everything."""
+        self.sender.forget_synced()
