@@ -84,7 +84,7 @@ def rank_main(rank: int, world: int, port: int, workdir: str) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from rltrainer.strategies.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
+    from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_to_megatron, megatron_to_hf
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     data = torch.load(os.path.join(workdir, "inputs.pt"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from rltrainer.strategies.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
+from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_to_megatron, megatron_to_hf
 
 
 def qwen2():

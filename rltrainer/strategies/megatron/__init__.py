@@ -1,0 +1,46 @@
+"""``strategy="megatron"``: training on megatron-core (written against megatron-core 0.16) with
+tensor, pipeline and data parallelism; ranks are Ray actors (one in-process worker for a single rank).
+
+Each rank builds the module's models with ``configure_model`` (transformers, Qwen2 / Llama
+family), converts them to its own megatron-core ``GPTModel`` shard (its pipeline stage, its
+tensor-parallel slice) with :func:`~rltrainer.strategies.megatron.layouts.hf_to_megatron`, and
+swaps them into the module behind :class:`MegatronCausalLM`, which answers the transformers call
+the hooks make (``model(input_ids, attention_mask, position_ids, logits_to_keep)``) with
+full-vocabulary logits. So ``policy_step`` and ``compute_step`` run unchanged: changing FSDP2 to
+Megatron touches no algorithm. Weights leave in HF names (:func:`megatron_to_hf`), so any engine
+takes them.
+
+The hooks run inside megatron-core's forward-backward schedule (``get_forward_backward_func``:
+no pipelining at ``pipeline_model_parallel_size=1``, 1F1B otherwise). On the last stage a hook
+runs whole and its loss (or its outputs) is the schedule's; on an earlier stage the model call
+inside the hook raises :class:`StageOutput`, whose hidden states the schedule sends on (see
+:class:`PipelineSlot`). So with pipeline stages a hook may call one pipelined model per
+micro-batch (PPO's critic needs ``pipeline_model_parallel_size=1``).
+
+Gradients are summed over data-parallel ranks (losses are normalised by global counts), the tied
+embedding's two copies (first and last stage) add their gradients, and clipping uses the global
+norm over tensor-parallel shards and pipeline stages. On CPU (tests), the attention is a layer
+spec of our own (SDPA) and megatron-core's CUDA placements point at the CPU: see
+:func:`~rltrainer.strategies.megatron.cpu.cpu_shims` and
+:func:`~rltrainer.strategies.megatron.cpu.cpu_placement`.
+
+Weights leave one bucket at a time: the stage holding a bucket's tensors gathers their
+tensor-parallel shards, converts just those, and broadcasts them over its pipeline group; only
+parameters an optimizer step changed are sent.
+
+Where each job lives:
+
+- :mod:`~rltrainer.strategies.megatron.strategy`: :class:`MegatronStrategy`, the controller side.
+- :mod:`~rltrainer.strategies.megatron.worker`: :class:`MegatronWorker`, the rank side (setup,
+  the schedule, gradients, weight export, checkpoints).
+- :mod:`~rltrainer.strategies.megatron.models`: ``GPTModel`` behind the transformers call.
+- :mod:`~rltrainer.strategies.megatron.layouts`: HF <-> megatron weight layouts (pure tensors).
+- :mod:`~rltrainer.strategies.megatron.cpu`: the shims that run megatron-core on CPU ranks.
+
+megatron-core itself is imported only inside functions: importing this package needs none of it.
+"""
+
+from rltrainer.strategies.megatron.strategy import MegatronStrategy
+from rltrainer.strategies.megatron.worker import MegatronWorker
+
+__all__ = ["MegatronStrategy", "MegatronWorker"]

@@ -1,0 +1,163 @@
+"""megatron-core models behind the transformers call signature the hooks use, so that
+``policy_step`` and ``compute_step`` run unchanged on megatron-core shards.
+
+- :func:`build_gpt`: a ``GPTModel`` (one pipeline stage, one tensor-parallel slice) with a
+  transformers config's architecture.
+- :class:`MegatronCausalLM`: ``model(input_ids, attention_mask, position_ids, logits_to_keep)``
+  answered with full-vocabulary logits; :class:`MegatronValueModel`: a critic's
+  ``.logits [b, s, 1]``.
+- :class:`StageOutput` / :class:`PipelineSlot`: how a hook's model call takes part in
+  megatron-core's pipeline schedule.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rltrainer.strategies.megatron.cpu import cpu_attention_spec
+
+SUPPORTED = ("qwen2", "llama")
+
+
+def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_process: bool = True,
+              pp: int = 1, pre_process: bool = True, share_embeddings: bool | None = None) -> torch.nn.Module:
+    """A megatron-core ``GPTModel`` (this rank's pipeline stage) with the architecture of a
+    Qwen2 / Llama transformers config."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if hf_config.model_type not in SUPPORTED:
+        raise NotImplementedError(f"strategy='megatron' builds {', '.join(SUPPORTED)} models; got model_type="
+                                  f"{hf_config.model_type!r}")
+    heads = hf_config.num_attention_heads
+    config = TransformerConfig(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        ffn_hidden_size=hf_config.intermediate_size, gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        use_cpu_initialization=on_cpu, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype, variable_seq_lengths=True,  # micro-batches differ in length and rows
+        moe_token_dispatcher_type="alltoall",  # no experts here; the default ("allgather") refuses variable lengths
+        calculate_per_token_loss=True)  # the hooks normalise by global counts: the schedule must not rescale
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if on_cpu:
+        spec.submodules.self_attention.submodules.core_attention = cpu_attention_spec()
+    rope = getattr(hf_config, "rope_theta", None) or (getattr(hf_config, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
+                    max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
+                    rotary_base=int(rope), pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) if share_embeddings is None
+                    else share_embeddings)
+
+
+class StageOutput(BaseException):  # noqa: N818 (not an error: a control-flow signal, like GeneratorExit)
+    """Raised by a pipelined model called on a stage before the last: ``hidden`` is what the stage
+    sends on, and the rest of the hook (which needs the last stage's logits) does not run. A
+    ``BaseException``, so that an ``except Exception`` in a hook lets it through."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("pipeline stage output")
+        self.hidden = hidden
+
+
+class PipelineSlot:
+    """The model megatron-core's schedule drives on this rank. The schedule hands it the tensor
+    received from the previous stage (``set_input_tensor``); whichever :class:`MegatronCausalLM`
+    the hook calls takes it from here. ``config`` is the policy's ``TransformerConfig``."""
+
+    def __init__(self, config: Any) -> None:
+        from megatron.core.enums import ModelType
+
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor
+
+
+class MegatronCausalLM(torch.nn.Module):
+    """A ``GPTModel`` (one pipeline stage of it) behind the transformers causal-LM call the hooks use.
+
+    Left-padded rows are rotated so that their tokens start at position 0 (megatron's RoPE counts
+    positions from the start of the sequence; the padding moves behind the causal horizon), then
+    the logits are rotated back. Logits are gathered over the tensor-parallel ranks. A stage
+    after the first reads its input from ``slot``; a stage before the last raises
+    :class:`StageOutput` with its hidden states.
+    """
+
+    def __init__(self, gpt: torch.nn.Module, config: Any, slot: PipelineSlot | None = None) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.config = config
+        self.slot = slot
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, use_cache: bool = False, logits_to_keep: int = 0,
+                **kwargs: Any) -> SimpleNamespace:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        ids, positions, pads = rotate_left(input_ids, attention_mask)
+        if not self.gpt.pre_process:
+            if self.slot is None or self.slot.input_tensor is None:
+                raise RuntimeError("A pipeline stage after the first runs only inside megatron's schedule "
+                                   "(MegatronWorker.run_micro_batches), which hands it the previous stage's output")
+            self.gpt.set_input_tensor(self.slot.input_tensor)
+        out = self.gpt(ids, positions, attention_mask=None)  # [b, s, V/tp], or [s, b, H] before the last stage
+        if not self.gpt.post_process:
+            raise StageOutput(out)
+        logits = rotate_back(gather_from_tensor_model_parallel_region(out)[..., : self.config.vocab_size], pads)
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+class MegatronValueModel(torch.nn.Module):
+    """A critic: a ``GPTModel`` trunk (no output layer) with the transformers model's final norm
+    and one-output ``score`` head (replicated on every tensor-parallel rank), answering the
+    token-classification call (``.logits [b, s, 1]``)."""
+
+    def __init__(self, gpt: torch.nn.Module, norm: torch.nn.Module, score: torch.nn.Module, config: Any,
+                 dropout: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.gpt, self.norm, self.score, self.config = gpt, norm, score, config
+        self.dropout = dropout or torch.nn.Identity()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs: Any) -> SimpleNamespace:
+        def run(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            hidden = self.gpt(ids, positions, attention_mask=None)  # [s, b, H] without post-processing
+            return self.score(self.dropout(self.norm(hidden.transpose(0, 1))))
+
+        return SimpleNamespace(logits=left_aligned(run, input_ids, attention_mask))
+
+
+def rotate_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's tokens rotated to start at position 0 (megatron's RoPE counts from the start;
+    left padding moves behind the causal horizon): ``(ids, positions, pads per row)``."""
+    b, s = input_ids.shape
+    steps = torch.arange(s, device=input_ids.device)
+    pads = (attention_mask.cumsum(-1) == 0).sum(-1) if attention_mask is not None else torch.zeros_like(input_ids[:, 0])
+    return input_ids.gather(1, (steps[None] + pads[:, None]) % s), steps.expand(b, s), pads
+
+
+def rotate_back(out: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`rotate_left` for an output ``[b, s, ...]``."""
+    steps = torch.arange(out.shape[1], device=out.device)
+    back = ((steps[None] - pads[:, None]) % out.shape[1])[..., None].expand(-1, -1, out.shape[-1])
+    return out.gather(1, back)
+
+
+def left_aligned(run: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``run(ids, positions) -> [b, s, ...]`` on left-aligned rows, its output in the input's layout."""
+    ids, positions, pads = rotate_left(input_ids, attention_mask)
+    return rotate_back(run(ids, positions), pads)
+

@@ -1,0 +1,63 @@
+"""The controller side of ``strategy="megatron"``: :class:`MegatronStrategy` (the rank layout,
+which ranks report, checkpoints); the ranks are :class:`~rltrainer.strategies.megatron.worker.MegatronWorker`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rltrainer.strategies.dispatch import WorkerGroupStrategy
+from rltrainer.strategies.megatron.worker import MegatronWorker
+from rltrainer.strategies.strategy import STRATEGIES
+
+
+@STRATEGIES.register("megatron", description="megatron-core: tensor x pipeline x data parallel (Ray workers)")
+class MegatronStrategy(WorkerGroupStrategy):
+    """megatron-core training on ``devices x num_nodes`` ranks: ``tensor_model_parallel_size``
+    ranks split each layer's matrices, ``pipeline_model_parallel_size`` stages split the layers,
+    and the rest is data parallel. Ranks are ordered as megatron-core orders them: tensor-parallel
+    first, then data-parallel, then pipeline stages.
+
+    Args:
+        tensor_model_parallel_size: ranks that split each layer's matrices.
+        pipeline_model_parallel_size: stages the decoder layers are split into (evenly); the hooks
+            run in megatron-core's 1F1B schedule.
+        devices / num_nodes / rollout_placement / ...: as for :class:`FSDP2Strategy`.
+    """
+
+    name = "megatron"
+    worker_cls = MegatronWorker
+
+    def __init__(self, devices: int | str = 1, num_nodes: int = 1, tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1, **kwargs: Any) -> None:
+        super().__init__(devices=devices, num_nodes=num_nodes, **kwargs)
+        tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1 or self.world_size % (tp * pp):
+            raise ValueError(f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} must divide the "
+                             f"{self.world_size} ranks (devices x num_nodes)")
+        if self.precision in ("bf16-mixed", "16-mixed"):
+            raise ValueError(f"strategy='megatron' takes precision '32-true' or 'bf16-true', got {self.precision!r}")
+        self.tp, self.pp = tp, pp
+        self.options.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+    def data_parallel_rank(self, rank: int) -> int:
+        return (rank // self.tp) % self.data_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    def reports(self, rank: int) -> bool:
+        return rank // (self.tp * self.data_parallel_size) == self.pp - 1  # the last pipeline stage
+
+    def _training_state(self) -> Any:
+        return {"ranks": self._require_group().execute_all("state_dict"), "tensor_model_parallel_size": self.tp,
+                "pipeline_model_parallel_size": self.pp}
+
+    def _load_training_state(self, state: Any) -> None:
+        have = (len(state["ranks"]), state.get("tensor_model_parallel_size"),
+                state.get("pipeline_model_parallel_size", 1))
+        if have != (self.world_size, self.tp, self.pp):
+            raise ValueError(f"This checkpoint has {have[0]} ranks with tensor_model_parallel_size={have[1]}, "
+                             f"pipeline_model_parallel_size={have[2]}; this run has {self.world_size} with {self.tp}, "
+                             f"{self.pp}")
+        self._require_group().dispatch("load_state_dict", [((s,), {}) for s in state["ranks"]])
