@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rltrainer.algorithms import aggregate, kl_penalty, ppo_clip_loss
+from rltrainer.algorithms import LossContext, aggregate, kl_penalty, ppo_clip_loss
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.modules.grpo import GRPO
 from rltrainer.testing import tiny_qwen2_config
@@ -115,8 +115,8 @@ def test_loss_is_pg_plus_kl_minus_entropy(mode: str) -> None:
     mask = batch["response_mask"]
     counts = {"global_tokens": batch.meta["global_tokens"], "global_rows": batch.meta["global_rows"],
               "max_response_length": MAX_NEW_TOKENS}
-    pg, _ = ppo_clip_loss(log_probs, batch["old_log_probs"], batch["advantages"], mask, 0.2, 0.2, 3.0, mode,
-                          **counts)
+    pg, _ = ppo_clip_loss(log_probs, batch["old_log_probs"], batch["advantages"], mask, LossContext(mode, **counts),
+                          clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
     kl = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], "k3"), mask, mode, **counts)
     ent = aggregate(entropy, mask, mode, **counts)
     expected = pg + 0.1 * kl - 0.01 * ent
