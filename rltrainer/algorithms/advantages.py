@@ -61,14 +61,15 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, ctx
     ``kl_in_reward_coef * KL(pi_old || pi_ref)`` per token (verl's ``apply_kl_penalty``,
     ray_trainer.py:70-98 at b178a3c: ``token_level_scores - beta * kld``)."""
     KL_ESTIMATORS.get(kl_estimator)  # an unknown name raises, listing the names
-    mask = response_mask.to(torch.float32)
-    rewards = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device)
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    mask = response_mask.to(dtype)
+    rewards = torch.zeros(mask.shape, dtype=dtype, device=scores.device)
     positions = torch.arange(mask.shape[1], device=mask.device, dtype=mask.dtype)
     last = (mask * (positions + 1)).argmax(-1)  # [N] each row's last response token (0 if none)
-    rewards[torch.arange(len(scores), device=scores.device), last] = scores.float()
+    rewards[torch.arange(len(scores), device=scores.device), last] = scores.to(dtype)
     if kl_in_reward_coef:
         ctx = ctx or AdvantageContext()
-        kl = kl_penalty(ctx.get("old_log_probs", name).float(), ctx.get("ref_log_probs", name).float(), kl_estimator)
+        kl = kl_penalty(ctx.get("old_log_probs", name).to(dtype), ctx.get("ref_log_probs", name).to(dtype), kl_estimator)
         rewards = rewards - kl_in_reward_coef * kl * mask
     return rewards * mask
 
@@ -219,9 +220,9 @@ def reinforce_plus_plus_advantages(scores: torch.Tensor, response_mask: torch.Te
     batch's tokens (no group baseline). verl's ``compute_reinforce_plus_plus_outcome_advantage``
     (core_algos.py:583 at b178a3c) on ``apply_kl_penalty``'s token rewards."""
     _check_coefs(gamma=gamma, kl_in_reward_coef=kl_in_reward_coef)
-    mask = response_mask.float()
     rewards = outcome_token_rewards(scores, response_mask, ctx, kl_in_reward_coef, kl_estimator,
                                     "reinforce_plus_plus")
+    mask = response_mask.to(rewards.dtype)
     returns = torch.zeros_like(rewards)
     running = torch.zeros(len(rewards), dtype=rewards.dtype, device=rewards.device)
     for t in reversed(range(rewards.shape[1])):
@@ -241,9 +242,9 @@ def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, response_mask:
     its tokens) minus its group mean, then whitened over the whole batch's tokens. verl's
     ``compute_reinforce_plus_plus_baseline_outcome_advantage`` (core_algos.py:425 at b178a3c)."""
     _check_coefs(kl_in_reward_coef=kl_in_reward_coef)
-    mask = response_mask.float()
     rewards = outcome_token_rewards(scores, response_mask, ctx, kl_in_reward_coef, kl_estimator,
                                     "reinforce_plus_plus_baseline")
+    mask = response_mask.to(rewards.dtype)
     centred, _ = grpo_advantages(rewards.sum(-1), response_mask, uids, norm_by_std=False)  # [N, T]
     adv = masked_whiten(centred, mask) * mask
     return adv, adv
