@@ -215,3 +215,29 @@ def test_every_policy_loss_is_exact_under_micro_batching(name: str, mode: str, s
     assert scale > 0
     for g_whole, g_parts in zip(whole, parts, strict=True):
         torch.testing.assert_close(g_parts, g_whole, rtol=0, atol=1e-5 * scale)
+
+
+def test_a_users_registered_loss_runs_in_policy_step() -> None:
+    """Register a loss with its own parameter (the README's five lines), choose it by name: policy_step
+    calls it with the shared context (global counts: exact under micro-batching) and its parameter."""
+    from rltrainer.algorithms import POLICY_LOSSES
+
+    @POLICY_LOSSES.register("scaled_reinforce", scale=1.0)
+    def scaled_reinforce(log_probs, old_log_probs, advantages, response_mask, ctx, *, scale):
+        return ctx.finish(-scale * advantages * log_probs, response_mask.to(log_probs.dtype)), {}
+
+    try:
+        module = make_module("token-mean", kl_coef=0.0, entropy_coef=0.0, policy_loss="scaled_reinforce",
+                             policy_loss_kwargs={"scale": 3.0})
+        batch = make_batch(module)
+        loss, _ = module.policy_step(batch)
+        with torch.no_grad():
+            log_probs, _ = manual_log_probs(module.policy, batch, TEMPERATURE)
+        mask = batch["response_mask"]
+        expected = -(3.0 * batch["advantages"] * log_probs * mask).sum() / mask.sum()
+        torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+        parts = sum(module.policy_step(part)[0].detach() for part in batch.split(2))
+        torch.testing.assert_close(parts, loss.detach(), rtol=0, atol=4e-6)
+    finally:
+        POLICY_LOSSES._entries.pop("scaled_reinforce")
+        POLICY_LOSSES._descriptions.pop("scaled_reinforce")
