@@ -1,4 +1,7 @@
-"""GRPO (and its relatives: Dr. GRPO, DAPO's loss settings, RLOO) as an ``RLModule`` subclass."""
+"""GRPO (and its relatives: Dr. GRPO, DAPO's loss settings, RLOO, REINFORCE++, GSPO, CISPO, SAPO,
+DPPO, Clip-/KL-Cov) as an ``RLModule`` subclass: the loss and the advantage estimator are registry
+entries chosen by name (:data:`~rltrainer.algorithms.POLICY_LOSSES`,
+:data:`~rltrainer.algorithms.ADVANTAGES`)."""
 
 from __future__ import annotations
 
