@@ -59,7 +59,11 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, ctx
                           kl_in_reward_coef: float, kl_estimator: str, name: str) -> torch.Tensor:
     """Token rewards ``[N, T]``: the score on each row's last (unmasked) response token, minus
     ``kl_in_reward_coef * KL(pi_old || pi_ref)`` per token (verl's ``apply_kl_penalty``,
-    ray_trainer.py:70-98 at b178a3c: ``token_level_scores - beta * kld``)."""
+    ray_trainer.py:70-98 at b178a3c: ``token_level_scores - beta * kld``).
+
+    The last token is that of ``response_mask`` as given, after any rollout correction: if the
+    correction rejected a response's last token the score moves to the last kept one (verl places
+    it before the rejection, where the estimator then skips it and the reward is lost)."""
     KL_ESTIMATORS.get(kl_estimator)  # an unknown name raises, listing the names
     dtype = torch.promote_types(scores.dtype, torch.float32)
     mask = response_mask.to(dtype)
