@@ -176,6 +176,10 @@ class GRPO(RLModule):
         if clip_ratio_c is not None and clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip cap) or None to disable it, got {clip_ratio_c}")
         self.policy_loss = policy_loss
+        # the entries themselves travel with the module (pickled to the training ranks), so a loss a
+        # user registered in their script is there even where their registration never ran
+        self._policy_loss_fn = POLICY_LOSSES.get(policy_loss)
+        self._advantage_fn = ADVANTAGES.get(advantage_estimator)
         self.policy_loss_kwargs = check_policy_loss(policy_loss, entry_params(
             "policy loss", policy_loss, POLICY_LOSSES.defaults(policy_loss), policy_loss_kwargs,
             {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high, "clip_ratio_c": clip_ratio_c},
@@ -256,7 +260,7 @@ class GRPO(RLModule):
                                needs_old=needs_old, needs_ref=self.needs_ref(), needs_values=self.uses_critic)
 
     def _loss_prepare(self) -> Callable[..., dict[str, torch.Tensor]] | None:
-        return getattr(POLICY_LOSSES.get(self.policy_loss), "prepare", None)
+        return getattr(self._policy_loss_fn, "prepare", None)
 
     def corrects_rollouts(self) -> bool:
         """Whether rollouts can be off-policy here (the Trainer's ``off_policy``) or a
@@ -310,9 +314,8 @@ class GRPO(RLModule):
             raise KeyError(f"advantage_estimator={self.advantage_estimator!r} needs {missing} [N, T] in the batch "
                            f"(compute_stages schedules them); it has {batch.keys()}")
         ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields})
-        advantages, returns = ADVANTAGES.build(self.advantage_estimator, scores=batch["scores"],
-                                               response_mask=batch["response_mask"], uids=batch["uid"], ctx=ctx,
-                                               **self.advantage_kwargs)
+        advantages, returns = self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], ctx,
+                                                 **self.advantage_kwargs)
         batch["advantages"] = advantages  # [N, T]
         batch["returns"] = returns  # [N, T]
         mask = batch["response_mask"].bool()
@@ -365,8 +368,8 @@ class GRPO(RLModule):
             is_weights, corr_metrics = self.correct_micro_batch(old_log_probs, mb)
         ctx = LossContext(self.loss_agg_mode, **counts, rollout_is_weights=is_weights,
                           extras={k: mb[k] for k in meta.get("loss_extras", ())})
-        pg_loss, metrics = POLICY_LOSSES.get(self.policy_loss)(log_probs, old_log_probs, mb["advantages"], mask, ctx,
-                                                               **self.policy_loss_kwargs)
+        pg_loss, metrics = self._policy_loss_fn(log_probs, old_log_probs, mb["advantages"], mask, ctx,
+                                                **self.policy_loss_kwargs)
         metrics.update(corr_metrics)
         loss = pg_loss
         metrics["actor/pg_loss"] = pg_loss.detach()

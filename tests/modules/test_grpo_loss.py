@@ -241,3 +241,8 @@ def test_a_users_registered_loss_runs_in_policy_step() -> None:
     finally:
         POLICY_LOSSES._entries.pop("scaled_reinforce")
         POLICY_LOSSES._descriptions.pop("scaled_reinforce")
+    # a training rank where the registration never ran (a Ray worker) gets the loss with the module
+    from ray import cloudpickle
+
+    shipped = cloudpickle.loads(cloudpickle.dumps(module))
+    torch.testing.assert_close(shipped.policy_step(batch)[0].detach(), loss.detach())
