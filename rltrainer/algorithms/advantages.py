@@ -33,11 +33,12 @@ class AdvantageContext:
     values: torch.Tensor | None = None  # [N, T] the critic's values (GAE)
     old_log_probs: torch.Tensor | None = None  # [N, T] the policy's, before the update
     ref_log_probs: torch.Tensor | None = None  # [N, T] the reference model's
+    reward_baselines: torch.Tensor | None = None  # [N] the score of a greedy response to each row's prompt (ReMax)
 
     def get(self, name: str, estimator: str) -> torch.Tensor:
         value = getattr(self, name)
         if value is None:
-            raise KeyError(f"Advantage estimator {estimator!r} needs {name!r} [N, T]; the batch has none")
+            raise KeyError(f"Advantage estimator {estimator!r} needs {name!r}; the batch has none")
         return value
 
 
@@ -254,6 +255,25 @@ def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, response_mask:
     return adv, adv
 
 
+@ADVANTAGES.register("remax", kl_in_reward_coef=0.0, kl_estimator="k1")
+@requires(lambda params: {"reward_baselines"} | _kl_fields(params))
+def remax_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
+                     ctx: AdvantageContext | None = None, *, kl_in_reward_coef: float = 0.0, kl_estimator: str = "k1"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023, arXiv:2310.10505): the return-to-go of the token rewards minus the score
+    of a greedy response to the same prompt, ``ctx.reward_baselines [N]``. GRPO's ``rollout_step``
+    issues that greedy generation and ``reward_step`` scores it whenever this estimator is chosen.
+    verl's ``compute_remax_outcome_advantage`` (core_algos.py:622 at b178a3c): ``returns =
+    reverse cumsum(rewards * mask)``, ``advantages = returns - baseline * mask``; no whitening."""
+    _check_coefs(kl_in_reward_coef=kl_in_reward_coef)
+    ctx = ctx or AdvantageContext()
+    rewards = outcome_token_rewards(scores, response_mask, ctx, kl_in_reward_coef, kl_estimator, "remax")
+    mask = response_mask.to(rewards.dtype)
+    returns = (rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [N, T]
+    baselines = ctx.get("reward_baselines", "remax").to(rewards.dtype)  # [N]
+    return returns - baselines.unsqueeze(-1) * mask, returns
+
+
 @ADVANTAGES.register("gae", gamma=1.0, lam=0.95, whiten=True, kl_in_reward_coef=0.0, kl_estimator="k1")
 @requires(lambda params: {"values"} | _kl_fields(params))
 def gae_estimator(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
@@ -318,6 +338,7 @@ def check_advantage(name: str, params: dict) -> dict:
     entry's own check, run on a group of two)."""
     full = ADVANTAGES.resolve(name, params)
     mask = torch.ones(2, 2)
-    ctx = AdvantageContext(**{field: torch.zeros(2, 2) for field in required_fields(name, full)})
+    probes = {"reward_baselines": torch.zeros(2)}
+    ctx = AdvantageContext(**{f: probes.get(f, torch.zeros(2, 2)) for f in required_fields(name, full)})
     ADVANTAGES.build(name, scores=torch.tensor([1.0, 0.0]), response_mask=mask, uids=["a", "a"], ctx=ctx, **full)
     return full

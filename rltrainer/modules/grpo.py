@@ -5,6 +5,7 @@ entries chosen by name (:data:`~rltrainer.algorithms.POLICY_LOSSES`,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,10 +22,10 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
 from rltrainer.module import RLModule
 from rltrainer.rewards import RewardManager, resolve_reward
-from rltrainer.rollout.engine import SamplingParams
+from rltrainer.rollout.engine import RolloutEngine, SamplingParams
 
 #: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
-ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason"})
+ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason", "baseline_response_text"})
 
 #: GRPO's own arguments that set a policy loss's / an estimator's parameter, with their defaults.
 LOSS_ARGUMENTS = {"clip_ratio_low": ("clip_ratio_low", 0.2), "clip_ratio_high": ("clip_ratio_high", 0.2),
@@ -94,8 +95,9 @@ class GRPO(RLModule):
             the estimator's ``norm_by_std``, in the same way as ``clip_ratio_*``.
         advantage_estimator: an entry of :data:`~rltrainer.algorithms.ADVANTAGES` that needs no
             critic: ``"grpo"``, ``"dr_grpo"``, ``"rloo"``, ``"reinforce"``, ``"opo"``,
-            ``"reinforce_plus_plus"``, ``"reinforce_plus_plus_baseline"`` (``"gae"`` needs
-            :class:`~rltrainer.PPO`).
+            ``"reinforce_plus_plus"``, ``"reinforce_plus_plus_baseline"``, ``"remax"`` (its
+            ``rollout_step`` then also generates one greedy response per prompt, and ``reward_step``
+            scores it as the baseline); ``"gae"`` needs :class:`~rltrainer.PPO`.
         advantage_kwargs: that entry's parameters (e.g. ``{"kl_in_reward_coef": 0.01}``: a KL
             penalty in the token rewards, which builds a reference model), checked like
             ``policy_loss_kwargs``.
@@ -235,10 +237,23 @@ class GRPO(RLModule):
         return {"optimizer": opt, "lr_scheduler": sched}
 
     # -- control flow ---------------------------------------------------------------------------
+    def rollout_step(self, batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
+        """The default sampling; with an estimator that needs a greedy baseline (ReMax: it requires
+        ``reward_baselines``), also one greedy response per prompt, ``baseline_response_text`` (each
+        row its prompt's), which :meth:`reward_step` scores."""
+        out = super().rollout_step(batch, engine)
+        if "reward_baselines" in self._advantage_fields:
+            greedy = engine.generate(list(batch["prompt_ids"]), dataclasses.replace(self.sampling, n=1, temperature=0.0))
+            out["baseline_response_text"] = [text for text in greedy.text for _ in range(self.sampling.n)]
+        return out
+
     def reward_step(self, batch: RolloutBatch) -> RolloutBatch:
         fields = {k: list(v) for k, v in batch.non_tensors.items() if k not in ROLLOUT_FIELDS}
         result = self.rewards(list(batch["response_text"]), fields)
         batch["scores"] = result.scores  # [N]
+        if "baseline_response_text" in batch:
+            batch["reward_baselines"] = self.baseline_scores(batch, fields)  # [N]
+            self.log("critic/reward_baseline/mean", batch["reward_baselines"].mean().item())
         for name, value in result.metrics().items():
             self.log(name, value)
         scores = result.scores
@@ -246,6 +261,18 @@ class GRPO(RLModule):
         self.log("critic/score/max", scores.max().item())
         self.log("critic/score/min", scores.min().item())
         return batch
+
+    def baseline_scores(self, batch: RolloutBatch, fields: dict[str, list[Any]]) -> torch.Tensor:
+        """``reward_baselines [N]``: the reward of each group's greedy response, scored once per group."""
+        uids = list(batch["uid"])
+        first: dict[Any, int] = {}
+        for i, uid in enumerate(uids):
+            first.setdefault(uid, i)
+        rows = list(first.values())
+        texts = [batch["baseline_response_text"][i] for i in rows]
+        scores = self.rewards(texts, {k: [v[i] for i in rows] for k, v in fields.items()}).scores  # [groups]
+        position = {uid: k for k, uid in enumerate(first)}
+        return scores[torch.tensor([position[uid] for uid in uids])]
 
     def compute_stages(self) -> list[str]:
         """``old_log_prob`` if the policy moves within a batch (``update_epochs > 1`` or

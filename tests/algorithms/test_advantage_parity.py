@@ -7,6 +7,7 @@ TRL 1.16's RLOO; advantages and returns to 1e-6 (float64).
 - ``opo``: ``compute_opo_outcome_advantage`` (529-579)
 - ``reinforce_plus_plus``: ``compute_reinforce_plus_plus_outcome_advantage`` (583-618)
 - ``reinforce_plus_plus_baseline``: ``compute_reinforce_plus_plus_baseline_outcome_advantage`` (425-473)
+- ``remax``: ``compute_remax_outcome_advantage`` (622-654)
 - ``gae``: ``compute_gae_advantage_return`` (215-263)
 - whitening: ``masked_whiten`` (verl/utils/torch_functional.py:304-339); KL in the token rewards:
   ``apply_kl_penalty`` (verl/trainer/ppo/ray_trainer.py:70-98, ``kl_penalty="kl"``: k1)
@@ -36,11 +37,14 @@ def data() -> dict[str, torch.Tensor]:
     old = -2.0 * torch.rand(N, T, generator=gen, dtype=torch.float64)
     ref = old + 0.3 * torch.randn(N, T, generator=gen, dtype=torch.float64)
     values = torch.randn(N, T, generator=gen, dtype=torch.float64)
-    return {"scores": scores, "mask": mask, "old": old, "ref": ref, "values": values}
+    group_baseline = {"a": 0.5, "b": 1.0, "c": 0.0}  # the score of each prompt's greedy response (ReMax)
+    baselines = torch.tensor([group_baseline[u] for u in UIDS], dtype=torch.float64)
+    return {"scores": scores, "mask": mask, "old": old, "ref": ref, "values": values, "baselines": baselines}
 
 
 def ours(name: str, data: dict, **params: object) -> tuple[torch.Tensor, torch.Tensor]:
-    ctx = AdvantageContext(values=data["values"], old_log_probs=data["old"], ref_log_probs=data["ref"])
+    ctx = AdvantageContext(values=data["values"], old_log_probs=data["old"], ref_log_probs=data["ref"],
+                           reward_baselines=data["baselines"])
     return ADVANTAGES.build(name, scores=data["scores"], response_mask=data["mask"], uids=UIDS, ctx=ctx, **params)
 
 
@@ -140,6 +144,12 @@ def verl_reinforce_pp_baseline(data: dict, kl_coef: float) -> torch.Tensor:
     return verl_masked_whiten(tiled, mask) * mask
 
 
+def verl_remax(data: dict, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rewards, mask = token_level_rewards(data, kl_coef), data["mask"]
+    returns = (rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    return returns - data["baselines"].unsqueeze(-1) * mask, returns
+
+
 def verl_gae(data: dict, gamma: float, lam: float, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
     rewards, values, mask = token_level_rewards(data, kl_coef), data["values"], data["mask"]
     nextvalues, lastgaelam, reversed_adv = 0, 0, []
@@ -202,6 +212,14 @@ def test_reinforce_plus_plus_baseline_matches_verl(data, kl_coef) -> None:
     torch.testing.assert_close(ret, adv, **TOL)
 
 
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_remax_matches_verl(data, kl_coef) -> None:
+    adv, ret = ours("remax", data, kl_in_reward_coef=kl_coef)
+    want_adv, want_ret = verl_remax(data, kl_coef)
+    torch.testing.assert_close(adv, want_adv, **TOL)
+    torch.testing.assert_close(ret, want_ret, **TOL)
+
+
 @pytest.mark.parametrize("gamma, lam, kl_coef", [(1.0, 0.95, 0.0), (0.9, 0.8, 0.05)])
 def test_gae_matches_verl(data, gamma, lam, kl_coef) -> None:
     adv, ret = ours("gae", data, gamma=gamma, lam=lam, kl_in_reward_coef=kl_coef)
@@ -218,6 +236,6 @@ def test_kl_in_reward_needs_the_log_probs(data) -> None:
 
 
 def test_every_estimator_has_a_parity_test() -> None:
-    covered = {"grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
+    covered = {"grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax",
                "reinforce"}  # reinforce is dr_grpo (tests/algorithms/test_advantages.py)
     assert set(ADVANTAGES.names()) <= covered, "a new estimator needs a parity test here"

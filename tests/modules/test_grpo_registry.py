@@ -10,6 +10,7 @@ import torch
 from rltrainer import GRPO, PPO
 from rltrainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageContext
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.rollout.engine import Generation, SamplingParams
 from rltrainer.testing import tiny_qwen2_config
 
 
@@ -171,3 +172,39 @@ def test_a_users_loss_is_registered_and_chosen_by_name() -> None:
     finally:
         POLICY_LOSSES._entries.pop("scaled_pg")
         POLICY_LOSSES._descriptions.pop("scaled_pg")
+
+
+class GreedyAwareEngine:
+    """A fake engine: sampled responses are "s<j>" (j-th sample), greedy ones "greedy"; it records
+    every request's sampling parameters."""
+
+    weight_version = 0
+
+    def __init__(self) -> None:
+        self.requests: list[SamplingParams] = []
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Generation:
+        self.requests.append(sampling)
+        rows = len(prompts) * sampling.n
+        text = ["greedy" if sampling.temperature == 0 else f"s{j}" for _ in prompts for j in range(sampling.n)]
+        ids = torch.ones(rows, 2, dtype=torch.long)
+        return Generation(ids, torch.ones(rows, 2, dtype=torch.long), torch.zeros(rows, 2), text, ["stop"] * rows)
+
+
+def test_remax_rollout_issues_a_greedy_generation_and_uses_its_reward_as_baseline() -> None:
+    def reward(completions, answer, **kwargs):  # "greedy" scores the prompt's answer, sample j scores j
+        return [float(a) if c == "greedy" else float(c[1:]) for c, a in zip(completions, answer, strict=True)]
+
+    module = GRPO(tiny_qwen2_config(vocab_size=64), SimpleNamespace(pad_token_id=0), reward, num_generations=3,
+                  advantage_estimator="remax")
+    assert module.compute_stages() == []
+    engine = GreedyAwareEngine()
+    prompts = RolloutBatch(non_tensors={"prompt_ids": [[5, 6], [7]], "answer": ["1", "2"]})
+    batch = module.rollout_step(prompts, engine)
+    assert [(r.n, r.temperature) for r in engine.requests] == [(3, 1.0), (1, 0.0)]  # the sampled, then the greedy
+    assert list(batch["baseline_response_text"]) == ["greedy"] * 6
+    batch = module.advantage_step(module.reward_step(batch))
+    torch.testing.assert_close(batch["reward_baselines"], torch.tensor([1.0, 1.0, 1.0, 2.0, 2.0, 2.0]))
+    # scores 0, 1, 2 per group minus the greedy score, on every response token
+    expected = torch.tensor([-1.0, 0.0, 1.0, -2.0, -1.0, 0.0]).unsqueeze(-1).expand(6, 2)
+    torch.testing.assert_close(batch["advantages"], expected)
