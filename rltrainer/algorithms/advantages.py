@@ -74,7 +74,8 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, ctx
     rewards[torch.arange(len(scores), device=scores.device), last] = scores.to(dtype)
     if kl_in_reward_coef:
         ctx = ctx or AdvantageContext()
-        kl = kl_penalty(ctx.get("old_log_probs", name).to(dtype), ctx.get("ref_log_probs", name).to(dtype), kl_estimator)
+        old, ref = ctx.get("old_log_probs", name).to(dtype), ctx.get("ref_log_probs", name).to(dtype)
+        kl = kl_penalty(old, ref, kl_estimator)  # [N, T]
         rewards = rewards - kl_in_reward_coef * kl * mask
     return rewards * mask
 

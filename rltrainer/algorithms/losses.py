@@ -78,7 +78,8 @@ def _ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> tuple[torch.
 
 
 def _check_clip(low: float | None, high: float, low_below_one: bool = True) -> None:
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (high,) + ((low,) if low is not None else ()))
+    given = (high,) if low is None else (low, high)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in given)
     if not numbers or high < 0 or (low is not None and (low < 0 or (low_below_one and low >= 1))):
         raise ValueError(f"Need clip_ratio_low in [0, 1) and clip_ratio_high >= 0, got clip_ratio_low={low!r}, "
                          f"clip_ratio_high={high!r}; e.g. 0.2 and 0.28 (DAPO's clip-higher)")

@@ -243,7 +243,8 @@ class GRPO(RLModule):
         row its prompt's), which :meth:`reward_step` scores."""
         out = super().rollout_step(batch, engine)
         if "reward_baselines" in self._advantage_fields:
-            greedy = engine.generate(list(batch["prompt_ids"]), dataclasses.replace(self.sampling, n=1, temperature=0.0))
+            greedy_sampling = dataclasses.replace(self.sampling, n=1, temperature=0.0)
+            greedy = engine.generate(list(batch["prompt_ids"]), greedy_sampling)  # B greedy responses
             out["baseline_response_text"] = [text for text in greedy.text for _ in range(self.sampling.n)]
         return out
 

@@ -72,7 +72,8 @@ class PPO(GRPO):
         shorthands = {"gamma": ("gamma", 1.0), "lam": ("lam", 0.95), "kl_in_reward_coef": ("kl_in_reward_coef", 0.0)}
         advantage_kwargs = entry_params("advantage estimator", advantage_estimator,
                                         ADVANTAGES.defaults(advantage_estimator), advantage_kwargs,
-                                        {"gamma": gamma, "lam": lam, "kl_in_reward_coef": kl_in_reward_coef}, shorthands)
+                                        {"gamma": gamma, "lam": lam, "kl_in_reward_coef": kl_in_reward_coef},
+                                        shorthands)
         super().__init__(model, tokenizer, reward_funcs, num_generations=num_generations,
                          advantage_estimator=advantage_estimator, advantage_kwargs=advantage_kwargs, **grpo_kwargs)
         self.critic_spec = critic_model if critic_model is not None else model

@@ -201,8 +201,7 @@ def test_every_policy_loss_is_exact_under_micro_batching(name: str, mode: str, s
         loss, metrics = module.policy_step(part)
         loss.backward()
         loss_parts = loss_parts + loss.detach()
-        for k in metric_parts:
-            metric_parts[k] = metric_parts[k] + metrics[k]
+        metric_parts = {k: v + metrics[k] for k, v in metric_parts.items()}
     parts = grads(module)
 
     torch.testing.assert_close(loss_parts, loss_whole.detach(), rtol=0, atol=4e-6)
