@@ -43,7 +43,7 @@ def entry_params(kind: str, name: str, entry_defaults: Mapping[str, Any], kwargs
     params = dict(kwargs or {})
     for arg, value in arguments.items():
         param, default = mapping[arg]
-        if value is default or (type(value) is type(default) and value == default):
+        if value is default or (value == default and isinstance(value, bool) == isinstance(default, bool)):
             continue
         if param not in entry_defaults:
             listed = ", ".join(f"{k}={v!r}" for k, v in entry_defaults.items()) or "none"
@@ -339,8 +339,8 @@ class GRPO(RLModule):
         batch = self.correct_rollouts(batch)
         missing = sorted(f for f in self._advantage_fields if f not in batch)
         if missing:
-            raise KeyError(f"advantage_estimator={self.advantage_estimator!r} needs {missing} [N, T] in the batch "
-                           f"(compute_stages schedules them); it has {batch.keys()}")
+            raise KeyError(f"advantage_estimator={self.advantage_estimator!r} needs {missing} in the batch (the "
+                           f"stages of compute_stages and GRPO's rollout/reward steps add them); it has {batch.keys()}")
         ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields})
         advantages, returns = self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], ctx,
                                                  **self.advantage_kwargs)
