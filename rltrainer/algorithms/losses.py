@@ -380,6 +380,7 @@ def check_policy_loss(name: str, params: dict[str, Any]) -> dict[str, Any]:
     probe = torch.full((1, 2), -0.5)
     mask, adv = torch.ones(1, 2), torch.tensor([[1.0, -1.0]])
     prepare = getattr(fn, "prepare", None)
-    extras = prepare(probe, adv, mask, **full) if prepare is not None else {}
-    fn(probe, probe, adv, mask, LossContext(extras=extras), **full)
+    with torch.random.fork_rng(devices=[]):  # a prepare may draw (Clip-Cov): leave the caller's RNG as it was
+        extras = prepare(probe, adv, mask, **full) if prepare is not None else {}
+        fn(probe, probe, adv, mask, LossContext(extras=extras), **full)
     return full
