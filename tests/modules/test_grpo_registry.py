@@ -208,3 +208,30 @@ def test_remax_rollout_issues_a_greedy_generation_and_uses_its_reward_as_baselin
     # scores 0, 1, 2 per group minus the greedy score, on every response token
     expected = torch.tensor([-1.0, 0.0, 1.0, -2.0, -1.0, 0.0]).unsqueeze(-1).expand(6, 2)
     torch.testing.assert_close(batch["advantages"], expected)
+
+
+@pytest.mark.parametrize("estimator, advantage_kwargs, loss, loss_kwargs", [
+    ("reinforce_plus_plus", {"kl_in_reward_coef": 0.05}, "clip_cov", {"clip_cov_ratio": 0.5, "clip_cov_lb": -1.0}),
+    ("remax", {}, "gspo", {}),
+])
+def test_entries_run_through_the_trainer(estimator, advantage_kwargs, loss, loss_kwargs, tiny_config, bpe_tokenizer,
+                                         gsm8k_prompts) -> None:
+    """One real step: the stages each entry needs run, the batch-level selection reaches the
+    update, the greedy baseline is generated and scored."""
+    from rltrainer import Trainer, prompt_dataloader
+
+    def length_reward(completions, **kwargs):
+        return [min(len(c), 20) / 20 for c in completions]
+
+    module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8,
+                  lr=1e-3, advantage_estimator=estimator, advantage_kwargs=advantage_kwargs, policy_loss=loss,
+                  policy_loss_kwargs=loss_kwargs)
+    trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False)
+    trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    m = trainer.callback_metrics
+    assert "actor/pg_loss" in m and torch.isfinite(torch.tensor(m["actor/pg_loss"]))
+    if estimator == "reinforce_plus_plus":
+        assert {"timing_s/old_log_prob", "timing_s/ref", "critic/kl_in_reward"} <= set(m)
+        assert m["actor/pg_clipfrac"] > 0  # clip_cov cut some tokens in the update
+    else:
+        assert "critic/reward_baseline/mean" in m and "timing_s/old_log_prob" not in m
