@@ -12,6 +12,10 @@ TRL           rltrainer                       normaliser
 ``dapo``      ``token-mean`` (global count)   tokens of the whole generation batch
 ============  ==============================  =================================================
 
+The policy-loss entries TRL also has (``dapo`` = ``ppo_clip`` with clip-higher, GSPO through
+``importance_sampling_level="sequence"``, CISPO, SAPO) are compared on the same per-token log-probs
+(TRL's log-prob forward stubbed out) to 1e-6 in ``test_policy_loss_entries_match_trl``.
+
 Differences on purpose, checked here rather than hidden:
 
 - Entropy bonus: TRL always averages it over tokens; rltrainer aggregates it with the loss's own
