@@ -58,6 +58,19 @@ class Registry(Generic[T]):
         """The default keyword arguments ``name`` is built with (a copy)."""
         return dict(self._lookup(name)[1])
 
+    def resolve(self, name: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``name``'s full parameters: its registered defaults updated by ``params``. Raises a
+        ValueError for an unknown name (listing the names) or a parameter the entry was not
+        registered with (listing its parameters and their defaults)."""
+        defaults = self.defaults(name)
+        params = dict(params or {})
+        unknown = sorted(set(params) - set(defaults))
+        if unknown:
+            listed = ", ".join(f"{k}={v!r}" for k, v in defaults.items()) or "none"
+            raise ValueError(f"{self.kind.capitalize()} {name!r} has no parameter(s) {', '.join(unknown)}. "
+                             f"Its parameters (with defaults): {listed}.")
+        return {**defaults, **params}
+
     def build(self, name: str, **kwargs: Any) -> T:
         """Instantiate ``name`` with its preset defaults, overridden by ``kwargs``."""
         fn, defaults = self._lookup(name)

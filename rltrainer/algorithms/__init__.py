@@ -1,14 +1,17 @@
 """Algorithm math as registry entries: advantages, policy losses, KL estimators, aggregation,
-off-policy rollout corrections."""
+off-policy rollout corrections. (See the README's "Algorithms" section for every entry.)"""
 
-from rltrainer.algorithms.advantages import ADVANTAGES, gae_advantages, grpo_advantages, rloo_advantages
+from rltrainer.algorithms.advantages import (ADVANTAGES, AdvantageContext, check_advantage, gae_advantages,
+                                             grpo_advantages, required_fields, rloo_advantages)
 from rltrainer.algorithms.aggregation import AGGREGATIONS, aggregate
 from rltrainer.algorithms.kl import KL_ESTIMATORS, kl_penalty
-from rltrainer.algorithms.losses import POLICY_LOSSES, clipped_value_loss, ppo_clip_loss
+from rltrainer.algorithms.losses import (POLICY_LOSSES, LossContext, check_policy_loss, clipped_value_loss,
+                                         ppo_clip_loss)
 from rltrainer.algorithms.rollout_corr import ROLLOUT_CORRECTIONS, Correction, mismatch_metrics
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "ROLLOUT_CORRECTIONS", "Correction", "aggregate",
-    "clipped_value_loss", "gae_advantages", "grpo_advantages", "kl_penalty", "mismatch_metrics", "ppo_clip_loss",
+    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "ROLLOUT_CORRECTIONS", "AdvantageContext",
+    "Correction", "LossContext", "aggregate", "check_advantage", "check_policy_loss", "clipped_value_loss",
+    "gae_advantages", "grpo_advantages", "kl_penalty", "mismatch_metrics", "ppo_clip_loss", "required_fields",
     "rloo_advantages",
 ]

@@ -1,22 +1,94 @@
-"""Advantage estimators, one signature per family, looked up by name.
+"""Advantage estimators (registry entries), looked up by name and called with one signature::
 
-Outcome estimators (``grpo``, ``rloo``, ``reinforce``) take sequence scores ``[N]``, the
-response mask ``[N, T]`` and the group id of each row, and broadcast one advantage per sequence
-over its response tokens. ``gae`` takes per-token rewards and critic values.
-All return ``(advantages [N, T], returns [N, T])``, zero on padding.
+    fn(scores [N], response_mask [N, T], uids [N], ctx: AdvantageContext | None = None, **params)
+        -> (advantages [N, T], returns [N, T])    # zero on padding
+
+``scores`` are the sequence rewards, ``uids`` each row's group (prompt). ``ctx`` carries what some
+estimators need besides: the critic's ``values`` (GAE), the old and reference log-probs (a KL
+penalty folded into the token rewards, ``kl_in_reward_coef``). An entry that needs one of those
+says so with :func:`requires` (``fn.requires(params) -> set of field names``), so a module can
+refuse it at construction (GRPO has no critic) and schedule the passes that provide it.
+``params`` are the entry's own parameters, registered with it as defaults.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from rltrainer.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from rltrainer.registry import Registry
 
 ADVANTAGES: Registry = Registry("advantage estimator")
+
+
+@dataclass(frozen=True)
+class AdvantageContext:
+    """What some estimators need besides scores, mask and groups (all on the controller)."""
+
+    values: torch.Tensor | None = None  # [N, T] the critic's values (GAE)
+    old_log_probs: torch.Tensor | None = None  # [N, T] the policy's, before the update
+    ref_log_probs: torch.Tensor | None = None  # [N, T] the reference model's
+    reward_baselines: torch.Tensor | None = None  # [N] the score of a greedy response to each row's prompt (ReMax)
+
+    def get(self, name: str, estimator: str) -> torch.Tensor:
+        value = getattr(self, name)
+        if value is None:
+            raise KeyError(f"Advantage estimator {estimator!r} needs {name!r}; the batch has none")
+        return value
+
+
+def requires(fields: Callable[[dict], set[str]]) -> Callable[[Callable], Callable]:
+    """Declare which :class:`AdvantageContext` fields an entry needs, given its parameters."""
+
+    def decorator(fn: Callable) -> Callable:
+        fn.requires = fields  # type: ignore[attr-defined]
+        return fn
+
+    return decorator
+
+
+def _kl_fields(params: dict) -> set[str]:
+    return {"old_log_probs", "ref_log_probs"} if params.get("kl_in_reward_coef", 0.0) else set()
+
+
+def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, ctx: AdvantageContext | None,
+                          kl_in_reward_coef: float, kl_estimator: str, name: str) -> torch.Tensor:
+    """Token rewards ``[N, T]``: the score on each row's last (unmasked) response token, minus
+    ``kl_in_reward_coef * KL(pi_old || pi_ref)`` per token (verl's ``apply_kl_penalty``,
+    ray_trainer.py:70-98 at b178a3c: ``token_level_scores - beta * kld``).
+
+    The last token is that of ``response_mask`` as given, after any rollout correction: if the
+    correction rejected a response's last token the score moves to the last kept one (verl places
+    it before the rejection, where the estimator then skips it and the reward is lost)."""
+    KL_ESTIMATORS.get(kl_estimator)  # an unknown name raises, listing the names
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    mask = response_mask.to(dtype)
+    rewards = torch.zeros(mask.shape, dtype=dtype, device=scores.device)
+    positions = torch.arange(mask.shape[1], device=mask.device, dtype=mask.dtype)
+    last = (mask * (positions + 1)).argmax(-1)  # [N] each row's last response token (0 if none)
+    rewards[torch.arange(len(scores), device=scores.device), last] = scores.to(dtype)
+    if kl_in_reward_coef:
+        ctx = ctx or AdvantageContext()
+        old, ref = ctx.get("old_log_probs", name).to(dtype), ctx.get("ref_log_probs", name).to(dtype)
+        kl = kl_penalty(old, ref, kl_estimator)  # [N, T]
+        rewards = rewards - kl_in_reward_coef * kl * mask
+    return rewards * mask
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) * rsqrt(unbiased var + 1e-8)`` over the masked entries (verl's ``masked_whiten``,
+    verl/utils/torch_functional.py:322 at b178a3c)."""
+    n = mask.sum()
+    if n < 2:
+        raise ValueError(f"Whitening needs at least 2 response tokens in the batch, got {int(n)}")
+    mean = (values * mask).sum() / (n + 1e-8)
+    var = ((values - mean) ** 2 * mask).sum() / (n + 1e-8) * (n / (n - 1))
+    return (values - mean) * torch.rsqrt(var + 1e-8)
 
 
 def group_index(uids: Sequence[object]) -> torch.Tensor:
@@ -73,13 +145,19 @@ def group_signal_metrics(scores: torch.Tensor, uids: Sequence[object], responses
     return metrics
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", norm_by_std=True, epsilon=1e-6)
 def grpo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
-                    norm_by_std: bool = True, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(score - group mean) / (group std + eps)``; ``norm_by_std=False`` is Dr. GRPO.
+                    ctx: AdvantageContext | None = None, *, norm_by_std: bool = True, epsilon: float = 1e-6
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO (Shao et al. 2024): ``(score - group mean) / (group std + eps)`` (unbiased std).
 
-    A group of one sample keeps its raw score (mean 0, std 1), as in verl.
+    ``norm_by_std=False`` is Dr. GRPO (Liu et al. 2025, arXiv:2503.20783; entry ``dr_grpo``). A group
+    of one sample keeps its raw score (mean 0, std 1), as in verl's
+    ``compute_grpo_outcome_advantage`` (core_algos.py:267 at b178a3c); TRL's
+    ``scale_rewards="group"`` (grpo_trainer.py:2767) with ``epsilon=1e-4``.
     """
+    if not isinstance(norm_by_std, bool) or not epsilon >= 0:
+        raise ValueError(f"Need norm_by_std a bool and epsilon >= 0, got {norm_by_std!r}, {epsilon!r}")
     scores = scores.float()
     mean, std, count = _group_stats(scores, group_index(uids))
     single = count == 1
@@ -91,10 +169,19 @@ def grpo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Seq
     return adv, adv
 
 
+ADVANTAGES.register_preset("dr_grpo", "grpo", description="Dr. GRPO: grpo without the std division",
+                           norm_by_std=False)
+
+
 @ADVANTAGES.register("rloo")
-def rloo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Leave-one-out baseline: ``score - mean of the other samples of the group`` (RLOO)."""
+def rloo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
+                    ctx: AdvantageContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (Ahmadian et al. 2024): ``score - mean of the other samples of the group``.
+
+    TRL's ``RLOOTrainer`` (rloo_trainer.py:1686-1690: ``rewards - (sum - rewards) / (count - 1)``)
+    and verl's ``compute_rloo_outcome_advantage`` (core_algos.py:477 at b178a3c); a group of one
+    keeps its raw score (verl).
+    """
     scores = scores.float()
     mean, _, count = _group_stats(scores, group_index(uids))
     adv = torch.where(count > 1, (scores - mean) * count / (count - 1).clamp(min=1), scores)
@@ -103,13 +190,112 @@ def rloo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Seq
 
 
 @ADVANTAGES.register("reinforce")
-def reinforce_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object]
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-mean baseline without std normalisation: ``score - group mean`` (nanochat style)."""
+def reinforce_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
+                         ctx: AdvantageContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-mean baseline without std normalisation: ``score - group mean`` (nanochat style; same as ``dr_grpo``)."""
     return grpo_advantages(scores, response_mask, uids, norm_by_std=False)
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("opo")
+def opo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
+                   ctx: AdvantageContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025, arXiv:2505.23585): the optimal baseline for a sequence-level reward,
+    the length-weighted group mean ``sum_j |y_j| r_j / sum_j |y_j|``; a group of one keeps its score.
+    verl's ``compute_opo_outcome_advantage`` (core_algos.py:529 at b178a3c)."""
+    scores = scores.float()
+    groups = group_index(uids).to(scores.device)
+    lengths = response_mask.float().sum(-1)  # [N]
+    zeros = torch.zeros(int(groups.max()) + 1 if len(groups) else 0, dtype=scores.dtype, device=scores.device)
+    weighted = zeros.clone().index_add_(0, groups, lengths * scores)
+    total = zeros.clone().index_add_(0, groups, lengths)
+    count = zeros.clone().index_add_(0, groups, torch.ones_like(scores))
+    baseline = torch.where(count[groups] > 1, weighted[groups] / total[groups].clamp(min=1e-8),
+                           torch.zeros_like(scores))
+    adv = (scores - baseline).unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@ADVANTAGES.register("reinforce_plus_plus", gamma=1.0, kl_in_reward_coef=0.0, kl_estimator="k1")
+@requires(_kl_fields)
+def reinforce_plus_plus_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
+                                   ctx: AdvantageContext | None = None, *, gamma: float = 1.0,
+                                   kl_in_reward_coef: float = 0.0, kl_estimator: str = "k1"
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted return-to-go of the token rewards (the
+    score at the last token minus ``kl_in_reward_coef * KL`` per token), whitened over the whole
+    batch's tokens (no group baseline). verl's ``compute_reinforce_plus_plus_outcome_advantage``
+    (core_algos.py:583 at b178a3c) on ``apply_kl_penalty``'s token rewards."""
+    _check_coefs(gamma=gamma, kl_in_reward_coef=kl_in_reward_coef)
+    rewards = outcome_token_rewards(scores, response_mask, ctx, kl_in_reward_coef, kl_estimator,
+                                    "reinforce_plus_plus")
+    mask = response_mask.to(rewards.dtype)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(len(rewards), dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]  # reset after the end of the response, as verl
+    return masked_whiten(returns, mask) * mask, returns
+
+
+@ADVANTAGES.register("reinforce_plus_plus_baseline", kl_in_reward_coef=0.0, kl_estimator="k1")
+@requires(_kl_fields)
+def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, response_mask: torch.Tensor,
+                                            uids: Sequence[object], ctx: AdvantageContext | None = None, *,
+                                            kl_in_reward_coef: float = 0.0, kl_estimator: str = "k1"
+                                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (arXiv:2501.03262): the sequence reward (score minus the KL summed over
+    its tokens) minus its group mean, then whitened over the whole batch's tokens. verl's
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage`` (core_algos.py:425 at b178a3c)."""
+    _check_coefs(kl_in_reward_coef=kl_in_reward_coef)
+    rewards = outcome_token_rewards(scores, response_mask, ctx, kl_in_reward_coef, kl_estimator,
+                                    "reinforce_plus_plus_baseline")
+    mask = response_mask.to(rewards.dtype)
+    centred, _ = grpo_advantages(rewards.sum(-1), response_mask, uids, norm_by_std=False)  # [N, T]
+    adv = masked_whiten(centred, mask) * mask
+    return adv, adv
+
+
+@ADVANTAGES.register("remax", kl_in_reward_coef=0.0, kl_estimator="k1")
+@requires(lambda params: {"reward_baselines"} | _kl_fields(params))
+def remax_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
+                     ctx: AdvantageContext | None = None, *, kl_in_reward_coef: float = 0.0, kl_estimator: str = "k1"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023, arXiv:2310.10505): the return-to-go of the token rewards minus the score
+    of a greedy response to the same prompt, ``ctx.reward_baselines [N]``. GRPO's ``rollout_step``
+    issues that greedy generation and ``reward_step`` scores it whenever this estimator is chosen.
+    verl's ``compute_remax_outcome_advantage`` (core_algos.py:622 at b178a3c): ``returns =
+    reverse cumsum(rewards * mask)``, ``advantages = returns - baseline * mask``; no whitening."""
+    _check_coefs(kl_in_reward_coef=kl_in_reward_coef)
+    ctx = ctx or AdvantageContext()
+    rewards = outcome_token_rewards(scores, response_mask, ctx, kl_in_reward_coef, kl_estimator, "remax")
+    mask = response_mask.to(rewards.dtype)
+    returns = (rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [N, T]
+    baselines = ctx.get("reward_baselines", "remax").to(rewards.dtype)  # [N]
+    return returns - baselines.unsqueeze(-1) * mask, returns
+
+
+@ADVANTAGES.register("gae", gamma=1.0, lam=0.95, whiten=True, kl_in_reward_coef=0.0, kl_estimator="k1")
+@requires(lambda params: {"values"} | _kl_fields(params))
+def gae_estimator(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
+                  ctx: AdvantageContext | None = None, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True,
+                  kl_in_reward_coef: float = 0.0, kl_estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016) over the outcome token rewards (the score at the last token, minus
+    ``kl_in_reward_coef * KL`` per token, InstructGPT style) and the critic's ``ctx.values``: see
+    :func:`gae_advantages` (verl's ``compute_gae_advantage_return``, core_algos.py:215 at b178a3c).
+    Needs a critic: :class:`~rltrainer.PPO`."""
+    _check_coefs(gamma=gamma, lam=lam, kl_in_reward_coef=kl_in_reward_coef)
+    ctx = ctx or AdvantageContext()
+    rewards = outcome_token_rewards(scores, response_mask, ctx, kl_in_reward_coef, kl_estimator, "gae")
+    return gae_advantages(rewards, ctx.get("values", "gae"), response_mask, gamma, lam, whiten)
+
+
+def _check_coefs(**values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
                    gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens (PPO).
@@ -139,3 +325,21 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_m
         var = ((adv - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
         adv = (adv - mean) * torch.rsqrt(var + 1e-8) * mask
     return adv, returns
+
+
+def required_fields(name: str, params: dict) -> set[str]:
+    """The :class:`AdvantageContext` fields estimator ``name`` needs with ``params``."""
+    fields = getattr(ADVANTAGES.get(name), "requires", None)
+    return set(fields(params)) if fields is not None else set()
+
+
+def check_advantage(name: str, params: dict) -> dict:
+    """Return ``name``'s full parameters (its defaults updated by ``params``), or raise a ValueError
+    naming what is wrong: an unknown name or parameter (listing what exists), or a bad value (the
+    entry's own check, run on a group of two)."""
+    full = ADVANTAGES.resolve(name, params)
+    mask = torch.ones(2, 2)
+    probes = {"reward_baselines": torch.zeros(2)}
+    ctx = AdvantageContext(**{f: probes.get(f, torch.zeros(2, 2)) for f in required_fields(name, full)})
+    ADVANTAGES.build(name, scores=torch.tensor([1.0, 0.0]), response_mask=mask, uids=["a", "a"], ctx=ctx, **full)
+    return full

@@ -71,15 +71,11 @@ def check_rollout_correction(name: str, params: dict[str, Any]) -> dict[str, Any
     """Return ``name``'s full parameters (its defaults updated by ``params``), or raise a ValueError
     naming what is wrong: an unknown name (listing the names), an unknown parameter (listing the
     entry's parameters) or a bad value (the entry's own check, run on a one-token input)."""
-    defaults = ROLLOUT_CORRECTIONS.defaults(name)  # an unknown name raises, listing the names
-    unknown = sorted(set(params) - set(defaults))
-    if unknown:
-        raise ValueError(f"Rollout correction {name!r} has no parameter(s) {', '.join(unknown)}. Its parameters "
-                         f"(with defaults): {', '.join(f'{k}={v!r}' for k, v in defaults.items())}.")
+    full = ROLLOUT_CORRECTIONS.resolve(name, params)  # an unknown name or parameter raises, listing them
     one = torch.zeros(1, 1)
     ROLLOUT_CORRECTIONS.build(name, old_log_probs=one, rollout_log_probs=one, response_mask=torch.ones(1, 1),
                               **params)
-    return {**defaults, **params}
+    return full
 
 
 def _check_threshold(threshold: float) -> None:

@@ -1,14 +1,19 @@
-"""GRPO (and its relatives: Dr. GRPO, DAPO's loss settings, RLOO) as an ``RLModule`` subclass."""
+"""GRPO (and its relatives: Dr. GRPO, DAPO's loss settings, RLOO, REINFORCE++, GSPO, CISPO, SAPO,
+DPPO, Clip-/KL-Cov) as an ``RLModule`` subclass: the loss and the advantage estimator are registry
+entries chosen by name (:data:`~rltrainer.algorithms.POLICY_LOSSES`,
+:data:`~rltrainer.algorithms.ADVANTAGES`)."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from rltrainer.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, aggregate, kl_penalty, ppo_clip_loss
+from rltrainer.algorithms import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, AdvantageContext,
+                                  LossContext, aggregate, check_advantage, check_policy_loss, kl_penalty,
+                                  required_fields)
 from rltrainer.algorithms.advantages import group_signal_metrics
 from rltrainer.algorithms.aggregation import masked_sum_over
 from rltrainer.algorithms.rollout_corr import (ROLLOUT_CORRECTIONS, check_rollout_correction, mismatch_metrics,
@@ -17,10 +22,45 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
 from rltrainer.module import RLModule
 from rltrainer.rewards import RewardManager, resolve_reward
-from rltrainer.rollout.engine import SamplingParams
+from rltrainer.rollout.engine import RolloutEngine, SamplingParams
 
 #: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
-ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason"})
+ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason", "baseline_response_text"})
+
+#: GRPO's own arguments that set a policy loss's / an estimator's parameter, with their defaults.
+LOSS_ARGUMENTS = {"clip_ratio_low": ("clip_ratio_low", 0.2), "clip_ratio_high": ("clip_ratio_high", 0.2),
+                  "clip_ratio_c": ("clip_ratio_c", 3.0)}
+ADVANTAGE_ARGUMENTS = {"norm_adv_by_std": ("norm_by_std", True)}
+
+
+def entry_params(kind: str, name: str, entry_defaults: Mapping[str, Any], kwargs: Mapping[str, Any] | None,
+                 arguments: Mapping[str, Any], mapping: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
+    """An entry's parameters from ``kwargs`` (``policy_loss_kwargs`` / ``advantage_kwargs``) and the
+    module's own arguments that map onto them (``clip_ratio_high`` -> ``clip_ratio_high``,
+    ``norm_adv_by_std`` -> ``norm_by_std``). An argument left at its default leaves the entry's
+    default; changed, it sets the entry's parameter, and is refused if the entry has no such
+    parameter or ``kwargs`` sets it to something else."""
+    params = dict(kwargs or {})
+    for arg, value in arguments.items():
+        param, default = mapping[arg]
+        if value is default or (value == default and isinstance(value, bool) == isinstance(default, bool)):
+            continue
+        if param not in entry_defaults:
+            listed = ", ".join(f"{k}={v!r}" for k, v in entry_defaults.items()) or "none"
+            raise ValueError(f"{arg}={value!r} does not apply to {kind} {name!r} (its parameters: {listed}). "
+                             f"Leave {arg} at its default {default!r}, or choose a {kind} that has {param!r}.")
+        if param in params and params[param] != value:
+            raise ValueError(f"{param} is set twice: {arg}={value!r} and {kind.replace(' ', '_')}_kwargs"
+                             f"[{param!r}]={params[param]!r}. Set it once (the kwargs are the general way).")
+        params[param] = value
+    return params
+
+
+def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values: bool) -> list[str]:
+    """The forward passes before ``advantage_step``, in order: ``old_log_prob`` (the policy moves
+    within a batch, or something needs the old log-probs on the controller), ``ref``, ``values``."""
+    return ((["old_log_prob"] if moves or needs_old else []) + (["ref"] if needs_ref else [])
+            + (["values"] if needs_values else []))
 
 
 class GRPO(RLModule):
@@ -36,16 +76,31 @@ class GRPO(RLModule):
         num_generations: group size ``G``: samples per prompt.
         max_new_tokens, temperature, top_p, top_k: rollout sampling (``top_k=0`` is off).
         lr, weight_decay, warmup_steps: AdamW with linear warm-up, then constant.
+        policy_loss: an entry of :data:`~rltrainer.algorithms.POLICY_LOSSES`: ``"ppo_clip"``
+            (default), ``"gspo"``, ``"cispo"``, ``"sapo"``, ``"dppo_tv"``, ``"dppo_kl"``,
+            ``"clip_cov"``, ``"kl_cov"``, or one registered by the user.
+        policy_loss_kwargs: that entry's parameters, overriding its registered defaults
+            (``POLICY_LOSSES.defaults(name)``). An unknown name, parameter or bad value raises here.
         clip_ratio_low, clip_ratio_high: the asymmetric PPO clip range ``[1-low, 1+high]``
-            (DAPO's clip-higher: ``high=0.28``).
-        clip_ratio_c: dual-clip cap for negative advantages (``None``: off).
+            (DAPO's clip-higher: ``high=0.28``): shorthands for the loss's parameters of those names.
+            Left at their defaults they leave the entry's own (GSPO's are 3e-4, 4e-4); changed, they
+            set it (refused if the loss has no such parameter, or ``policy_loss_kwargs`` sets it too).
+        clip_ratio_c: dual-clip cap for negative advantages (``None``: off), the same kind of shorthand.
         kl_coef: weight of the KL-to-reference loss (0: no reference model is built).
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (``"low_var_kl"``).
         entropy_coef: weight of the entropy bonus.
         loss_agg_mode: ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"`` or
             ``"seq-mean-token-sum-norm"`` (Dr. GRPO).
-        norm_adv_by_std: divide advantages by the group std (``False``: Dr. GRPO).
-        advantage_estimator: ``"grpo"``, ``"rloo"`` or ``"reinforce"``.
+        norm_adv_by_std: divide advantages by the group std (``False``: Dr. GRPO): a shorthand for
+            the estimator's ``norm_by_std``, in the same way as ``clip_ratio_*``.
+        advantage_estimator: an entry of :data:`~rltrainer.algorithms.ADVANTAGES` that needs no
+            critic: ``"grpo"``, ``"dr_grpo"``, ``"rloo"``, ``"reinforce"``, ``"opo"``,
+            ``"reinforce_plus_plus"``, ``"reinforce_plus_plus_baseline"``, ``"remax"`` (its
+            ``rollout_step`` then also generates one greedy response per prompt, and ``reward_step``
+            scores it as the baseline); ``"gae"`` needs :class:`~rltrainer.PPO`.
+        advantage_kwargs: that entry's parameters (e.g. ``{"kl_in_reward_coef": 0.01}``: a KL
+            penalty in the token rewards, which builds a reference model), checked like
+            ``policy_loss_kwargs``.
         update_epochs, mini_batch_size: passes over each batch, and rows per optimizer step.
         rollout_correction: correct for off-policy rollouts with an entry of
             :data:`~rltrainer.algorithms.rollout_corr.ROLLOUT_CORRECTIONS` (verl's rollout
@@ -78,6 +133,9 @@ class GRPO(RLModule):
     (:func:`~rltrainer.algorithms.rollout_corr.share_of_batch`).
     """
 
+    #: whether the module trains a critic (its ``values`` pass exists): PPO's does, GRPO's not.
+    uses_critic: bool = False
+
     def __init__(
         self,
         model: ModelSpec,
@@ -101,6 +159,9 @@ class GRPO(RLModule):
         loss_agg_mode: str = "token-mean",
         norm_adv_by_std: bool = True,
         advantage_estimator: str = "grpo",
+        advantage_kwargs: dict[str, Any] | None = None,
+        policy_loss: str = "ppo_clip",
+        policy_loss_kwargs: dict[str, Any] | None = None,
         update_epochs: int = 1,
         mini_batch_size: int | None = None,
         rollout_correction: str | None = None,
@@ -109,7 +170,6 @@ class GRPO(RLModule):
     ) -> None:
         super().__init__()
         AGGREGATIONS.get(loss_agg_mode), KL_ESTIMATORS.get(kl_estimator)  # unknown names raise here
-        self._advantage_fn = ADVANTAGES.get(advantage_estimator)
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
         if not 0 <= clip_ratio_low < 1 or clip_ratio_high < 0:
@@ -117,6 +177,25 @@ class GRPO(RLModule):
                              f"{clip_ratio_high}")
         if clip_ratio_c is not None and clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip cap) or None to disable it, got {clip_ratio_c}")
+        self.policy_loss = policy_loss
+        # the entries themselves travel with the module (pickled to the training ranks), so a loss a
+        # user registered in their script is there even where their registration never ran
+        self._policy_loss_fn = POLICY_LOSSES.get(policy_loss)
+        self._advantage_fn = ADVANTAGES.get(advantage_estimator)
+        self.policy_loss_kwargs = check_policy_loss(policy_loss, entry_params(
+            "policy loss", policy_loss, POLICY_LOSSES.defaults(policy_loss), policy_loss_kwargs,
+            {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high, "clip_ratio_c": clip_ratio_c},
+            LOSS_ARGUMENTS))
+        self.advantage_estimator = advantage_estimator
+        self.advantage_kwargs = check_advantage(advantage_estimator, entry_params(
+            "advantage estimator", advantage_estimator, ADVANTAGES.defaults(advantage_estimator), advantage_kwargs,
+            {"norm_adv_by_std": norm_adv_by_std}, ADVANTAGE_ARGUMENTS))
+        self._advantage_fields = required_fields(advantage_estimator, self.advantage_kwargs)
+        if "values" in self._advantage_fields and not self.uses_critic:
+            critic_free = [n for n in ADVANTAGES if "values" not in required_fields(n, ADVANTAGES.defaults(n))]
+            raise ValueError(f"advantage_estimator={advantage_estimator!r} needs a critic's values [N, T], and "
+                             f"{type(self).__name__} trains no critic. Use rltrainer.PPO (a critic trained alongside "
+                             f"the policy), or a critic-free estimator: {', '.join(critic_free)}.")
         if rollout_correction is None and rollout_correction_kwargs:
             raise ValueError(f"rollout_correction_kwargs={rollout_correction_kwargs!r} given without "
                              f"rollout_correction; name one of {', '.join(ROLLOUT_CORRECTIONS.names())}.")
@@ -135,7 +214,6 @@ class GRPO(RLModule):
         self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c = clip_ratio_low, clip_ratio_high, clip_ratio_c
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
         self.loss_agg_mode, self.norm_adv_by_std = loss_agg_mode, norm_adv_by_std
-        self.advantage_estimator = advantage_estimator
         self.update_epochs, self.mini_batch_size = update_epochs, mini_batch_size
         self.rollout_correction = rollout_correction
         self.rollout_correction_kwargs = dict(rollout_correction_kwargs or {})
@@ -145,7 +223,11 @@ class GRPO(RLModule):
     # -- models ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
         self.policy = build_causal_lm(self.model_spec, seed=self.model_seed)
-        self.ref_policy = frozen_copy(self.policy) if self.kl_coef > 0 else None
+        self.ref_policy = frozen_copy(self.policy) if self.needs_ref() else None
+
+    def needs_ref(self) -> bool:
+        """A reference model for the KL loss (``kl_coef > 0``) or the estimator (a KL in the reward)."""
+        return self.kl_coef > 0 or "ref_log_probs" in self._advantage_fields
 
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -155,10 +237,24 @@ class GRPO(RLModule):
         return {"optimizer": opt, "lr_scheduler": sched}
 
     # -- control flow ---------------------------------------------------------------------------
+    def rollout_step(self, batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
+        """The default sampling; with an estimator that needs a greedy baseline (ReMax: it requires
+        ``reward_baselines``), also one greedy response per prompt, ``baseline_response_text`` (each
+        row its prompt's), which :meth:`reward_step` scores."""
+        out = super().rollout_step(batch, engine)
+        if "reward_baselines" in self._advantage_fields:
+            greedy_sampling = dataclasses.replace(self.sampling, n=1, temperature=0.0)
+            greedy = engine.generate(list(batch["prompt_ids"]), greedy_sampling)  # B greedy responses
+            out["baseline_response_text"] = [text for text in greedy.text for _ in range(self.sampling.n)]
+        return out
+
     def reward_step(self, batch: RolloutBatch) -> RolloutBatch:
         fields = {k: list(v) for k, v in batch.non_tensors.items() if k not in ROLLOUT_FIELDS}
         result = self.rewards(list(batch["response_text"]), fields)
         batch["scores"] = result.scores  # [N]
+        if "baseline_response_text" in batch:
+            batch["reward_baselines"] = self.baseline_scores(batch, fields)  # [N]
+            self.log("critic/reward_baseline/mean", batch["reward_baselines"].mean().item())
         for name, value in result.metrics().items():
             self.log(name, value)
         scores = result.scores
@@ -167,14 +263,32 @@ class GRPO(RLModule):
         self.log("critic/score/min", scores.min().item())
         return batch
 
+    def baseline_scores(self, batch: RolloutBatch, fields: dict[str, list[Any]]) -> torch.Tensor:
+        """``reward_baselines [N]``: the reward of each group's greedy response, scored once per group."""
+        uids = list(batch["uid"])
+        first: dict[Any, int] = {}
+        for i, uid in enumerate(uids):
+            first.setdefault(uid, i)
+        rows = list(first.values())
+        texts = [batch["baseline_response_text"][i] for i in rows]
+        scores = self.rewards(texts, {k: [v[i] for i in rows] for k, v in fields.items()}).scores  # [groups]
+        position = {uid: k for k, uid in enumerate(first)}
+        return scores[torch.tensor([position[uid] for uid in uids])]
+
     def compute_stages(self) -> list[str]:
         """``old_log_prob`` if the policy moves within a batch (``update_epochs > 1`` or
-        ``mini_batch_size`` set), or the rollouts need correcting (:meth:`corrects_rollouts`) with a
-        correction that rejects tokens; otherwise the old log-probs equal the current ones at the
-        update's forward and ``policy_step`` uses those, detached. ``ref`` if ``kl_coef > 0``."""
-        moves = self.update_epochs > 1 or self.mini_batch_size is not None
-        needs_old = moves or (self.corrects_rollouts() and self._correction_rejects)
-        return (["old_log_prob"] if needs_old else []) + (["ref"] if self.kl_coef > 0 else [])
+        ``mini_batch_size`` set), the rollouts need correcting (:meth:`corrects_rollouts`) with a
+        correction that rejects tokens, the estimator needs them (a KL in the reward) or the loss
+        selects tokens from the whole batch (a ``prepare``: Clip-Cov, KL-Cov); otherwise the old
+        log-probs equal the current ones at the update's forward and ``policy_step`` uses those,
+        detached. ``ref`` if :meth:`needs_ref`; ``values`` if the module trains a critic."""
+        needs_old = ((self.corrects_rollouts() and self._correction_rejects) or self._loss_prepare() is not None
+                     or "old_log_probs" in self._advantage_fields)
+        return required_stages(moves=self.update_epochs > 1 or self.mini_batch_size is not None,
+                               needs_old=needs_old, needs_ref=self.needs_ref(), needs_values=self.uses_critic)
+
+    def _loss_prepare(self) -> Callable[..., dict[str, torch.Tensor]] | None:
+        return getattr(self._policy_loss_fn, "prepare", None)
 
     def corrects_rollouts(self) -> bool:
         """Whether rollouts can be off-policy here (the Trainer's ``off_policy``) or a
@@ -219,14 +333,29 @@ class GRPO(RLModule):
         return batch
 
     def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
+        """Correct the rollouts, then the estimator (by name, with its parameters), then the loss's
+        batch-level ``prepare`` if it has one (its outputs travel in the batch, named in
+        ``meta["loss_extras"]``)."""
         batch = self.correct_rollouts(batch)
-        kwargs = {"norm_by_std": self.norm_adv_by_std}
-        accepted = inspect.signature(self._advantage_fn).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        advantages, returns = self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], **kwargs)
+        missing = sorted(f for f in self._advantage_fields if f not in batch)
+        if missing:
+            raise KeyError(f"advantage_estimator={self.advantage_estimator!r} needs {missing} in the batch (the "
+                           f"stages of compute_stages and GRPO's rollout/reward steps add them); it has {batch.keys()}")
+        ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields})
+        advantages, returns = self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], ctx,
+                                                 **self.advantage_kwargs)
         batch["advantages"] = advantages  # [N, T]
         batch["returns"] = returns  # [N, T]
         mask = batch["response_mask"].bool()
+        if self.advantage_kwargs.get("kl_in_reward_coef"):
+            kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.advantage_kwargs["kl_estimator"])
+            self.log("critic/kl_in_reward", kl[mask].mean().item() if mask.any() else 0.0)
+        prepare = self._loss_prepare()
+        if prepare is not None:
+            extras = prepare(batch["old_log_probs"], advantages, batch["response_mask"], **self.policy_loss_kwargs)
+            for name, value in extras.items():
+                batch[name] = value  # [N, T]
+            batch.meta["loss_extras"] = sorted(extras)
         self.log("critic/advantages/mean", advantages[mask].mean().item() if mask.any() else 0.0)
         signal = group_signal_metrics(batch["scores"], batch["uid"], batch["responses"], batch["response_mask"])
         for name, value in signal.items():  # a stalled run shows here: all groups zero-std
@@ -265,10 +394,10 @@ class GRPO(RLModule):
         corr_metrics = {}
         if meta.get("correct_in_update"):  # one optimizer step: old_log_probs are this forward's
             is_weights, corr_metrics = self.correct_micro_batch(old_log_probs, mb)
-        pg_loss, metrics = ppo_clip_loss(
-            log_probs, old_log_probs, mb["advantages"], mask, self.clip_ratio_low, self.clip_ratio_high,
-            self.clip_ratio_c, self.loss_agg_mode, **counts, rollout_is_weights=is_weights,
-        )
+        ctx = LossContext(self.loss_agg_mode, **counts, rollout_is_weights=is_weights,
+                          extras={k: mb[k] for k in meta.get("loss_extras", ())})
+        pg_loss, metrics = self._policy_loss_fn(log_probs, old_log_probs, mb["advantages"], mask, ctx,
+                                                **self.policy_loss_kwargs)
         metrics.update(corr_metrics)
         loss = pg_loss
         metrics["actor/pg_loss"] = pg_loss.detach()

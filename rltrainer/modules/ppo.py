@@ -1,5 +1,7 @@
-"""PPO: GRPO's clipped actor loss plus a critic (value model) trained alongside the policy, and
-GAE advantages. The same Trainer, Strategy and engine run it; only hooks differ."""
+"""PPO: GRPO's policy loss plus a critic (value model) trained alongside the policy, and GAE
+advantages. The same Trainer, Strategy and engine run it; the shared pieces (the registries'
+estimator and loss, :func:`~rltrainer.modules.grpo.required_stages`) are the same calls, with a
+critic's ``values`` among the needs."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ from typing import Any
 
 import torch
 
-from rltrainer.algorithms import clipped_value_loss, gae_advantages, kl_penalty
+from rltrainer.algorithms import ADVANTAGES, clipped_value_loss
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec
-from rltrainer.modules.grpo import GRPO
+from rltrainer.modules.grpo import GRPO, entry_params
 
 
 def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Module:
@@ -50,42 +52,41 @@ class PPO(GRPO):
         critic_lr: the critic's learning rate.
         vf_coef: weight of the value loss in the combined loss.
         cliprange_value: the value clip range around the old values.
-        gamma, lam: GAE's discount and trace decay.
+        gamma, lam: GAE's discount and trace decay (shorthands for the estimator's parameters).
         kl_in_reward_coef: subtract ``coef * KL(policy || ref)`` (k1, per token) from the token
-            rewards, InstructGPT style; needs a reference model, so it builds one.
+            rewards, InstructGPT style; needs a reference model, so it builds one (a shorthand for
+            the estimator's ``kl_in_reward_coef``).
+        advantage_estimator: ``"gae"`` by default; any entry of ``ADVANTAGES`` (the critic is
+            trained either way). ``gamma``, ``lam`` and ``kl_in_reward_coef`` map onto its
+            parameters of those names, as GRPO's ``clip_ratio_*`` onto the loss's.
     """
+
+    uses_critic = True
 
     def __init__(self, model: ModelSpec, tokenizer: Any,
                  reward_funcs: Callable[..., list[float]] | str | Sequence[Callable[..., list[float]] | str],
                  critic_model: ModelSpec | None = None, critic_lr: float = 1e-5, vf_coef: float = 0.5,
                  cliprange_value: float = 0.5, gamma: float = 1.0, lam: float = 0.95,
-                 kl_in_reward_coef: float = 0.0, num_generations: int = 1, **grpo_kwargs: Any) -> None:
-        super().__init__(model, tokenizer, reward_funcs, num_generations=num_generations, **grpo_kwargs)
+                 kl_in_reward_coef: float = 0.0, num_generations: int = 1, advantage_estimator: str = "gae",
+                 advantage_kwargs: dict[str, Any] | None = None, **grpo_kwargs: Any) -> None:
+        shorthands = {"gamma": ("gamma", 1.0), "lam": ("lam", 0.95), "kl_in_reward_coef": ("kl_in_reward_coef", 0.0)}
+        advantage_kwargs = entry_params("advantage estimator", advantage_estimator,
+                                        ADVANTAGES.defaults(advantage_estimator), advantage_kwargs,
+                                        {"gamma": gamma, "lam": lam, "kl_in_reward_coef": kl_in_reward_coef},
+                                        shorthands)
+        super().__init__(model, tokenizer, reward_funcs, num_generations=num_generations,
+                         advantage_estimator=advantage_estimator, advantage_kwargs=advantage_kwargs, **grpo_kwargs)
         self.critic_spec = critic_model if critic_model is not None else model
         self.critic_lr, self.vf_coef, self.cliprange_value = critic_lr, vf_coef, cliprange_value
         self.gamma, self.lam, self.kl_in_reward_coef = gamma, lam, kl_in_reward_coef
 
     def configure_model(self) -> None:
         super().configure_model()
-        if self.ref_policy is None and self.kl_in_reward_coef > 0:
-            from rltrainer.models import frozen_copy
-
-            self.ref_policy = frozen_copy(self.policy)
         self.critic = build_value_model(self.critic_spec, seed=self.model_seed)
 
     def configure_optimizers(self) -> list[dict[str, Any]]:
         critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=self.critic_lr, weight_decay=self.weight_decay)
         return [super().configure_optimizers(), {"optimizer": critic_opt}]
-
-    def compute_stages(self) -> list[str]:
-        """Old log-probs when GRPO needs them (the policy moves within a batch, off-policy rollouts,
-        a rollout correction) or for ``kl_in_reward_coef``; ``ref`` for the KL; always the critic's
-        ``values`` (the old values the value loss clips around, and GAE's baseline)."""
-        stages = [s for s in super().compute_stages() if s != "ref"]
-        uses_ref = self.kl_coef > 0 or self.kl_in_reward_coef > 0
-        if self.kl_in_reward_coef > 0 and "old_log_prob" not in stages:
-            stages.append("old_log_prob")  # the KL penalty in the reward needs the policy's log-probs
-        return stages + (["ref"] if uses_ref else []) + ["values"]
 
     def compute_step(self, micro_batch: RolloutBatch, stage: str) -> dict[str, torch.Tensor]:
         if stage == "values":
@@ -93,17 +94,8 @@ class PPO(GRPO):
         return super().compute_step(micro_batch, stage)
 
     def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
-        last = (batch["response_mask"].sum(-1) - 1).clamp(min=0)  # each row's last response token
-        batch = self.correct_rollouts(batch)  # may reject tokens: GAE then skips them, as verl's does
+        batch = super().advantage_step(batch)  # the estimator (GAE) reads the critic's values from the batch
         mask = batch["response_mask"]  # [N, T]
-        token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
-        token_rewards[torch.arange(len(batch)), last] = batch["scores"].float()
-        if self.kl_in_reward_coef > 0:
-            kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
-            token_rewards = token_rewards - self.kl_in_reward_coef * kl
-            self.log("critic/kl_in_reward", (kl.sum() / mask.sum().clamp(min=1)).item())
-        advantages, returns = gae_advantages(token_rewards, batch["values"], mask, self.gamma, self.lam)
-        batch["advantages"], batch["returns"] = advantages, returns  # [N, T] each
         self.log("critic/values/mean", (batch["values"] * mask).sum().item() / max(mask.sum().item(), 1))
         return batch
 

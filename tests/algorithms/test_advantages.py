@@ -164,7 +164,8 @@ def test_gae_whiten_over_masked_tokens() -> None:
 
 
 def test_unknown_estimator_lists_names() -> None:
-    with pytest.raises(ValueError, match="gae, grpo, reinforce, rloo"):
+    with pytest.raises(ValueError, match="dr_grpo, gae, grpo, opo, reinforce, reinforce_plus_plus, "
+                                         "reinforce_plus_plus_baseline, remax, rloo"):
         ADVANTAGES.get("ppo")
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rltrainer.algorithms import POLICY_LOSSES, clipped_value_loss, ppo_clip_loss
+from rltrainer.algorithms import POLICY_LOSSES, LossContext, clipped_value_loss, ppo_clip_loss
 
 
 def make(ratios: list[float], advantages: list[float], mask: list[int] | None = None,
@@ -109,7 +109,7 @@ def test_masking_and_global_tokens() -> None:
     batch = make([1.1, 1.0, 100.0], [2.0, 1.0, -5.0], mask=[1, 1, 0])
     loss, metrics = ppo_clip_loss(**batch)
     torch.testing.assert_close(loss, torch.tensor((-2.2 - 1.0) / 2))  # the padded token is ignored
-    loss, metrics = ppo_clip_loss(**batch, global_tokens=8.0)
+    loss, metrics = ppo_clip_loss(**batch, ctx=LossContext(global_tokens=8.0))
     torch.testing.assert_close(loss, torch.tensor((-2.2 - 1.0) / 8))
     assert metrics["actor/pg_clipfrac_lower"].item() == 0.0
 
@@ -120,9 +120,9 @@ def test_loss_agg_mode_is_passed_through() -> None:
     mask = torch.tensor([[1, 1], [1, 0]])
     loss, _ = ppo_clip_loss(log_probs, log_probs, adv, mask)
     torch.testing.assert_close(loss, torch.tensor(-8.0 / 3.0))  # token-mean: -(1 + 3 + 4) / 3
-    loss, _ = ppo_clip_loss(log_probs, log_probs, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    loss, _ = ppo_clip_loss(log_probs, log_probs, adv, mask, ctx=LossContext("seq-mean-token-mean"))
     torch.testing.assert_close(loss, torch.tensor(-3.0))  # row means -2 and -4
-    loss, _ = ppo_clip_loss(log_probs, log_probs, adv, mask, loss_agg_mode="seq-mean-token-sum")
+    loss, _ = ppo_clip_loss(log_probs, log_probs, adv, mask, ctx=LossContext("seq-mean-token-sum"))
     torch.testing.assert_close(loss, torch.tensor(-4.0))  # row sums -4 and -4, over 2 rows
 
 
@@ -133,7 +133,7 @@ def test_gradient_is_minus_a_ratio_over_tokens_for_unclipped_only() -> None:
     batch = make(ratios, advs, mask=[1, 1, 1, 1, 1, 1, 0], old=[-0.5, -1.0, -2.0, -3.0, -0.1, -0.7, -1.0])
     log_probs = batch.pop("log_probs").requires_grad_(True)
     global_tokens = 10.0
-    loss, metrics = ppo_clip_loss(log_probs, **batch, global_tokens=global_tokens)
+    loss, metrics = ppo_clip_loss(log_probs, **batch, ctx=LossContext(global_tokens=global_tokens))
     loss.backward()
     # d(-A * exp(logp - old)) / d logp = -A * ratio, divided by the global token count
     expected = torch.tensor([[-2.0 * 1.1, 0.0, 0.0, 0.0, -1.0 * 0.5, 1.0 * 1.5, 0.0]]) / global_tokens

@@ -12,6 +12,10 @@ TRL           rltrainer                       normaliser
 ``dapo``      ``token-mean`` (global count)   tokens of the whole generation batch
 ============  ==============================  =================================================
 
+The policy-loss entries TRL also has (``dapo`` = ``ppo_clip`` with clip-higher, GSPO through
+``importance_sampling_level="sequence"``, CISPO, SAPO) are compared on the same per-token log-probs
+(TRL's log-prob forward stubbed out) to 1e-6 in ``test_policy_loss_entries_match_trl``.
+
 Differences on purpose, checked here rather than hidden:
 
 - Entropy bonus: TRL always averages it over tokens; rltrainer aggregates it with the loss's own
@@ -148,3 +152,64 @@ def test_loss_and_gradients_match_trl(loss_type, entropy_coef, rollout, bpe_toke
     assert float(gap) == 0.0
     for name, grad in grads.items():
         torch.testing.assert_close(grad, trl_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+# -- every TRL loss_type rltrainer has, as a registry entry ------------------------------------------
+# (our policy_loss, its kwargs or GRPO shorthands, our loss_agg_mode, TRL's GRPOConfig arguments)
+TRL_LOSSES = {
+    "dapo": ("ppo_clip", {"clip_ratio_high": 0.28, "clip_ratio_c": None}, "token-mean",
+             {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28}),
+    "gspo": ("gspo", {"policy_loss_kwargs": {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05}}, "seq-mean-token-mean",
+             {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.05}),
+    "gspo_token_mean": ("gspo", {"policy_loss_kwargs": {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05}},
+                        "token-mean",
+                        {"loss_type": "dapo", "importance_sampling_level": "sequence", "epsilon": 0.05}),
+    "cispo": ("cispo", {"policy_loss_kwargs": {"clip_ratio_high": 0.25}}, "token-mean",
+              {"loss_type": "cispo", "epsilon_high": 1.25}),
+    "sapo": ("sapo", {}, "seq-mean-token-mean", {"loss_type": "sapo"}),
+}
+
+
+@pytest.mark.parametrize("case", list(TRL_LOSSES))
+def test_policy_loss_entries_match_trl(case, rollout, bpe_tokenizer, tmp_path):
+    """TRL's ``GRPOTrainer._compute_loss`` (grpo_trainer.py:3083-3174) fed the same per-token
+    log-probs as the entry (its log-prob forward stubbed out), no KL: loss and gradient with respect
+    to the log-probs to 1e-6. The entry and its parameters come from a ``GRPO`` built as a user would."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rltrainer.algorithms import POLICY_LOSSES, LossContext
+
+    name, grpo_kwargs, mode, trl_kwargs = TRL_LOSSES[case]
+    _, batch, scores, path = rollout
+    mask = batch["response_mask"]
+    advantages, _ = grpo_advantages(scores, mask, list(batch["uid"]), epsilon=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    log_probs = (-3.0 * torch.rand(N, T, generator=gen)) * mask
+    old = (log_probs + 0.4 * torch.randn(N, T, generator=gen)) * mask  # ratios ~0.5..2: clipping happens
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", beta=0.0,
+                      num_generations=G, per_device_train_batch_size=N, max_completion_length=T, **trl_kwargs)
+    trainer = GRPOTrainer(model=path, reward_funcs=zero_reward, args=args, processing_class=bpe_tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": ["x"] * N}))
+    trainer.current_gradient_accumulation_steps = 1
+    theirs_lp = log_probs.clone().requires_grad_(True)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (theirs_lp, torch.zeros(N, T), None)
+    inputs = {"prompt_ids": batch["prompts"], "prompt_mask": torch.ones_like(batch["prompts"]),
+              "completion_ids": batch["responses"], "completion_mask": mask, "advantages": advantages[:, 0],
+              "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    trl_loss.backward()
+
+    module = GRPO(path, bpe_tokenizer, reward_funcs=zero_reward, num_generations=G, max_new_tokens=T,
+                  loss_agg_mode=mode, policy_loss=name, **grpo_kwargs)
+    ours_lp = log_probs.clone().requires_grad_(True)
+    ctx = LossContext(mode, global_tokens=float(mask.sum()), global_rows=float(N), max_response_length=T)
+    loss, metrics = POLICY_LOSSES.get(module.policy_loss)(ours_lp, old, advantages, mask, ctx,
+                                                          **module.policy_loss_kwargs)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), trl_loss.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours_lp.grad, theirs_lp.grad, rtol=0, atol=1e-6)
+    assert ours_lp.grad.abs().sum() > 0
+    if "actor/pg_clipfrac" in metrics:
+        assert 0 < metrics["actor/pg_clipfrac"] < 1, "the example should clip some tokens, not all"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rltrainer.algorithms import aggregate, kl_penalty, ppo_clip_loss
+from rltrainer.algorithms import LossContext, aggregate, kl_penalty, ppo_clip_loss
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.modules.grpo import GRPO
 from rltrainer.testing import tiny_qwen2_config
@@ -22,10 +22,12 @@ def zero_reward(completions: list[str], **kwargs: object) -> list[float]:
     return [0.0] * len(completions)
 
 
-def make_module(loss_agg_mode: str = "token-mean", kl_coef: float = 0.1, entropy_coef: float = 0.01) -> GRPO:
+def make_module(loss_agg_mode: str = "token-mean", kl_coef: float = 0.1, entropy_coef: float = 0.01,
+                policy_loss: str = "ppo_clip", policy_loss_kwargs: dict | None = None) -> GRPO:
     module = GRPO(model=tiny_qwen2_config(vocab_size=VOCAB), tokenizer=SimpleNamespace(pad_token_id=0),
                   reward_funcs=zero_reward, kl_coef=kl_coef, entropy_coef=entropy_coef,
-                  loss_agg_mode=loss_agg_mode, max_new_tokens=MAX_NEW_TOKENS, num_generations=2)
+                  loss_agg_mode=loss_agg_mode, max_new_tokens=MAX_NEW_TOKENS, num_generations=2,
+                  policy_loss=policy_loss, policy_loss_kwargs=policy_loss_kwargs)
     module.configure_model()
     return module
 
@@ -115,8 +117,8 @@ def test_loss_is_pg_plus_kl_minus_entropy(mode: str) -> None:
     mask = batch["response_mask"]
     counts = {"global_tokens": batch.meta["global_tokens"], "global_rows": batch.meta["global_rows"],
               "max_response_length": MAX_NEW_TOKENS}
-    pg, _ = ppo_clip_loss(log_probs, batch["old_log_probs"], batch["advantages"], mask, 0.2, 0.2, 3.0, mode,
-                          **counts)
+    pg, _ = ppo_clip_loss(log_probs, batch["old_log_probs"], batch["advantages"], mask, LossContext(mode, **counts),
+                          clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
     kl = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], "k3"), mask, mode, **counts)
     ent = aggregate(entropy, mask, mode, **counts)
     expected = pg + 0.1 * kl - 0.01 * ent
@@ -142,3 +144,104 @@ def test_without_old_log_probs_ratio_is_one() -> None:
     assert "actor/kl_loss" not in metrics
     loss.backward()  # still differentiable through the unclipped ratio exp(lp - lp.detach())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.policy.parameters())
+
+
+# Parameters that make each loss's own mechanism act on this small example (ratios ~0.55..1.8,
+# probabilities ~1/64): clipping, masking, cut-off tokens.
+LOSS_PARAMS = {
+    "ppo_clip": {},
+    "gspo": {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05},
+    "cispo": {"clip_ratio_high": 0.2},
+    "sapo": {},
+    "dppo_tv": {"clip_ratio_low": 0.004, "clip_ratio_high": 0.004, "clip_ratio_c": 1.5},
+    "dppo_kl": {"clip_ratio_low": 1e-4, "clip_ratio_high": 1e-4, "clip_ratio_c": 1.5},
+    "clip_cov": {"clip_cov_ratio": 0.3, "clip_cov_lb": 0.0, "clip_cov_ub": 10.0},
+    "kl_cov": {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.5},
+}
+
+
+def prepare_like_advantage_step(module: GRPO, batch: RolloutBatch) -> None:
+    """What ``advantage_step`` does for a loss with a batch-level ``prepare`` (Clip-Cov, KL-Cov)."""
+    prepare = module._loss_prepare()
+    if prepare is not None:
+        extras = prepare(batch["old_log_probs"], batch["advantages"], batch["response_mask"],
+                         **module.policy_loss_kwargs)
+        for name, value in extras.items():
+            batch[name] = value
+        batch.meta["loss_extras"] = sorted(extras)
+
+
+def test_every_policy_loss_is_parametrised_here() -> None:
+    from rltrainer.algorithms import POLICY_LOSSES
+
+    assert set(POLICY_LOSSES.names()) <= set(LOSS_PARAMS), "a new policy loss needs a micro-batch test here"
+
+
+@pytest.mark.parametrize("split", ["rows", "tokens"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("name", list(LOSS_PARAMS))
+def test_every_policy_loss_is_exact_under_micro_batching(name: str, mode: str, split: str) -> None:
+    """Loss, gradients and metrics summed over micro-batches equal one pass over the mini-batch, for
+    every entry: sequence-level ratios (GSPO) see whole rows, since micro-batches split by rows
+    (``split``: ``batch.split`` or the Strategy's ``split_by_tokens``), and batch-level selections
+    (Clip-Cov, KL-Cov) are made once, before the split."""
+    module = make_module(mode, kl_coef=0.0, entropy_coef=0.0, policy_loss=name, policy_loss_kwargs=LOSS_PARAMS[name])
+    batch = make_batch(module)
+    prepare_like_advantage_step(module, batch)
+    micro = batch.split(2) if split == "rows" else batch.split_by_tokens(2 * (P + T))
+    assert len(micro) > 1 and sum(len(m) for m in micro) == len(batch)
+
+    module.policy.zero_grad()
+    loss_whole, metrics_whole = module.policy_step(batch)
+    loss_whole.backward()
+    whole = grads(module)
+    module.policy.zero_grad()
+    loss_parts, metric_parts = torch.zeros(()), {k: torch.zeros(()) for k in metrics_whole}
+    for part in micro:
+        loss, metrics = module.policy_step(part)
+        loss.backward()
+        loss_parts = loss_parts + loss.detach()
+        metric_parts = {k: v + metrics[k] for k, v in metric_parts.items()}
+    parts = grads(module)
+
+    torch.testing.assert_close(loss_parts, loss_whole.detach(), rtol=0, atol=4e-6)
+    for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
+        if k in metrics_whole:
+            torch.testing.assert_close(metric_parts[k], metrics_whole[k], rtol=0, atol=1e-6, msg=k)
+    if "actor/pg_clipfrac" in metrics_whole and name != "ppo_clip":
+        assert 0 < metrics_whole["actor/pg_clipfrac"] < 1, "the example should exercise the loss's mechanism"
+    scale = max(g.abs().max().item() for g in whole)
+    assert scale > 0
+    for g_whole, g_parts in zip(whole, parts, strict=True):
+        torch.testing.assert_close(g_parts, g_whole, rtol=0, atol=1e-5 * scale)
+
+
+def test_a_users_registered_loss_runs_in_policy_step() -> None:
+    """Register a loss with its own parameter (the README's five lines), choose it by name: policy_step
+    calls it with the shared context (global counts: exact under micro-batching) and its parameter."""
+    from rltrainer.algorithms import POLICY_LOSSES
+
+    @POLICY_LOSSES.register("scaled_reinforce", scale=1.0)
+    def scaled_reinforce(log_probs, old_log_probs, advantages, response_mask, ctx, *, scale):
+        return ctx.finish(-scale * advantages * log_probs, response_mask.to(log_probs.dtype)), {}
+
+    try:
+        module = make_module("token-mean", kl_coef=0.0, entropy_coef=0.0, policy_loss="scaled_reinforce",
+                             policy_loss_kwargs={"scale": 3.0})
+        batch = make_batch(module)
+        loss, _ = module.policy_step(batch)
+        with torch.no_grad():
+            log_probs, _ = manual_log_probs(module.policy, batch, TEMPERATURE)
+        mask = batch["response_mask"]
+        expected = -(3.0 * batch["advantages"] * log_probs * mask).sum() / mask.sum()
+        torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+        parts = sum(module.policy_step(part)[0].detach() for part in batch.split(2))
+        torch.testing.assert_close(parts, loss.detach(), rtol=0, atol=4e-6)
+    finally:
+        POLICY_LOSSES._entries.pop("scaled_reinforce")
+        POLICY_LOSSES._descriptions.pop("scaled_reinforce")
+    # a training rank where the registration never ran (a Ray worker) gets the loss with the module
+    from ray import cloudpickle
+
+    shipped = cloudpickle.loads(cloudpickle.dumps(module))
+    torch.testing.assert_close(shipped.policy_step(batch)[0].detach(), loss.detach())
