@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.strategies.megatron.config import SUPPORTED_MODEL_TYPES, megatron_config
 from rltrainer.strategies.megatron.cpu import cpu_placement, cpu_shims
 from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_from_megatron, hf_names_of, hf_to_megatron
 from rltrainer.strategies.megatron.models import (
@@ -20,7 +21,12 @@ from rltrainer.strategies.megatron.models import (
     build_gpt,
 )
 from rltrainer.strategies.rank_worker import TrainingWorker
-from rltrainer.strategies.strategy import load_local_training_state, local_training_state, normalize_optimizers
+from rltrainer.strategies.strategy import (
+    check_model_type,
+    load_local_training_state,
+    local_training_state,
+    normalize_optimizers,
+)
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -56,6 +62,7 @@ class MegatronWorker(TrainingWorker):
 
             model_parallel_cuda_manual_seed(seed)
         module.configure_model()
+        check_architectures(module)
         if pp > 1 and getattr(module, "critic", None) is not None:
             raise NotImplementedError(
                 f"pipeline_model_parallel_size={pp} runs one pipelined model per hook call; {type(module).__name__} "
@@ -237,8 +244,20 @@ class MegatronWorker(TrainingWorker):
         self.versions.forget_synced()
 
 
+def check_architectures(module: RLModule) -> None:
+    """Refuse, on every rank and before any weight is converted, a policy of a family megatron is
+    not tested with, and any model whose config :func:`megatron_config` cannot convert."""
+    if getattr(module, "policy", None) is None:
+        raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
+    check_model_type(module.policy, "megatron", SUPPORTED_MODEL_TYPES)
+    for model in module.children():
+        if hasattr(model, "config") and any(True for _ in model.parameters()):
+            megatron_config(model.config)
+
+
 def reduce_and_clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
-    """Sum gradients over data-parallel ranks, then clip by the global norm: tensor-parallel
+    """Sum gradients over data-parallel ranks (and a replicated weight's partial gradients, such
+    as Qwen3's q/k norms, over tensor-parallel ranks), then clip by the global norm: tensor-parallel
     shards add their squares across the TP group, replicated tensors count once per stage, stages
     add up over the pipeline group, and the last stage's copy of a tied embedding is not counted."""
     import torch.distributed as dist
@@ -248,6 +267,10 @@ def reduce_and_clip(params: list[torch.nn.Parameter], max_norm: float | None) ->
     if parallel_state.get_data_parallel_world_size() > 1:
         for g in grads:
             dist.all_reduce(g, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:  # replicated, but each rank saw its own heads
+        for p in params:
+            if p.grad is not None and getattr(p, "partial_grad_over_tp", False):
+                dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
     counted = [p for p in params if p.grad is not None and not getattr(p, "shared", False)]
     sharded = torch.as_tensor(sum((p.grad.float() ** 2).sum() for p in counted
                                   if getattr(p, "tensor_model_parallel", False)), dtype=torch.float32)
