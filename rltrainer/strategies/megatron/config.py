@@ -106,8 +106,8 @@ RULES: tuple[Rule, ...] = (
          lambda v: not v, "one RoPE for every layer (not a dict per layer type)"),
     Rule("rope_parameters['rope_type']", lambda c: rope_parameters(c).get("rope_type", "default"),
          lambda v: v in ROPE_TYPES,
-         f"{', '.join(ROPE_TYPES)} (dynamic NTK changes with the sequence length, and megatron-core 0.16's "
-         "GPTModel reads YaRN settings only from MLATransformerConfig; longrope has no megatron counterpart)"),
+         f"{', '.join(ROPE_TYPES)} (megatron-core 0.16 has no dynamic NTK or longrope RoPE, and its GPTModel "
+         "reads YaRN settings, yarn_rotary_scaling_factor..., that no TransformerConfig of it defines)"),
     *(Rule(f"rope_parameters[{key!r}]",
            lambda c, key=key, value=value: (rope_parameters(c).get(key) if rope_parameters(c).get("rope_type") == "llama3"
                                             else value),
