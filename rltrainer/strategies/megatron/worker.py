@@ -52,24 +52,27 @@ class MegatronWorker(TrainingWorker):
 
         self.options = options
         tp, pp = options["tensor_model_parallel_size"], options["pipeline_model_parallel_size"]
-        if self.device.type == "cpu":
-            cpu_shims()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        self.layout, self.stage = MegatronLayout(tp=tp, pp=pp), parallel_state.get_pipeline_model_parallel_rank()
         torch.manual_seed(seed)
-        if self.device.type == "cuda":  # megatron's attention forks the tensor-parallel CUDA RNG state
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            model_parallel_cuda_manual_seed(seed)
         module.configure_model()
-        check_architectures(module)
+        check_architectures(module)  # every rank refuses alike, before megatron-core is set up
         if pp > 1 and getattr(module, "critic", None) is not None:
             raise NotImplementedError(
                 f"pipeline_model_parallel_size={pp} runs one pipelined model per hook call; {type(module).__name__} "
                 "trains a critic in the same policy_step (PPO): use pipeline_model_parallel_size=1")
+        if self.device.type == "cpu":
+            cpu_shims()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.layout, self.stage = MegatronLayout(tp=tp, pp=pp), parallel_state.get_pipeline_model_parallel_rank()
+        if self.device.type == "cuda":  # megatron's attention forks the tensor-parallel CUDA RNG state
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)  # CUDA generators only: configure_model's draws are unchanged
         dtype = torch.bfloat16 if options["precision"] == "bf16-true" else torch.float32
         specs = {n: (tuple(p.shape), p.dtype) for n, p in module.policy.named_parameters()}
-        with cpu_placement(self.device):
+        # GPTModel draws an init that the converted weights replace: the RNG state after setup is
+        # configure_model's, as on the other strategies (the same seed, the same rollouts)
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with cpu_placement(self.device), torch.random.fork_rng(devices=cuda):
             for name, hf_model in list(module.named_children()):
                 if not hasattr(hf_model, "config") or not any(True for _ in hf_model.parameters()):
                     continue
