@@ -48,6 +48,7 @@ SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 MEGATRON_LLAMA3 = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
 ROPE_TYPES = ("default", "linear", "llama3")
 FALLBACK = "use strategy='fsdp2' (or 'single'), which runs the transformers model itself"
+ROPE_CHUNK = 1 << 16  # positions compared at a time (a 1M-position config needs no 256 MB table)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,15 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 def _sliding_layers(config: Any) -> list[int]:
     return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind != "full_attention"]
+
+
+def _llama3_constant(key: str, megatron_value: Any) -> Callable[[Any], Any]:
+    """Reads ``rope_parameters[key]`` of a ``llama3`` RoPE (other RoPE types: ``megatron_value``, nothing to check)."""
+    def read(config: Any) -> Any:
+        rope = rope_parameters(config)
+        return rope.get(key) if rope.get("rope_type") == "llama3" else megatron_value
+
+    return read
 
 
 @dataclass(frozen=True)
@@ -108,10 +118,7 @@ RULES: tuple[Rule, ...] = (
          lambda v: v in ROPE_TYPES,
          f"{', '.join(ROPE_TYPES)} (megatron-core 0.16 has no dynamic NTK or longrope RoPE, and its GPTModel "
          "reads YaRN settings, yarn_rotary_scaling_factor..., that no TransformerConfig of it defines)"),
-    *(Rule(f"rope_parameters[{key!r}]",
-           lambda c, key=key, value=value: (rope_parameters(c).get(key) if rope_parameters(c).get("rope_type") == "llama3"
-                                            else value),
-           lambda v, value=value: v == value,
+    *(Rule(f"rope_parameters[{key!r}]", _llama3_constant(key, value), lambda v, value=value: v == value,
            f"{value} with rope_type='llama3' (megatron-core hard-codes it: rotary_pos_embedding.py _apply_scaling)")
       for key, value in MEGATRON_LLAMA3.items()),
     *(Rule(name, lambda c, name=name: getattr(c, name, None), lambda v: not v, "no experts (dense models only)")
@@ -178,13 +185,17 @@ def check_rope(config: Any, kv_channels: int, gpt: dict[str, Any]) -> None:
                          seq_len_interpolation_factor=gpt.get("seq_len_interpolation_factor"),
                          rotary_base=gpt["rotary_base"], rope_scaling=gpt.get("rope_scaling", False),
                          rope_scaling_factor=gpt.get("rope_scaling_factor", 8.0), use_cpu_initialization=True)
-    positions = config.max_position_embeddings
-    hf_angles = torch.arange(positions).float()[:, None] * hf.inv_freq.float()  # as *RotaryEmbedding.forward
-    mg_angles = mg.get_freqs_non_repeated(positions)  # [positions, head_dim / 2]
-    if hf_angles.shape != mg_angles.shape or not torch.equal(hf_angles, mg_angles):
-        diff = (hf_angles - mg_angles).abs() if hf_angles.shape == mg_angles.shape else None
-        where = (f"they differ by up to {diff.max().item():.3g} rad (position {int(diff.amax(1).argmax())})"
-                 if diff is not None else f"shapes {tuple(hf_angles.shape)} vs {tuple(mg_angles.shape)}")
+    for start in range(0, config.max_position_embeddings, ROPE_CHUNK):
+        n = min(ROPE_CHUNK, config.max_position_embeddings - start)
+        hf_angles = torch.arange(start, start + n).float()[:, None] * hf.inv_freq.float()  # *RotaryEmbedding.forward
+        mg_angles = mg.get_freqs_non_repeated(n, offset=start)  # [n, head_dim / 2]
+        if hf_angles.shape != mg_angles.shape:
+            where = f"their shapes differ: {tuple(hf_angles.shape)} vs {tuple(mg_angles.shape)}"
+        elif not torch.equal(hf_angles, mg_angles):
+            diff = (hf_angles - mg_angles).abs()
+            where = f"they differ by up to {diff.max().item():.3g} rad (position {start + int(diff.amax(1).argmax())})"
+        else:
+            continue
         raise refuse("rope_parameters", rope, config,
                      f"RoPE whose angles megatron-core computes exactly as transformers does; for these {where}"
                      " (a linear factor must be a power of two: megatron scales positions by 1/factor)", FALLBACK)

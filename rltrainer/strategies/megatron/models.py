@@ -16,10 +16,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from rltrainer.strategies.megatron.config import megatron_config
 from rltrainer.strategies.megatron.cpu import cpu_attention_spec
+
 
 def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_process: bool = True,
               pp: int = 1, pre_process: bool = True, share_embeddings: bool | None = None) -> torch.nn.Module:
