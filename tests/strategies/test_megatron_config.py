@@ -168,3 +168,21 @@ def test_fields_transformers_ignores_are_accepted():
     assert megatron_config(llama(pretraining_tp=2)) == megatron_config(llama())
     full = qwen2(use_sliding_window=True, sliding_window=16, max_window_layers=2)
     assert megatron_config(full) == megatron_config(qwen2())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_refuses_at_setup_before_megatron_core_starts(rank, bpe_tokenizer):
+    """A rank (here rank ``rank`` of 2, with no process group: any collective or megatron-core
+    initialisation would fail otherwise) refuses the config right after ``configure_model``."""
+    from rltrainer import GRPO
+    from rltrainer.strategies.megatron import MegatronWorker
+    from rltrainer.testing import length_reward
+
+    config = llama(vocab_size=len(bpe_tokenizer), max_position_embeddings=4096,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                    "original_max_position_embeddings": 1024})
+    module = GRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=4)
+    worker = MegatronWorker(rank=rank, world_size=2, device="cpu")
+    options = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "precision": "32-true"}
+    with pytest.raises(ValueError, match=r"cannot convert rope_parameters\['rope_type'\]='yarn'"):
+        worker.setup(module, options, seed=0)
