@@ -6,8 +6,8 @@ Converted (megatron-core 0.16.1): the sizes; ``num_key_value_heads`` (grouped qu
 ``head_dim`` (``kv_channels``, which may differ from ``hidden_size / num_attention_heads``);
 ``rms_norm_eps``; ``tie_word_embeddings``; Qwen2's QKV biases (``add_qkv_bias``); Qwen3's
 per-head RMSNorm on queries and keys (``qk_layernorm``, applied before RoPE in both:
-megatron ``transformer/attention.py`` ``get_query_key_value_tensors``, transformers
-``Qwen3Attention.forward``); ``hidden_act="silu"`` (SwiGLU: ``gated_linear_unit`` with
+megatron ``transformer/attention.py:1477-1481`` in ``get_query_key_value_tensors``, RoPE after it
+at ``:1097``; transformers ``Qwen3Attention.forward``); ``hidden_act="silu"`` (SwiGLU: ``gated_linear_unit`` with
 ``F.silu``); ``rope_parameters`` of ``rope_type`` ``default`` (``rotary_base``), ``linear``
 (``seq_len_interpolation_factor``) and ``llama3`` (``rope_scaling``, ``rope_scaling_factor``)
 when megatron-core computes the same angles, which :func:`check_rope` verifies numerically.

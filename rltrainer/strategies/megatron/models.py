@@ -46,7 +46,7 @@ def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_pr
         **arch.gpt, "share_embeddings_and_output_weights": share_embeddings}
     gpt = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
                    **gpt_args)
-    for name, param in gpt.named_parameters():  # as megatron's finalize_model_grads sums them over TP
+    for name, param in gpt.named_parameters():  # summed over TP as in distributed/finalize_model_grads.py:353-355
         if ".q_layernorm." in name or ".k_layernorm." in name:
             param.partial_grad_over_tp = True
     return gpt
