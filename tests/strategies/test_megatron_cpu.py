@@ -1,7 +1,15 @@
-"""megatron-core 0.16 on CPU: a tensor-parallel (TP=2, gloo) GPTModel built with a layer spec of
-our own (CPU attention), its weights converted from transformers by ``hf_to_megatron``, gives the
-single-device transformers model's logits, loss and (converted back) gradients. See
-megatron_tp_check.py for what it takes to run megatron-core without CUDA."""
+"""megatron-core 0.16 on CPU: a tensor-parallel (TP=2, gloo) GPTModel built by the library's
+``build_gpt`` (config conversion included), its weights converted from transformers by
+``hf_to_megatron``, gives the single-device transformers model's logits, loss and (reduced as the
+worker reduces them, converted back) gradients, for Qwen2, a Llama with Llama 3.1's RoPE scaling
+and Qwen3. See megatron_tp_check.py for the models and what it takes to run megatron-core without CUDA.
+
+Tolerances: the two layouts compute the same function in a different order (TP splits the
+matrix products and gathers the vocabulary; SDPA kernels differ), so values of size ~5 (logits)
+differ by a few fp32 ulps accumulated over ~10 ops of width 64-128: observed 1.5e-6 for the
+logits, 2e-7 for the gradients; 1e-4 / 1e-5 / 1e-5 leave room, and are far below what a wrong
+conversion gives (no RoPE scaling: logits off by 1.3e-2; Qwen3's q/k norm gradients not summed
+over TP: gradients off by 2.6e-2)."""
 
 import importlib.util
 import json
@@ -17,12 +25,14 @@ SCRIPT = Path(__file__).with_name("megatron_tp_check.py")
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                     reason="megatron-core is not installed (it is in the dev extra: pip install -e '.[dev]')")
-def test_tensor_parallel_megatron_matches_transformers_on_cpu():
+@pytest.mark.parametrize("family", ["qwen2", "llama3-rope", "qwen3"])
+def test_tensor_parallel_megatron_matches_transformers_on_cpu(family):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, str(SCRIPT), family], capture_output=True, text=True, timeout=600,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["grad_names"] == 26  # every transformers parameter got a gradient back
+    assert result["grad_names"] == result["hf_params"]  # every transformers parameter got a gradient back
     assert result["logits_max_abs_diff"] < 1e-4
     assert abs(result["loss_tp2"] - result["loss_hf"]) < 1e-5
     assert result["grad_max_abs_diff"] < 1e-5

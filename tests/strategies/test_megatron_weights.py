@@ -1,5 +1,6 @@
 """HF <-> Megatron weight layouts: exact round trips over TP x PP for Qwen2 (QKV biases, tied
-embeddings) and Llama (untied) with grouped-query attention, and a check that the fused QKV and
+embeddings), Llama (untied) and Qwen3 (q/k norms, heads x head_dim != hidden, untied) with
+grouped-query attention, and a check that the fused QKV and
 gate/up shards are what megatron-core's attention and MLP code reads them as (not merely some
 invertible layout)."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_to_megatron, megatron_to_hf
 
@@ -22,6 +23,11 @@ def llama():
                        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
 
 
+def qwen3():
+    return Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
 def state_of(config):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -31,7 +37,7 @@ def state_of(config):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("make", [qwen2, llama], ids=["qwen2", "llama"])
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3], ids=["qwen2", "llama", "qwen3"])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 @pytest.mark.parametrize("fused", [False, True], ids=["local-spec", "te-spec"])
 def test_round_trip_is_exact(make, tp, pp, fused):
@@ -42,6 +48,9 @@ def test_round_trip_is_exact(make, tp, pp, fused):
     assert len(shards) == pp and all(len(stage) == tp for stage in shards)
     assert shards[0][0]["embedding.word_embeddings.weight"].shape == (128 // tp, 64)
     assert "decoder.layers.0.self_attention.linear_qkv.weight" in shards[-1][-1]  # stages number layers from 0
+    if make is qwen3:  # one [head_dim] weight per layer, the same on every TP rank
+        norm = "decoder.layers.1.self_attention.q_layernorm.weight"
+        assert all(torch.equal(r[norm], shards[0][0][norm]) for r in shards[0]) and shards[0][0][norm].shape == (16,)
     back = megatron_to_hf(shards, config, layout)
     assert back.keys() == state.keys()
     for name, tensor in state.items():

@@ -1,14 +1,15 @@
 """``strategy="megatron"``: training on megatron-core (written against megatron-core 0.16) with
 tensor, pipeline and data parallelism; ranks are Ray actors (one in-process worker for a single rank).
 
-Each rank builds the module's models with ``configure_model`` (transformers, Qwen2 / Llama
-family), converts them to its own megatron-core ``GPTModel`` shard (its pipeline stage, its
-tensor-parallel slice) with :func:`~rltrainer.strategies.megatron.layouts.hf_to_megatron`, and
-swaps them into the module behind :class:`MegatronCausalLM`, which answers the transformers call
-the hooks make (``model(input_ids, attention_mask, position_ids, logits_to_keep)``) with
-full-vocabulary logits. So ``policy_step`` and ``compute_step`` run unchanged: changing FSDP2 to
-Megatron touches no algorithm. Weights leave in HF names (:func:`megatron_to_hf`), so any engine
-takes them.
+Each rank builds the module's models with ``configure_model`` (transformers: Llama, Qwen2 or
+Qwen3; :func:`~rltrainer.strategies.megatron.config.megatron_config` refuses any config field it
+cannot convert exactly, on every rank, before converting weights), converts them to its own
+megatron-core ``GPTModel`` shard (its pipeline stage, its tensor-parallel slice) with
+:func:`~rltrainer.strategies.megatron.layouts.hf_to_megatron`, and swaps them into the module
+behind :class:`MegatronCausalLM`, which answers the transformers call the hooks make
+(``model(input_ids, attention_mask, position_ids, logits_to_keep)``) with full-vocabulary logits.
+So ``policy_step`` and ``compute_step`` run unchanged: changing FSDP2 to Megatron touches no
+algorithm. Weights leave in HF names (:func:`megatron_to_hf`), so any engine takes them.
 
 The hooks run inside megatron-core's forward-backward schedule (``get_forward_backward_func``:
 no pipelining at ``pipeline_model_parallel_size=1``, 1F1B otherwise). On the last stage a hook
@@ -33,6 +34,7 @@ Where each job lives:
 - :mod:`~rltrainer.strategies.megatron.strategy`: :class:`MegatronStrategy`, the controller side.
 - :mod:`~rltrainer.strategies.megatron.worker`: :class:`MegatronWorker`, the rank side (setup,
   the schedule, gradients, weight export, checkpoints).
+- :mod:`~rltrainer.strategies.megatron.config`: a transformers config -> megatron-core settings, or an error.
 - :mod:`~rltrainer.strategies.megatron.models`: ``GPTModel`` behind the transformers call.
 - :mod:`~rltrainer.strategies.megatron.layouts`: HF <-> megatron weight layouts (pure tensors).
 - :mod:`~rltrainer.strategies.megatron.cpu`: the shims that run megatron-core on CPU ranks.

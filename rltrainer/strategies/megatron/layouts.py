@@ -1,6 +1,6 @@
 """Weight layouts between transformers (HF names, full tensors) and megatron-core's ``GPTModel``
-(tensor-parallel shards, pipeline stages), for the Qwen2 / Llama family. Pure tensor operations,
-exact both ways.
+(tensor-parallel shards, pipeline stages), for the Llama / Qwen2 / Qwen3 families. Pure tensor
+operations, exact both ways.
 
 Megatron-core's layout (``megatron/core/transformer/attention.py``, ``mlp.py``):
 
@@ -13,6 +13,9 @@ Megatron-core's layout (``megatron/core/transformer/attention.py``, ``mlp.py``):
 - ``embedding.word_embeddings`` / ``output_layer``: vocabulary split along rows (padded to
   ``padded_vocab_size`` if given). Tied embeddings with pipeline stages: the last stage holds its
   own ``output_layer.weight`` copy.
+- Qwen3's ``self_attn.q_norm`` / ``k_norm`` (one ``head_dim`` weight shared by every head) are
+  ``self_attention.q_layernorm`` / ``k_layernorm``, replicated on every tensor-parallel rank (each
+  applies them to its own heads), under both specs.
 - Norms are replicated. With the Transformer Engine spec they fuse into the next linear
   (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); with the local spec they
   are ``input_layernorm`` / ``pre_mlp_layernorm``.
@@ -29,6 +32,8 @@ from typing import Any
 import torch
 
 Shards = list[list[dict[str, torch.Tensor]]]  # [pp stage][tp rank] -> megatron name -> tensor
+QK_NORMS = {"q_norm.weight": "self_attention.q_layernorm.weight",  # Qwen3: replicated over TP
+            "k_norm.weight": "self_attention.k_layernorm.weight"}
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,9 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Any, layout: Megat
                 put(stage, mg + "self_attention.linear_qkv.bias",
                     fuse_qkv(state[a + "q_proj.bias"], state[a + "k_proj.bias"], state[a + "v_proj.bias"], dims, tp))
             put(stage, mg + "self_attention.linear_proj.weight", cols(state[a + "o_proj.weight"]))
+            for hf_norm, mg_norm in QK_NORMS.items():
+                if a + hf_norm in state:
+                    put(stage, mg + mg_norm, state[a + hf_norm])
             m = hf + "mlp."
             gate, up = rows(state[m + "gate_proj.weight"]), rows(state[m + "up_proj.weight"])
             put(stage, mg + "mlp.linear_fc1.weight", [torch.cat([g, u]) for g, u in zip(gate, up)])
@@ -185,6 +193,7 @@ def hf_names_of(megatron_name: str, config: Any, layout: MegatronLayout, stage: 
         "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
         "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
         "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+        **{mg_norm: ["self_attn." + hf_norm] for hf_norm, mg_norm in QK_NORMS.items()},
         norm_attn: ["input_layernorm.weight"],
         norm_mlp: ["post_attention_layernorm.weight"],
     }.get(rest)

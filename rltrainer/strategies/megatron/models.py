@@ -2,7 +2,7 @@
 ``policy_step`` and ``compute_step`` run unchanged on megatron-core shards.
 
 - :func:`build_gpt`: a ``GPTModel`` (one pipeline stage, one tensor-parallel slice) with a
-  transformers config's architecture.
+  transformers config's architecture (:func:`~rltrainer.strategies.megatron.config.megatron_config`).
 - :class:`MegatronCausalLM`: ``model(input_ids, attention_mask, position_ids, logits_to_keep)``
   answered with full-vocabulary logits; :class:`MegatronValueModel`: a critic's
   ``.logits [b, s, 1]``.
@@ -16,47 +16,40 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from rltrainer.strategies.megatron.config import megatron_config
 from rltrainer.strategies.megatron.cpu import cpu_attention_spec
-
-SUPPORTED = ("qwen2", "llama")
 
 
 def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_process: bool = True,
               pp: int = 1, pre_process: bool = True, share_embeddings: bool | None = None) -> torch.nn.Module:
     """A megatron-core ``GPTModel`` (this rank's pipeline stage) with the architecture of a
-    Qwen2 / Llama transformers config."""
+    Llama / Qwen2 / Qwen3 transformers config, converted by :func:`megatron_config` (which
+    refuses a field it cannot convert). Parameters whose gradients are partial on each
+    tensor-parallel rank (Qwen3's q/k norms: each rank normalises its own heads) are marked
+    ``partial_grad_over_tp``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if hf_config.model_type not in SUPPORTED:
-        raise NotImplementedError(f"strategy='megatron' builds {', '.join(SUPPORTED)} models; got model_type="
-                                  f"{hf_config.model_type!r}")
-    heads = hf_config.num_attention_heads
+    arch = megatron_config(hf_config)
     config = TransformerConfig(
-        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
-        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        ffn_hidden_size=hf_config.intermediate_size, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, add_bias_linear=False,
-        add_qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-        use_cpu_initialization=on_cpu, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, bf16=dtype == torch.bfloat16,
-        pipeline_dtype=dtype, variable_seq_lengths=True,  # micro-batches differ in length and rows
+        **arch.transformer, use_cpu_initialization=on_cpu, params_dtype=dtype, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
+        variable_seq_lengths=True,  # micro-batches differ in length and rows
         moe_token_dispatcher_type="alltoall",  # no experts here; the default ("allgather") refuses variable lengths
         calculate_per_token_loss=True)  # the hooks normalise by global counts: the schedule must not rescale
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     if on_cpu:
         spec.submodules.self_attention.submodules.core_attention = cpu_attention_spec()
-    rope = getattr(hf_config, "rope_theta", None) or (getattr(hf_config, "rope_parameters", None) or {}).get(
-        "rope_theta", 10000.0)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
-                    max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
-                    rotary_base=int(rope), pre_process=pre_process, post_process=post_process,
-                    share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) if share_embeddings is None
-                    else share_embeddings)
+    gpt_args = dict(arch.gpt) if share_embeddings is None else {
+        **arch.gpt, "share_embeddings_and_output_weights": share_embeddings}
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
+                   **gpt_args)
+    for name, param in gpt.named_parameters():  # summed over TP as in distributed/finalize_model_grads.py:353-355
+        if ".q_layernorm." in name or ".k_layernorm." in name:
+            param.partial_grad_over_tp = True
+    return gpt
 
 
 class StageOutput(BaseException):  # noqa: N818 (not an error: a control-flow signal, like GeneratorExit)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.strategies.megatron.config import SUPPORTED_MODEL_TYPES, megatron_config
 from rltrainer.strategies.megatron.cpu import cpu_placement, cpu_shims
 from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_from_megatron, hf_names_of, hf_to_megatron
 from rltrainer.strategies.megatron.models import (
@@ -20,7 +21,12 @@ from rltrainer.strategies.megatron.models import (
     build_gpt,
 )
 from rltrainer.strategies.rank_worker import TrainingWorker
-from rltrainer.strategies.strategy import load_local_training_state, local_training_state, normalize_optimizers
+from rltrainer.strategies.strategy import (
+    check_model_type,
+    load_local_training_state,
+    local_training_state,
+    normalize_optimizers,
+)
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -46,23 +52,27 @@ class MegatronWorker(TrainingWorker):
 
         self.options = options
         tp, pp = options["tensor_model_parallel_size"], options["pipeline_model_parallel_size"]
-        if self.device.type == "cpu":
-            cpu_shims()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        self.layout, self.stage = MegatronLayout(tp=tp, pp=pp), parallel_state.get_pipeline_model_parallel_rank()
         torch.manual_seed(seed)
-        if self.device.type == "cuda":  # megatron's attention forks the tensor-parallel CUDA RNG state
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            model_parallel_cuda_manual_seed(seed)
         module.configure_model()
+        check_architectures(module)  # every rank refuses alike, before megatron-core is set up
         if pp > 1 and getattr(module, "critic", None) is not None:
             raise NotImplementedError(
                 f"pipeline_model_parallel_size={pp} runs one pipelined model per hook call; {type(module).__name__} "
                 "trains a critic in the same policy_step (PPO): use pipeline_model_parallel_size=1")
+        if self.device.type == "cpu":
+            cpu_shims()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.layout, self.stage = MegatronLayout(tp=tp, pp=pp), parallel_state.get_pipeline_model_parallel_rank()
+        if self.device.type == "cuda":  # megatron's attention forks the tensor-parallel CUDA RNG state
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)  # CUDA generators only: configure_model's draws are unchanged
         dtype = torch.bfloat16 if options["precision"] == "bf16-true" else torch.float32
         specs = {n: (tuple(p.shape), p.dtype) for n, p in module.policy.named_parameters()}
-        with cpu_placement(self.device):
+        # GPTModel draws an init that the converted weights replace: the RNG state after setup is
+        # configure_model's, as on the other strategies (the same seed, the same rollouts)
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with cpu_placement(self.device), torch.random.fork_rng(devices=cuda):
             for name, hf_model in list(module.named_children()):
                 if not hasattr(hf_model, "config") or not any(True for _ in hf_model.parameters()):
                     continue
@@ -237,8 +247,20 @@ class MegatronWorker(TrainingWorker):
         self.versions.forget_synced()
 
 
+def check_architectures(module: RLModule) -> None:
+    """Refuse, on every rank and before any weight is converted, a policy of a family megatron is
+    not tested with, and any model whose config :func:`megatron_config` cannot convert."""
+    if getattr(module, "policy", None) is None:
+        raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
+    check_model_type(module.policy, "megatron", SUPPORTED_MODEL_TYPES)
+    for model in module.children():
+        if hasattr(model, "config") and any(True for _ in model.parameters()):
+            megatron_config(model.config)
+
+
 def reduce_and_clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
-    """Sum gradients over data-parallel ranks, then clip by the global norm: tensor-parallel
+    """Sum gradients over data-parallel ranks (and a replicated weight's partial gradients, such
+    as Qwen3's q/k norms, over tensor-parallel ranks), then clip by the global norm: tensor-parallel
     shards add their squares across the TP group, replicated tensors count once per stage, stages
     add up over the pipeline group, and the last stage's copy of a tied embedding is not counted."""
     import torch.distributed as dist
@@ -248,6 +270,10 @@ def reduce_and_clip(params: list[torch.nn.Parameter], max_norm: float | None) ->
     if parallel_state.get_data_parallel_world_size() > 1:
         for g in grads:
             dist.all_reduce(g, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:  # replicated, but each rank saw its own heads
+        for p in params:
+            if p.grad is not None and getattr(p, "partial_grad_over_tp", False):
+                dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
     counted = [p for p in params if p.grad is not None and not getattr(p, "shared", False)]
     sharded = torch.as_tensor(sum((p.grad.float() ** 2).sum() for p in counted
                                   if getattr(p, "tensor_model_parallel", False)), dtype=torch.float32)

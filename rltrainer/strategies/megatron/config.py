@@ -1,0 +1,201 @@
+"""A transformers config -> megatron-core settings: :func:`megatron_config`, the one place where
+each field is either converted to the megatron-core setting that computes the same function or
+refused with a ``ValueError`` that names it (what was received, what is supported, what to use).
+
+Converted (megatron-core 0.16.1): the sizes; ``num_key_value_heads`` (grouped queries);
+``head_dim`` (``kv_channels``, which may differ from ``hidden_size / num_attention_heads``);
+``rms_norm_eps``; ``tie_word_embeddings``; Qwen2's QKV biases (``add_qkv_bias``); Qwen3's
+per-head RMSNorm on queries and keys (``qk_layernorm``, applied before RoPE in both:
+megatron ``transformer/attention.py:1477-1481`` in ``get_query_key_value_tensors``, RoPE after it
+at ``:1097``; transformers ``Qwen3Attention.forward``); ``hidden_act="silu"`` (SwiGLU: ``gated_linear_unit`` with
+``F.silu``); ``rope_parameters`` of ``rope_type`` ``default`` (``rotary_base``), ``linear``
+(``seq_len_interpolation_factor``) and ``llama3`` (``rope_scaling``, ``rope_scaling_factor``)
+when megatron-core computes the same angles, which :func:`check_rope` verifies numerically.
+Ignored, as transformers 5 ignores them: ``pretraining_tp``, ``initializer_range``, token ids,
+``use_cache``. Everything else that changes the function is refused (:data:`RULES`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a transformers model family is, in megatron-core terms."""
+
+    rotary: str  # the transformers RotaryEmbedding whose angles megatron's must equal
+    qkv_bias: bool  # biases on q/k/v (not o_proj): megatron's add_qkv_bias
+    qk_norm: bool  # RMSNorm over each head's queries and keys: megatron's qk_layernorm
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("transformers.models.llama.modeling_llama.LlamaRotaryEmbedding", qkv_bias=False, qk_norm=False),
+    "qwen2": Family("transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding", qkv_bias=True, qk_norm=False),
+    "qwen3": Family("transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding", qkv_bias=False, qk_norm=True),
+}
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
+
+# megatron-core 0.16.1 models/common/embeddings/rotary_pos_embedding.py: RotaryEmbedding.__init__
+# (line 83-84) calls self._apply_scaling(inv_freq, factor=rope_scaling_factor) only, so the other
+# Llama 3 constants are _apply_scaling's defaults (lines 92-98)
+MEGATRON_LLAMA3 = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
+ROPE_TYPES = ("default", "linear", "llama3")
+FALLBACK = "use strategy='fsdp2' (or 'single'), which runs the transformers model itself"
+ROPE_CHUNK = 1 << 16  # positions compared at a time (a 1M-position config needs no 256 MB table)
+
+
+@dataclass(frozen=True)
+class MegatronArchitecture:
+    """``transformer``: ``TransformerConfig`` keyword arguments (the architecture; the caller adds
+    parallelism and dtypes); ``gpt``: ``GPTModel`` keyword arguments (vocabulary, positions, tied
+    output layer)."""
+
+    transformer: dict[str, Any]
+    gpt: dict[str, Any]
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE settings as transformers 5 reads them (``rope_parameters``; a legacy
+    ``rope_scaling`` / ``rope_theta`` is moved there when the config is built)."""
+    return dict(getattr(config, "rope_parameters", None) or {})
+
+
+def _sliding_layers(config: Any) -> list[int]:
+    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind != "full_attention"]
+
+
+def _llama3_constant(key: str, megatron_value: Any) -> Callable[[Any], Any]:
+    """Reads ``rope_parameters[key]`` of a ``llama3`` RoPE (other RoPE types: ``megatron_value``, nothing to check)."""
+    def read(config: Any) -> Any:
+        rope = rope_parameters(config)
+        return rope.get(key) if rope.get("rope_type") == "llama3" else megatron_value
+
+    return read
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One field megatron-core cannot take as it is: ``read(config)`` is its value, ``ok(value)``
+    whether the conversion handles it, ``supported`` says what it handles and ``fix`` what to do."""
+
+    field: str
+    read: Callable[[Any], Any]
+    ok: Callable[[Any], bool]
+    supported: str
+    fix: str = FALLBACK
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("model_type", lambda c: getattr(c, "model_type", None), lambda v: v in FAMILIES,
+         f"the families {', '.join(sorted(FAMILIES))}", "use a model of one of these families"),
+    Rule("hidden_act", lambda c: getattr(c, "hidden_act", "silu"), lambda v: v == "silu",
+         "'silu' (SwiGLU: gated_linear_unit=True, activation_func=F.silu)"),
+    Rule("attention_bias", lambda c: c.model_type != "qwen2" and bool(getattr(c, "attention_bias", False)),
+         lambda v: not v, "False: transformers then puts biases on q/k/v and o_proj, megatron-core's add_qkv_bias "
+         "covers q/k/v only (Qwen2's q/k/v biases are converted)"),
+    Rule("mlp_bias", lambda c: bool(getattr(c, "mlp_bias", False)), lambda v: not v,
+         "False (megatron-core's add_bias_linear would also add an o_proj bias)"),
+    Rule("attention_dropout", lambda c: getattr(c, "attention_dropout", 0.0) or 0.0, lambda v: v == 0,
+         "0.0 (the CPU attention and the log-prob ratios assume a deterministic forward)",
+         "set attention_dropout=0.0, or " + FALLBACK),
+    Rule("layer_types", _sliding_layers, lambda v: not v,
+         "full attention in every layer (sliding-window layers: use_sliding_window=True with "
+         "max_window_layers < num_hidden_layers; the value is the sliding layers' indexes)",
+         "set use_sliding_window=False, or " + FALLBACK),
+    Rule("partial_rotary_factor",
+         lambda c: rope_parameters(c).get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None)),
+         lambda v: v in (None, 1, 1.0), "1.0 (transformers' Llama / Qwen rotate the whole head)"),
+    Rule("rope_parameters", lambda c: sorted(k for k in rope_parameters(c) if isinstance(rope_parameters(c)[k], dict)),
+         lambda v: not v, "one RoPE for every layer (not a dict per layer type)"),
+    Rule("rope_parameters['rope_type']", lambda c: rope_parameters(c).get("rope_type", "default"),
+         lambda v: v in ROPE_TYPES,
+         f"{', '.join(ROPE_TYPES)} (megatron-core 0.16 has no dynamic NTK or longrope RoPE, and its GPTModel "
+         "reads YaRN settings, yarn_rotary_scaling_factor..., that no TransformerConfig of it defines)"),
+    *(Rule(f"rope_parameters[{key!r}]", _llama3_constant(key, value), lambda v, value=value: v == value,
+           f"{value} with rope_type='llama3' (megatron-core hard-codes it: rotary_pos_embedding.py _apply_scaling)")
+      for key, value in MEGATRON_LLAMA3.items()),
+    *(Rule(name, lambda c, name=name: getattr(c, name, None), lambda v: not v, "no experts (dense models only)")
+      for name in ("num_experts", "num_local_experts", "n_routed_experts")),
+)
+
+
+def refuse(field: str, value: Any, config: Any, supported: str, fix: str) -> ValueError:
+    return ValueError(f"strategy='megatron' cannot convert {field}={value!r} of this "
+                      f"{getattr(config, 'model_type', type(config).__name__)} config: it supports {supported}. "
+                      f"To train it, {fix}.")
+
+
+def megatron_config(config: Any) -> MegatronArchitecture:
+    """The megatron-core architecture of a transformers config (Llama, Qwen2, Qwen3), or a
+    ``ValueError`` naming the first field megatron-core would compute differently."""
+    for rule in RULES:
+        value = rule.read(config)
+        if not rule.ok(value):
+            raise refuse(rule.field, value, config, rule.supported, rule.fix)
+    family = FAMILIES[config.model_type]
+    heads = config.num_attention_heads
+    transformer = dict(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_attention_heads=heads,
+        num_query_groups=getattr(config, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        ffn_hidden_size=config.intermediate_size, gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, add_bias_linear=False,
+        add_qkv_bias=family.qkv_bias, qk_layernorm=family.qk_norm, hidden_dropout=0.0, attention_dropout=0.0)
+    gpt = dict(vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
+               position_embedding_type="rope", share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
+               **rope_arguments(config))
+    check_rope(config, transformer["kv_channels"], gpt)
+    return MegatronArchitecture(transformer=transformer, gpt=gpt)
+
+
+def rope_arguments(config: Any) -> dict[str, Any]:
+    """``GPTModel``'s RoPE arguments for the config's ``rope_parameters`` (a type in :data:`ROPE_TYPES`)."""
+    rope = rope_parameters(config)
+    kind, factor = rope.get("rope_type", "default"), rope.get("factor")
+    out: dict[str, Any] = {"rotary_base": rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+                           "rotary_percent": 1.0}
+    if kind == "linear":  # megatron divides the positions, transformers the frequencies
+        out["seq_len_interpolation_factor"] = float(factor)
+    elif kind == "llama3":
+        out.update(rope_scaling=True, rope_scaling_factor=float(factor))
+    return out
+
+
+def check_rope(config: Any, kv_channels: int, gpt: dict[str, Any]) -> None:
+    """Raise unless megatron-core's ``RotaryEmbedding`` built with ``gpt``'s arguments gives
+    exactly the angles (position x inverse frequency, fp32) of the family's transformers
+    ``RotaryEmbedding`` at every position below ``max_position_embeddings``, with no scaling of
+    cos / sin (megatron's ``apply_rotary_pos_emb`` has ``mscale=1`` outside YaRN)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    module_name, _, cls_name = FAMILIES[config.model_type].rotary.rpartition(".")
+    hf = getattr(importlib.import_module(module_name), cls_name)(config)
+    rope = rope_parameters(config)
+    if hf.attention_scaling != 1.0:
+        raise refuse("rope_parameters", rope, config, f"RoPE without cos/sin scaling (got {hf.attention_scaling})",
+                     FALLBACK)
+    mg = RotaryEmbedding(kv_channels=kv_channels, rotary_percent=gpt["rotary_percent"],
+                         seq_len_interpolation_factor=gpt.get("seq_len_interpolation_factor"),
+                         rotary_base=gpt["rotary_base"], rope_scaling=gpt.get("rope_scaling", False),
+                         rope_scaling_factor=gpt.get("rope_scaling_factor", 8.0), use_cpu_initialization=True)
+    for start in range(0, config.max_position_embeddings, ROPE_CHUNK):
+        n = min(ROPE_CHUNK, config.max_position_embeddings - start)
+        hf_angles = torch.arange(start, start + n).float()[:, None] * hf.inv_freq.float()  # *RotaryEmbedding.forward
+        mg_angles = mg.get_freqs_non_repeated(n, offset=start)  # [n, head_dim / 2]
+        if hf_angles.shape != mg_angles.shape:
+            where = f"their shapes differ: {tuple(hf_angles.shape)} vs {tuple(mg_angles.shape)}"
+        elif not torch.equal(hf_angles, mg_angles):
+            diff = (hf_angles - mg_angles).abs()
+            where = f"they differ by up to {diff.max().item():.3g} rad (position {start + int(diff.amax(1).argmax())})"
+        else:
+            continue
+        raise refuse("rope_parameters", rope, config,
+                     f"RoPE whose angles megatron-core computes exactly as transformers does; for these {where}"
+                     " (a linear factor must be a power of two: megatron scales positions by 1/factor)", FALLBACK)
