@@ -1,6 +1,14 @@
 """The rank side of ``strategy="megatron"``: :class:`MegatronWorker`, one megatron-core rank
 (a pipeline stage's tensor-parallel shard of each model), and the gradient reduction and clipping
-across tensor-parallel shards, pipeline stages and data-parallel ranks."""
+across tensor-parallel shards, pipeline stages and data-parallel ranks.
+
+Setup builds the transformers models on the meta device and fills each rank's shard one tensor
+at a time (:meth:`MegatronWorker.setup`): read from the safetensors files (its stage, its rows),
+or received from rank 0 for a random init. A rank holds its shard plus, while loading, about one
+tensor: a column-split one read whole, or, on CPU, the full tensor megatron-core's own init
+(``use_cpu_initialization``) draws before keeping its part, as it did before. Rank 0 of a random
+init holds the whole init as well. :meth:`MegatronWorker.load_report` says what each rank holds
+and read."""
 
 from __future__ import annotations
 
