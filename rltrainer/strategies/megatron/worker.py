@@ -104,18 +104,25 @@ class MegatronWorker(TrainingWorker):
                 self.models[name] = wrapped
         self._report()
         self.module = module
-        config = module.policy.config
-        own = {hf: (self.stage, name) for name, _ in module.policy.gpt.named_parameters()
+        self._locate_weights(specs)
+        self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
+
+    def _locate_weights(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Every rank learns which stage (and megatron parameter) holds each of the policy's HF
+        names (``specs``: their shapes and dtypes), in export order."""
+        import torch.distributed as dist
+
+        config = self.module.policy.config
+        own = {hf: (self.stage, name) for name, _ in self.module.policy.gpt.named_parameters()
                for hf in hf_names_of(name, config, self.layout, self.stage)}
         stages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(stages, own)  # every rank learns which stage holds each HF name
+        dist.all_gather_object(stages, own)
         self._sources = {hf: src for part in sorted(stages, key=lambda p: min(v[0] for v in p.values()))
                          for hf, src in part.items()}
         missing = set(specs) - set(self._sources)
         if missing:
             raise RuntimeError(f"Megatron layout holds no parameter for {sorted(missing)}")
         self._specs = {n: specs[n] for n in self._sources}  # export in megatron order: siblings adjacent
-        self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
 
     def _convert(self, name: str, hf_model: torch.nn.Module, reads: HFReads, precision: str) -> torch.nn.Module:
         """This rank's megatron-core model for ``hf_model`` (a causal LM, or a token-classification
