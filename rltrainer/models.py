@@ -1,8 +1,9 @@
 """Build transformers causal LMs, and the teacher-forced forward over response tokens.
 
-A strategy that shards (FSDP2) builds the models inside :func:`deferred_init`: their parameters
-stay on the meta device, and each records where its values come from (:func:`take_weight_source`),
-so every rank reads or receives only its own part once the model is sharded.
+A strategy that shards (FSDP2, Megatron) builds the models inside :func:`deferred_init`: their
+parameters stay on the meta device, and each records where its values come from
+(:func:`take_weight_source`), so every rank reads or receives only its own part once the model is
+sharded.
 """
 
 from __future__ import annotations
