@@ -1,8 +1,9 @@
 """Build transformers causal LMs, and the teacher-forced forward over response tokens.
 
-A strategy that shards (FSDP2) builds the models inside :func:`deferred_init`: their parameters
-stay on the meta device, and each records where its values come from (:func:`take_weight_source`),
-so every rank reads or receives only its own part once the model is sharded.
+A strategy that shards (FSDP2, Megatron) builds the models inside :func:`deferred_init`: their
+parameters stay on the meta device, and each records where its values come from
+(:func:`take_weight_source`), so every rank reads or receives only its own part once the model is
+sharded.
 """
 
 from __future__ import annotations
@@ -33,20 +34,14 @@ def build_causal_lm(spec: ModelSpec, dtype: torch.dtype | None = None, seed: int
     callable's model is built as it builds it."""
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
-    deferred = _DEFERRED.get()
     if isinstance(spec, PretrainedConfig):
         if seed is not None:
             torch.manual_seed(seed)
         config = copy.deepcopy(spec)
         config.use_cache = False
-        if deferred is None:
-            return _from_config(config, dtype)
-        # The process that initialises runs the same init as without deferral (same draws, same
-        # weights); the others keep the structure only.
-        state = {n: p.detach() for n, p in _from_config(config, dtype).named_parameters()} if deferred else None
-        return _with_source(_from_config(config, dtype, meta=True), RandomInit(state))
+        return init_from_config(config, dtype)
     if isinstance(spec, str):
-        if deferred is None:
+        if _DEFERRED.get() is None:
             return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype) if dtype else AutoModelForCausalLM.from_pretrained(spec)
         return _checkpoint_on_meta(spec, dtype)
     if callable(spec):
@@ -197,11 +192,54 @@ def _find(aliases: list[str], names: Any, where: str) -> str:
                    f"needs; it holds {len(names)} tensors ({some}, ...). Is it a checkpoint of this architecture?")
 
 
-def _from_config(config: Any, dtype: torch.dtype | None, meta: bool = False) -> torch.nn.Module:
+def init_from_config(config: Any, dtype: torch.dtype | None = None, auto_class: Any = None) -> torch.nn.Module:
+    """``auto_class.from_config(config)`` (default ``AutoModelForCausalLM``): a random init from the
+    torch RNG as it stands. Inside :func:`deferred_init` the model is on the meta device with its
+    :class:`RandomInit` attached, and only the process that initialises draws it (the same draws,
+    so the same weights, as without deferral); the others keep the structure only."""
+    deferred = _DEFERRED.get()
+    if deferred is None:
+        return _from_config(config, dtype, auto_class)
+    state = {n: p.detach() for n, p in _from_config(config, dtype, auto_class).named_parameters()} if deferred else None
+    return _with_source(_from_config(config, dtype, auto_class, meta=True), RandomInit(state))
+
+
+def source_key(source: SafetensorsWeights | RandomInit, aliases: list[str], shape: tuple[int, ...]) -> str:
+    """The tensor of ``source`` holding a parameter (``aliases``: its names, tied ones included) of
+    shape ``shape``; raises, naming the tensor, if there is none or it has another shape."""
+    key = source.find(aliases)
+    if source.shape(key) != shape:
+        where = getattr(source, "path", "the random init")
+        raise ValueError(f"{where}: tensor {key!r} has shape {list(source.shape(key))}, but the model built from its "
+                         f"config has {list(shape)} there. The checkpoint's tensors must match its config.json.")
+    return key
+
+
+def share_rng_state() -> None:
+    """Every rank takes rank 0's torch RNG state: rank 0 alone drew the random init, where without
+    deferral every rank drew the same (so colocated engines sample as before). A collective."""
+    import torch.distributed as dist
+
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
+
+
+def parameter_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each parameter's name -> all its names (a tied weight has several), first the one
+    ``named_parameters()`` gives."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name: names[id(param)] for name, param in model.named_parameters()}
+
+
+def _from_config(config: Any, dtype: torch.dtype | None, auto_class: Any = None, meta: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    auto = auto_class or AutoModelForCausalLM
     with _parameters_on_meta() if meta else contextlib.nullcontext():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config, dtype=dtype) if dtype else auto.from_config(config)
 
 
 @contextlib.contextmanager

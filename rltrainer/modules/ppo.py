@@ -13,14 +13,18 @@ import torch
 
 from rltrainer.algorithms import ADVANTAGES, clipped_value_loss
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.models import ModelSpec
+from rltrainer.models import ModelSpec, init_from_config
 from rltrainer.modules.grpo import GRPO, entry_params
 
 
 def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Module:
     """A transformers token-classification model with one output (a value per position) from a
     hub id or path (backbone weights loaded, head random), a config, or a callable. Dropout before
-    the head is off (as in verl): the values the update clips around are computed in eval mode."""
+    the head is off (as in verl): the values the update clips around are computed in eval mode.
+
+    Inside :func:`~rltrainer.models.deferred_init` a config gives a model on the meta device with
+    its random init attached (as :func:`~rltrainer.models.build_causal_lm` does); a hub id or path
+    is built in full (its head is not in the checkpoint)."""
     from transformers import AutoModelForTokenClassification, PretrainedConfig
 
     if isinstance(spec, PretrainedConfig):
@@ -28,7 +32,7 @@ def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Modu
             torch.manual_seed(seed)
         config = copy.deepcopy(spec)
         config.num_labels, config.classifier_dropout = 1, 0.0
-        return AutoModelForTokenClassification.from_config(config)
+        return init_from_config(config, auto_class=AutoModelForTokenClassification)
     if isinstance(spec, str):
         return AutoModelForTokenClassification.from_pretrained(spec, num_labels=1, classifier_dropout=0.0)
     return spec()

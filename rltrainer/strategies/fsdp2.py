@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.models import RandomInit, SafetensorsWeights, deferred_init, take_weight_source
+from rltrainer.models import (RandomInit, SafetensorsWeights, deferred_init, parameter_aliases, share_rng_state,
+                              source_key, take_weight_source)
 from rltrainer.strategies.dispatch import WorkerGroupStrategy
 from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import STRATEGIES, check_model_type, normalize_optimizers
@@ -266,16 +267,14 @@ def load_shards(label: str, model: torch.nn.Module, source: SafetensorsWeights |
     copied. Raises before anything moves if the source lacks a tensor or has another shape."""
     import torch.distributed as dist
 
-    aliases: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)  # a tied weight has several names
+    aliases = parameter_aliases(model)  # a tied weight has several names
     params = [(name, param) for name, param in model.named_parameters() if name not in built]  # from the source
     scatter = isinstance(source, RandomInit)
     keys: dict[str, str] = {}  # parameter -> its tensor in the source
     error = None
     if not scatter or rank == 0:  # a random init is known to rank 0 only
         try:
-            keys = {name: _source_key(source, aliases[id(p)], tuple(p.shape)) for name, p in params}
+            keys = {name: source_key(source, aliases[name], tuple(p.shape)) for name, p in params}
         except (KeyError, ValueError) as e:
             error = str(e.args[0])
     if scatter and world_size > 1:
@@ -301,15 +300,6 @@ def load_shards(label: str, model: torch.nn.Module, source: SafetensorsWeights |
                 source.read(keys[name], start, stop if local.dim() else None, out=local)
             report["loaded_bytes"] += local.numel() * local.element_size()
     return report
-
-
-def _source_key(source: SafetensorsWeights | RandomInit, aliases: list[str], shape: tuple[int, ...]) -> str:
-    key = source.find(aliases)
-    if source.shape(key) != shape:
-        where = getattr(source, "path", "the random init")
-        raise ValueError(f"{where}: tensor {key!r} has shape {list(source.shape(key))}, but the model built from its "
-                         f"config has {list(shape)} there. The checkpoint's tensors must match its config.json.")
-    return key
 
 
 def _local_rows(param: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
@@ -346,16 +336,6 @@ def _scatter_rows(local: torch.Tensor, shape: torch.Size, full: torch.Tensor | N
         pieces = list(padded.chunk(world_size))
     dist.scatter(out, pieces, src=0)
     local.copy_(out[: local.shape[0]])
-
-
-def share_rng_state() -> None:
-    """Every rank takes rank 0's torch RNG state: rank 0 alone drew the random init, where without
-    deferral every rank drew the same (so colocated engines sample as before)."""
-    import torch.distributed as dist
-
-    state = [torch.get_rng_state()]
-    dist.broadcast_object_list(state, src=0)
-    torch.set_rng_state(state[0])
 
 
 def shard_bytes(model: torch.nn.Module, rank: int, world_size: int) -> dict[str, int]:

@@ -15,7 +15,8 @@ in the same run. Throughput is model bytes delivered per replica per second.
 ``step``: the GSM8K recipe's CPU preset, the same global batch, with ``--strategy single`` and
 with ``--strategy fsdp2 --devices 2``; the median step time after the first step.
 
-``memory``: peak resident memory (VmHWM, reset between phases) of each of 2 FSDP2 ranks while
+``memory``: peak resident memory (VmHWM, reset between phases) of each of 2 FSDP2 ranks (``--strategy
+megatron``: 2 megatron-core ranks, ``tensor_model_parallel_size=2``) while
 setting up a 2.0B-parameter fp32 model (8.0 GB; Qwen2 architecture, random init saved as
 safetensors in ``--model-dir`` by a process of its own first, deleted at the end unless
 ``--keep-model``) and during one ``train_step``, against the model's full size. The step is
@@ -170,11 +171,12 @@ def bench_memory(args: argparse.Namespace) -> dict:
 
     from rltrainer import GRPO
     from rltrainer.data.batch import RolloutBatch
-    from rltrainer.strategies import FSDP2Strategy
-    from rltrainer.strategies.fsdp2 import FSDP2Worker
+    from rltrainer.strategies import FSDP2Strategy, MegatronStrategy
     from rltrainer.testing import load_tokenizer
 
-    class MemoryWorker(FSDP2Worker):
+    base = MegatronStrategy if args.strategy == "megatron" else FSDP2Strategy
+
+    class MemoryWorker(base.worker_cls):
         def setup(self, module, options, seed):
             self.rss = {"before_setup": peak_rss(reset=True)}  # imports, Ray, the process group
             start = time.perf_counter()
@@ -186,7 +188,7 @@ def bench_memory(args: argparse.Namespace) -> dict:
                 self.rss[phase] = peak_rss(reset=True)
             return self.rss
 
-    class MemoryFSDP2(FSDP2Strategy):
+    class MemoryStrategy(base):
         worker_cls = MemoryWorker
 
     class PartlyFrozenGRPO(GRPO):
@@ -215,7 +217,8 @@ def bench_memory(args: argparse.Namespace) -> dict:
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     tokenizer = load_tokenizer("gsm8k-bpe4k")
     module = PartlyFrozenGRPO(str(path), tokenizer, reward_funcs="gsm8k", kl_coef=0.0, max_new_tokens=16)
-    strategy = MemoryFSDP2(devices=2, micro_batch_size=2)
+    kwargs = {"tensor_model_parallel_size": 2} if args.strategy == "megatron" else {}
+    strategy = MemoryStrategy(devices=2, micro_batch_size=2, **kwargs)
     try:
         strategy.setup(module, seed=0)
         reports = strategy.group.execute_all("load_report")
@@ -236,7 +239,7 @@ def bench_memory(args: argparse.Namespace) -> dict:
         if not args.keep_model:
             shutil.rmtree(path, ignore_errors=True)
     full = reports[0]["policy"]["full_bytes"]
-    return {"model_bytes": full, "params": full // 4, "save_s": save_s, "step_s": step_s,
+    return {"strategy": args.strategy, "model_bytes": full, "params": full // 4, "save_s": save_s, "step_s": step_s,
             "grad_norm": metrics["actor/grad_norm"], "ranks": [
                 {**r, "shard_bytes": rep["policy"]["shard_bytes"], "loaded_bytes": rep["policy"]["loaded_bytes"],
                  "setup_goal_bytes": 0.6 * full + 1e9} for r, rep in zip(rss, reports)]}
@@ -254,12 +257,15 @@ def main() -> None:
                         "Ray's object store or a broadcast")
     p.add_argument("--model-dir", default="/tmp/rltrainer_bench_2b", help="memory: where the 2B checkpoint goes")
     p.add_argument("--keep-model", action="store_true", help="memory: keep the checkpoint (reused when present)")
+    p.add_argument("--strategy", choices=["fsdp2", "megatron"], default="fsdp2",
+                   help="memory: 2 FSDP2 ranks, or 2 megatron ranks with tensor_model_parallel_size=2")
     p.add_argument("--out", default=None, help="JSON output (default: tests/benchmarks/results/fsdp2_<what>.json)")
     args = p.parse_args()
     torch.set_num_threads(1)
     result = {"sync": bench_sync, "step": bench_step, "memory": bench_memory}[args.what](args)
     result.update(what=args.what, date=time.strftime("%Y-%m-%d"), torch=torch.__version__, cpus=os.cpu_count())
-    out = Path(args.out or ROOT / "tests" / "benchmarks" / "results" / f"fsdp2_{args.what}.json")
+    name = f"megatron_{args.what}" if args.what == "memory" and args.strategy == "megatron" else f"fsdp2_{args.what}"
+    out = Path(args.out or ROOT / "tests" / "benchmarks" / "results" / f"{name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     if args.what == "sync":

@@ -121,3 +121,25 @@ def test_safetensors_weights_read_only_the_rows_asked(checkpoint):
     assert torch.equal(rows, full[3:7]) and weights.bytes_read == rows.numel() * rows.element_size()
     with pytest.raises(KeyError, match="has no tensor 'lm_head.weight'"):
         weights.find(["lm_head.weight"])
+
+
+def test_ppo_critic_from_a_config_is_deferred_too(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """PPO's critic (a token-classification model) from a config is built on meta and scattered from
+    rank 0 like the policy: its values equal the single-device critic's with the same seed."""
+    from rltrainer import PPO
+
+    def ppo():
+        return PPO(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8)
+
+    single_module = ppo()
+    single = SingleDeviceStrategy(device="cpu")
+    single.setup(single_module, seed=3)
+    batch = prepared_batch(single_module, single, RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(2)]))
+    fsdp = FSDP2Strategy(devices=2)
+    try:
+        fsdp.setup(ppo(), seed=3)
+        torch.testing.assert_close(fsdp.compute(batch, "values")["values"], batch["values"], rtol=0, atol=1e-5)
+        reports = fsdp.group.execute_all("load_report")
+    finally:
+        fsdp.teardown()
+    assert [r["critic"]["source"] for r in reports] == ["random init on rank 0"] * 2

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_to_megatron, megatron_to_hf
+from rltrainer.strategies.megatron.layouts import (MegatronLayout, hf_to_megatron, megatron_shard, megatron_to_hf,
+                                                   stage_layers, state_reader)
 
 
 def qwen2():
@@ -86,3 +87,59 @@ def test_layouts_that_do_not_divide_are_refused():
         hf_to_megatron(state_of(qwen2()), qwen2(), MegatronLayout(tp=4))
     with pytest.raises(ValueError, match="pipeline_parallel_size=3"):
         hf_to_megatron(state_of(llama()), llama(), MegatronLayout(pp=3))
+
+
+class Recorder(dict):
+    """Over ``state``: a reader that records which rows of which tensors are read, and a lazy
+    mapping (empty until looked up) that records the names looked up."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state, self.reads, self.lookups = state, [], []
+
+    def __getitem__(self, name):
+        self.lookups.append(name)
+        return self.state[name]
+
+    def reader(self):
+        def read(name, rows):
+            self.reads.append((name, rows))
+            return state_reader(self.state)(name, rows)
+
+        return read
+
+
+@pytest.mark.parametrize("make", [qwen2, llama], ids=["qwen2-tied", "llama-untied"])
+@pytest.mark.parametrize("tp,pp", [(2, 2), (4, 1), (1, 2)])
+def test_a_shard_reads_only_its_stage_and_its_rows(make, tp, pp):
+    """Each shard reads its stage's tensors only; row-split ones (vocabulary, q/k/v, gate/up) only
+    its rows; column-split ones (o_proj, down_proj) whole. What it reads is its shard plus the other
+    ranks' columns of those. Equal to hf_to_megatron's shard, which reads only what it needs too."""
+    config = make()
+    if config.num_key_value_heads % tp:
+        pytest.skip("KV heads do not divide")
+    state = state_of(config)
+    layout = MegatronLayout(tp=tp, pp=pp)
+    layers = stage_layers(config.num_hidden_layers, pp)
+    for stage in range(pp):
+        for r in range(tp):
+            rec = Recorder(state)
+            shard = dict(megatron_shard(rec.reader(), config, layout, stage, r))
+            outside = {"model.embed_tokens.weight"} if stage == 0 else set()  # what no layer holds
+            if stage == pp - 1:
+                outside |= {"model.norm.weight", "lm_head.weight" if not config.tie_word_embeddings
+                            else "model.embed_tokens.weight" if pp > 1 else "model.norm.weight"}
+            assert {n for n, _ in rec.reads if not n.startswith("model.layers.")} == outside, stage
+            for name, rows in rec.reads:
+                if name.startswith("model.layers."):
+                    assert int(name.split(".")[2]) in layers[stage], (stage, name)
+                whole = name.endswith(("o_proj.weight", "down_proj.weight", "norm.weight", "layernorm.weight"))
+                assert (rows is None) == whole, (name, rows)
+            read = sum(state[n][slice(*(rows or (None,)))].numel() for n, rows in rec.reads)
+            held = sum(t.numel() for t in shard.values())
+            columns = sum(state[n].numel() for n, rows in rec.reads if n.endswith(("o_proj.weight", "down_proj.weight")))
+            assert read == held + columns * (tp - 1) // tp
+            lazy = Recorder(state)
+            only = hf_to_megatron(lazy, config, layout, only=(stage, r))[stage][r]
+            assert only.keys() == shard.keys() and all(torch.equal(only[k], shard[k]) for k in shard)
+            assert sorted(set(lazy.lookups)) == sorted({n for n, _ in rec.reads})

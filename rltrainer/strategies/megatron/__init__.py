@@ -1,11 +1,17 @@
 """``strategy="megatron"``: training on megatron-core (written against megatron-core 0.16) with
 tensor, pipeline and data parallelism; ranks are Ray actors (one in-process worker for a single rank).
 
-Each rank builds the module's models with ``configure_model`` (transformers: Llama, Qwen2 or
-Qwen3; :func:`~rltrainer.strategies.megatron.config.megatron_config` refuses any config field it
-cannot convert exactly, on every rank, before converting weights), converts them to its own
-megatron-core ``GPTModel`` shard (its pipeline stage, its tensor-parallel slice) with
-:func:`~rltrainer.strategies.megatron.layouts.hf_to_megatron`, and swaps them into the module
+Each rank runs the module's ``configure_model`` (transformers: Llama, Qwen2 or Qwen3) on the
+meta device (:func:`~rltrainer.models.deferred_init`: no rank holds a whole transformers model);
+:func:`~rltrainer.strategies.megatron.config.megatron_config` refuses any config field it cannot
+convert exactly, on every rank, before anything is built. Each rank then builds its own
+megatron-core ``GPTModel`` shard (its pipeline stage, its tensor-parallel slice) and fills it with
+:func:`~rltrainer.strategies.megatron.layouts.megatron_shard`: from a checkpoint's safetensors
+files it reads only its stage's tensors, and of the row-split ones only its rows (``o_proj`` and
+``down_proj``, split by columns, are read whole, one at a time); a random init runs on rank 0
+alone, which sends each rank its shard one tensor at a time. The reference model and a critic
+from a config load the same way; a model ``configure_model`` builds in full (a callable spec, a
+critic from a checkpoint path) is converted as it is. Each rank's model is swapped into the module
 behind :class:`MegatronCausalLM`, which answers the transformers call the hooks make
 (``model(input_ids, attention_mask, position_ids, logits_to_keep)``) with full-vocabulary logits.
 So ``policy_step`` and ``compute_step`` run unchanged: changing FSDP2 to Megatron touches no

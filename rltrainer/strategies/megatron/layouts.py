@@ -25,8 +25,8 @@ Megatron-core's layout (``megatron/core/transformer/attention.py``, ``mlp.py``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -53,6 +53,8 @@ class _Dims:
     hidden: int
     vocab: int
     tied: bool
+    qkv_bias: bool  # as build_gpt builds it: Qwen2 always, Llama with attention_bias
+    qk_norm: bool  # Qwen3's q_norm / k_norm
 
     @classmethod
     def of(cls, config: Any) -> _Dims:
@@ -61,7 +63,9 @@ class _Dims:
                    groups=getattr(config, "num_key_value_heads", None) or heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    hidden=config.hidden_size, vocab=config.vocab_size,
-                   tied=bool(getattr(config, "tie_word_embeddings", False)))
+                   tied=bool(getattr(config, "tie_word_embeddings", False)),
+                   qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+                   qk_norm=config.model_type == "qwen3")
 
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
@@ -107,67 +111,103 @@ def split_qkv(shards: list[torch.Tensor], dims: _Dims) -> tuple[torch.Tensor, to
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def _pad_vocab(t: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
-    size = layout.padded_vocab_size
-    if size is None or size == t.shape[0]:
-        return t
-    if size < t.shape[0]:
-        raise ValueError(f"padded_vocab_size={size} is smaller than the vocabulary ({t.shape[0]})")
-    return torch.cat([t, t.new_zeros(size - t.shape[0], *t.shape[1:])])
+Rows = tuple[int, int] | None  # rows [start, stop) of a tensor's first dimension; None: the whole tensor
+Reader = Callable[[str, Rows], torch.Tensor]  # (HF name, rows) -> those rows of that transformers tensor
+
+
+def state_reader(state: Mapping[str, torch.Tensor]) -> Reader:
+    """A :data:`Reader` over full tensors (rows are views). ``state`` may be lazy: only the names
+    a shard needs are looked up."""
+    def read(name: str, rows: Rows) -> torch.Tensor:
+        tensor = state[name]
+        return tensor if rows is None else tensor[rows[0]:rows[1]]
+
+    return read
+
+
+def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows of part ``index`` of ``torch.chunk(n rows, parts)``."""
+    size = -(-n // parts)
+    return min(index * size, n), min((index + 1) * size, n)
+
+
+def _vocab_rows(read: Reader, name: str, dims: _Dims, layout: MegatronLayout, tp_rank: int) -> torch.Tensor:
+    """Tensor-parallel rank ``tp_rank``'s vocabulary rows of ``name`` (padded: rows past the
+    vocabulary are zeros); only the rows it holds are read."""
+    size = layout.padded_vocab_size or dims.vocab
+    if size < dims.vocab:
+        raise ValueError(f"padded_vocab_size={size} is smaller than the vocabulary ({dims.vocab})")
+    start, stop = _chunk(size, layout.tp, tp_rank)
+    real = read(name, (min(start, dims.vocab), min(stop, dims.vocab)))
+    if real.shape[0] == stop - start:
+        return real.contiguous()
+    return torch.cat([real, real.new_zeros(stop - start - real.shape[0], *real.shape[1:])])
+
+
+def _qkv_rows(read: Reader, prefix: str, suffix: str, dims: _Dims, tp: int, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s ``linear_qkv`` shard: only the q/k/v rows of its query groups are read."""
+    g0, g1 = _chunk(dims.groups, tp, tp_rank)
+    per_group = dims.heads // dims.groups
+    q = read(f"{prefix}q_proj.{suffix}", (g0 * per_group * dims.head_dim, g1 * per_group * dims.head_dim))
+    k = read(f"{prefix}k_proj.{suffix}", (g0 * dims.head_dim, g1 * dims.head_dim))
+    v = read(f"{prefix}v_proj.{suffix}", (g0 * dims.head_dim, g1 * dims.head_dim))
+    return fuse_qkv(q, k, v, replace(dims, groups=g1 - g0, heads=(g1 - g0) * per_group), 1)[0]
+
+
+def _columns(t: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    return t.chunk(tp, dim=1)[tp_rank].contiguous()
+
+
+def megatron_shard(read: Reader, config: Any, layout: MegatronLayout, stage: int, tp_rank: int
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pipeline stage ``stage``, tensor-parallel rank ``tp_rank``'s megatron-core tensors, one at a
+    time, from transformers tensors ``read`` returns. Only what this shard holds is read: its
+    stage's tensors, and of the row-split ones (vocabulary, q/k/v of its query groups, gate/up) its
+    rows; a column-split tensor (``o_proj``, ``down_proj``) is read whole and sliced, one at a time.
+    Equal to :func:`hf_to_megatron`'s ``[stage][tp_rank]`` (which is built from it)."""
+    dims = _Dims.of(config)
+    _check(dims, layout)
+    tp, last = layout.tp, layout.pp - 1
+    norm_attn, norm_mlp = _norm_names(layout)
+    if stage == 0:
+        yield "embedding.word_embeddings.weight", _vocab_rows(read, "model.embed_tokens.weight", dims, layout, tp_rank)
+    for local, i in enumerate(stage_layers(dims.layers, layout.pp)[stage]):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
+        a, m = hf + "self_attn.", hf + "mlp."
+        yield mg + "self_attention.linear_qkv.weight", _qkv_rows(read, a, "weight", dims, tp, tp_rank)
+        if dims.qkv_bias:
+            yield mg + "self_attention.linear_qkv.bias", _qkv_rows(read, a, "bias", dims, tp, tp_rank)
+        yield mg + "self_attention.linear_proj.weight", _columns(read(a + "o_proj.weight", None), tp, tp_rank)
+        if dims.qk_norm:  # replicated over TP
+            for hf_norm, mg_norm in QK_NORMS.items():
+                yield mg + mg_norm, read(a + hf_norm, None)
+        rows = _chunk(config.intermediate_size, tp, tp_rank)
+        yield mg + "mlp.linear_fc1.weight", torch.cat([read(m + "gate_proj.weight", rows),
+                                                       read(m + "up_proj.weight", rows)])
+        yield mg + "mlp.linear_fc2.weight", _columns(read(m + "down_proj.weight", None), tp, tp_rank)
+        yield mg + norm_attn, read(hf + "input_layernorm.weight", None)
+        yield mg + norm_mlp, read(hf + "post_attention_layernorm.weight", None)
+    if stage == last:
+        yield "decoder.final_layernorm.weight", read("model.norm.weight", None)
+        if not dims.tied:
+            yield "output_layer.weight", _vocab_rows(read, "lm_head.weight", dims, layout, tp_rank)
+        elif layout.pp > 1:  # the last stage keeps its own copy of the tied embedding
+            yield "output_layer.weight", _vocab_rows(read, "model.embed_tokens.weight", dims, layout, tp_rank)
 
 
 def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Any, layout: MegatronLayout,
                    only: tuple[int, int] | None = None) -> Shards:
-    """A transformers state dict -> megatron-core state dicts, ``[pp stage][tp rank]``.
+    """A transformers state dict -> megatron-core state dicts, ``[pp stage][tp rank]`` (tensors may
+    share storage with ``state``'s).
 
-    ``only=(stage, tp_rank)`` fills just that shard (the others stay empty): what one rank needs,
-    without holding every rank's copy."""
-    dims = _Dims.of(config)
-    _check(dims, layout)
-    tp = layout.tp
-    shards: Shards = [[{} for _ in range(tp)] for _ in range(layout.pp)]
-    norm_attn, norm_mlp = _norm_names(layout)
-
-    def put(stage: int, name: str, parts: list[torch.Tensor] | torch.Tensor) -> None:
-        for r in range(tp):
+    ``only=(stage, tp_rank)`` fills just that shard (the others stay empty) and looks up only the
+    names it needs (``state`` may be a lazy mapping): see :func:`megatron_shard`."""
+    _check(_Dims.of(config), layout)
+    shards: Shards = [[{} for _ in range(layout.tp)] for _ in range(layout.pp)]
+    for stage in range(layout.pp):
+        for r in range(layout.tp):
             if only is None or only == (stage, r):
-                shards[stage][r][name] = parts[r] if isinstance(parts, list) else parts.clone()
-
-    def rows(t: torch.Tensor) -> list[torch.Tensor]:
-        return [c.contiguous() for c in t.chunk(tp, dim=0)]
-
-    def cols(t: torch.Tensor) -> list[torch.Tensor]:
-        return [c.contiguous() for c in t.chunk(tp, dim=1)]
-
-    embed = _pad_vocab(state["model.embed_tokens.weight"], layout)
-    put(0, "embedding.word_embeddings.weight", rows(embed))
-    for stage, layers in enumerate(stage_layers(dims.layers, layout.pp)):
-        if only is not None and only[0] != stage:
-            continue
-        for local, i in enumerate(layers):
-            hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
-            a = hf + "self_attn."
-            put(stage, mg + "self_attention.linear_qkv.weight",
-                fuse_qkv(state[a + "q_proj.weight"], state[a + "k_proj.weight"], state[a + "v_proj.weight"], dims, tp))
-            if a + "q_proj.bias" in state:
-                put(stage, mg + "self_attention.linear_qkv.bias",
-                    fuse_qkv(state[a + "q_proj.bias"], state[a + "k_proj.bias"], state[a + "v_proj.bias"], dims, tp))
-            put(stage, mg + "self_attention.linear_proj.weight", cols(state[a + "o_proj.weight"]))
-            for hf_norm, mg_norm in QK_NORMS.items():
-                if a + hf_norm in state:
-                    put(stage, mg + mg_norm, state[a + hf_norm])
-            m = hf + "mlp."
-            gate, up = rows(state[m + "gate_proj.weight"]), rows(state[m + "up_proj.weight"])
-            put(stage, mg + "mlp.linear_fc1.weight", [torch.cat([g, u]) for g, u in zip(gate, up)])
-            put(stage, mg + "mlp.linear_fc2.weight", cols(state[m + "down_proj.weight"]))
-            put(stage, mg + norm_attn, state[hf + "input_layernorm.weight"])
-            put(stage, mg + norm_mlp, state[hf + "post_attention_layernorm.weight"])
-    last = layout.pp - 1
-    put(last, "decoder.final_layernorm.weight", state["model.norm.weight"])
-    if not dims.tied:
-        put(last, "output_layer.weight", rows(_pad_vocab(state["lm_head.weight"], layout)))
-    elif layout.pp > 1:  # the last stage keeps its own copy of the tied embedding
-        put(last, "output_layer.weight", rows(embed))
+                shards[stage][r] = dict(megatron_shard(state_reader(state), config, layout, stage, r))
     return shards
 
 

@@ -1,18 +1,31 @@
 """The rank side of ``strategy="megatron"``: :class:`MegatronWorker`, one megatron-core rank
 (a pipeline stage's tensor-parallel shard of each model), and the gradient reduction and clipping
-across tensor-parallel shards, pipeline stages and data-parallel ranks."""
+across tensor-parallel shards, pipeline stages and data-parallel ranks.
+
+Setup builds the transformers models on the meta device and fills each rank's shard one tensor
+at a time (:meth:`MegatronWorker.setup`): read from the safetensors files (its stage, its rows),
+or received from rank 0 for a random init. A rank holds its shard plus, while loading, about one
+tensor: a column-split one read whole, or, on CPU, the full tensor megatron-core's own init
+(``use_cpu_initialization``) draws before keeping its part, as it did before. Rank 0 of a random
+init holds the whole init as well. :meth:`MegatronWorker.load_report` says what each rank holds
+and read."""
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rltrainer.strategies.megatron.config import SUPPORTED_MODEL_TYPES, megatron_config
+from rltrainer.models import (RandomInit, SafetensorsWeights, deferred_init, parameter_aliases, share_rng_state,
+                              source_key, take_weight_source)
 from rltrainer.strategies.megatron.cpu import cpu_placement, cpu_shims
-from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_from_megatron, hf_names_of, hf_to_megatron
+from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, hf_from_megatron, hf_names_of,
+                                                   megatron_shard, state_reader)
 from rltrainer.strategies.megatron.models import (
     MegatronCausalLM,
     MegatronValueModel,
@@ -33,6 +46,8 @@ if TYPE_CHECKING:
     from rltrainer.data.batch import RolloutBatch
     from rltrainer.module import RLModule
 
+log = logging.getLogger(__name__)
+
 
 class MegatronWorker(TrainingWorker):
     """One megatron-core rank: a pipeline stage's tensor-parallel shard of each model."""
@@ -45,15 +60,27 @@ class MegatronWorker(TrainingWorker):
         self.layout = MegatronLayout()
         self.stage = 0
         self._slot: PipelineSlot | None = None
+        self._coords: list[tuple[int, int]] = [(0, 0)]  # every rank's (pipeline stage, tensor-parallel rank)
+        self.loaded: dict[str, dict[str, Any]] = {}
 
     def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
+        """``configure_model`` with the same seed on every rank, inside
+        :func:`~rltrainer.models.deferred_init`: models built with ``build_causal_lm`` (and PPO's
+        critic from a config) stay on the meta device, so no rank holds a whole transformers model.
+        Each rank builds its ``GPTModel`` shard and fills it (:meth:`_load`): from the checkpoint's
+        safetensors files, reading only its stage's tensors and its tensor-parallel rows
+        (:func:`~rltrainer.strategies.megatron.layouts.megatron_shard`), or, for a random init,
+        from rank 0, which alone runs it (with the draws every rank made before, so the same seed
+        gives the same weights and, shared after it, the same RNG state) and sends each rank its
+        shard one tensor at a time. A model built in full (a callable spec) is converted as it is."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
         self.options = options
         tp, pp = options["tensor_model_parallel_size"], options["pipeline_model_parallel_size"]
         torch.manual_seed(seed)
-        module.configure_model()
+        with deferred_init(init_random_here=self.rank == 0):
+            module.configure_model()
         check_architectures(module)  # every rank refuses alike, before megatron-core is set up
         if pp > 1 and getattr(module, "critic", None) is not None:
             raise NotImplementedError(
@@ -63,80 +90,179 @@ class MegatronWorker(TrainingWorker):
             cpu_shims()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         self.layout, self.stage = MegatronLayout(tp=tp, pp=pp), parallel_state.get_pipeline_model_parallel_rank()
+        self._coords = [(0, 0)] * self.world_size
+        dist.all_gather_object(self._coords, (self.stage, parallel_state.get_tensor_model_parallel_rank()))
         if self.device.type == "cuda":  # megatron's attention forks the tensor-parallel CUDA RNG state
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(seed)  # CUDA generators only: configure_model's draws are unchanged
-        dtype = torch.bfloat16 if options["precision"] == "bf16-true" else torch.float32
+        hf_models = {name: m for name, m in module.named_children()
+                     if hasattr(m, "config") and any(True for _ in m.parameters())}
+        sources = {name: take_weight_source(m) for name, m in hf_models.items()}
+        if self.world_size > 1 and any(isinstance(s, RandomInit) for s in sources.values()):
+            share_rng_state()  # as if every rank had drawn the init
+        reads = {name: self._reads(name, m, sources[name]) for name, m in hf_models.items()}  # raises before loading
+        del sources  # a random init's full state goes with the readers, once every model is loaded
         specs = {n: (tuple(p.shape), p.dtype) for n, p in module.policy.named_parameters()}
-        # GPTModel draws an init that the converted weights replace: the RNG state after setup is
+        # GPTModel draws an init that the loaded weights replace: the RNG state after setup is
         # configure_model's, as on the other strategies (the same seed, the same rollouts)
         cuda = [self.device] if self.device.type == "cuda" else []
         with cpu_placement(self.device), torch.random.fork_rng(devices=cuda):
-            for name, hf_model in list(module.named_children()):
-                if not hasattr(hf_model, "config") or not any(True for _ in hf_model.parameters()):
-                    continue
-                is_critic = hasattr(hf_model, "score") and not hasattr(hf_model, "lm_head")
-                if is_critic:
-                    wrapped = self._critic(hf_model, dtype)
-                else:
-                    gpt = self._megatron_trunk(hf_model, dtype, pre_process=self.stage == 0,
-                                               post_process=self.stage == pp - 1)
-                    if self._slot is None:
-                        self._slot = PipelineSlot(gpt.config)
-                    wrapped = MegatronCausalLM(gpt, hf_model.config, self._slot)
-                setattr(module, name, wrapped)  # the transformers model is dropped here
+            for name, hf_model in hf_models.items():
+                wrapped = self._convert(name, hf_model, reads.pop(name), options["precision"])
+                setattr(module, name, wrapped)  # the transformers model (on meta, or whole if built so) goes here
                 self.models[name] = wrapped
+        self._report()
         self.module = module
-        config = module.policy.config
-        own = {hf: (self.stage, name) for name, _ in module.policy.gpt.named_parameters()
+        self._locate_weights(specs)
+        self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
+
+    def _locate_weights(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Every rank learns which stage (and megatron parameter) holds each of the policy's HF
+        names (``specs``: their shapes and dtypes), in export order."""
+        import torch.distributed as dist
+
+        config = self.module.policy.config
+        own = {hf: (self.stage, name) for name, _ in self.module.policy.gpt.named_parameters()
                for hf in hf_names_of(name, config, self.layout, self.stage)}
         stages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(stages, own)  # every rank learns which stage holds each HF name
+        dist.all_gather_object(stages, own)
         self._sources = {hf: src for part in sorted(stages, key=lambda p: min(v[0] for v in p.values()))
                          for hf, src in part.items()}
         missing = set(specs) - set(self._sources)
         if missing:
             raise RuntimeError(f"Megatron layout holds no parameter for {sorted(missing)}")
         self._specs = {n: specs[n] for n in self._sources}  # export in megatron order: siblings adjacent
-        self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
 
-    def _megatron_trunk(self, hf_model: torch.nn.Module, dtype: torch.dtype, pre_process: bool = True,
-                        post_process: bool = True) -> torch.nn.Module:
+    def _convert(self, name: str, hf_model: torch.nn.Module, reads: HFReads, precision: str) -> torch.nn.Module:
+        """This rank's megatron-core model for ``hf_model`` (a causal LM, or a token-classification
+        critic), filled from ``reads``; records what :meth:`load_report` shows."""
+        dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+        if hasattr(hf_model, "score") and not hasattr(hf_model, "lm_head"):
+            wrapped = self._critic(hf_model, reads, dtype)
+        else:
+            gpt = self._megatron_trunk(hf_model, reads, dtype, pre_process=self.stage == 0,
+                                       post_process=self.stage == self.layout.pp - 1)
+            if self._slot is None:
+                self._slot = PipelineSlot(gpt.config)
+            wrapped = MegatronCausalLM(gpt, hf_model.config, self._slot)
+        self.loaded[name] = {"source": reads.source, "full_bytes": _nbytes(hf_model.parameters()),
+                             "shard_bytes": _nbytes(wrapped.parameters()), "loaded_bytes": reads.loaded}
+        return wrapped
+
+    def _reads(self, name: str, model: torch.nn.Module, source: SafetensorsWeights | RandomInit | None) -> HFReads:
+        """Where this rank reads ``model``'s transformers tensors from, every one checked against
+        the source first (present, same shape): a bad checkpoint raises here, naming the tensor,
+        before anything is read or sent. A random init is checked on rank 0 and every rank raises."""
+        import torch.distributed as dist
+
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        if not any(p.is_meta for p in params.values()):
+            return HFReads(state_reader(params), params, "built in full")
+        if source is None:
+            raise RuntimeError(
+                f"{name} has parameters on the meta device but no weights to load: build it with "
+                "rltrainer.models.build_causal_lm (a hub id, a path or a config) and assign it directly in "
+                "configure_model, or build it in full.")
+        from_rank_zero = isinstance(source, RandomInit) and self.world_size > 1
+        aliases, keys, error = parameter_aliases(model), {}, None
+        if not from_rank_zero or self.rank == 0:
+            try:
+                keys = {n: source_key(source, aliases[n], tuple(p.shape)) for n, p in params.items() if p.is_meta}
+            except (KeyError, ValueError) as e:
+                error = str(e.args[0])
+        if from_rank_zero:
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)  # every rank raises, none waits for tensors
+            error = shared[0]
+        if error:
+            raise ValueError(f"Cannot load {name}: {error}")
+        label = "random init on rank 0" if isinstance(source, RandomInit) else f"safetensors files in {source.path}"
+        if from_rank_zero and self.rank != 0:
+            return HFReads(None, params, label)
+
+        def read(hf: str, rows: Rows) -> torch.Tensor:
+            if not params[hf].is_meta:  # set in full by configure_model
+                return state_reader(params)(hf, rows)
+            return source.read(keys[hf]) if rows is None else source.read(keys[hf], *rows)
+
+        return HFReads(read, params, label, from_rank_zero)
+
+    def _megatron_trunk(self, hf_model: torch.nn.Module, reads: HFReads, dtype: torch.dtype,
+                        pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:
         """This rank's ``GPTModel`` shard with ``hf_model``'s weights (and its frozen parameters
-        frozen). Only this rank's shard is converted. ``post_process=False`` on a single stage
-        builds a trunk for a critic (no output layer; the final norm stays outside)."""
-        from megatron.core import parallel_state
-
+        frozen). Only this rank's shard is read. ``post_process=False`` on a single stage builds a
+        trunk for a critic (no output layer; the final norm stays outside)."""
         config = hf_model.config
         tied = bool(config.tie_word_embeddings)
-        state = {n: p.detach() for n, p in hf_model.named_parameters()}
         critic_trunk = not post_process and self.layout.pp == 1
         if critic_trunk:  # no output layer to fill
             config = copy.deepcopy(config)
             config.tie_word_embeddings, tied = True, False
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        shard = hf_to_megatron(state, config, self.layout, only=(self.stage, tp_rank))[self.stage][tp_rank]
-        if critic_trunk:
-            shard.pop("decoder.final_layernorm.weight")
         gpt = build_gpt(config, self.layout.tp, self.device.type == "cpu", dtype, post_process=post_process,
                         pp=self.layout.pp, pre_process=pre_process, share_embeddings=tied).to(self.device)
-        missing, unexpected = gpt.load_state_dict(shard, strict=False)
-        missing = [m for m in missing if not m.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"Megatron layout mismatch: missing {missing}, unexpected {unexpected}")
+        self._load(gpt, reads, config, skip={"decoder.final_layernorm.weight"} if critic_trunk else set())
         trainable = {n: p.requires_grad for n, p in hf_model.named_parameters()}
         for mname, param in gpt.named_parameters():  # frozen in transformers -> frozen here
             hf_names = hf_names_of(mname, config, self.layout, self.stage) or ["model.embed_tokens.weight"]
             param.requires_grad_(any(trainable[h] for h in hf_names))
         return gpt
 
-    def _critic(self, hf_model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-        """A token-classification critic: megatron trunk + the model's final norm and score head."""
-        trunk = self._megatron_trunk(hf_model, dtype, post_process=False)
-        norm, score = copy.deepcopy(hf_model.model.norm), copy.deepcopy(hf_model.score)
-        return MegatronValueModel(trunk, norm.to(self.device, dtype), score.to(self.device, dtype), hf_model.config,
+    def _load(self, gpt: torch.nn.Module, reads: HFReads, config: Any, skip: set[str]) -> None:
+        """Fill ``gpt`` with this rank's shard, one tensor at a time: read it, or (a random init)
+        receive it from rank 0, which reads every other rank's shard in turn and sends it."""
+        import torch.distributed as dist
+
+        def shard(read: Reader, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+            stage, tp_rank = self._coords[rank]
+            return ((n, t) for n, t in megatron_shard(read, config, self.layout, stage, tp_rank) if n not in skip)
+
+        if reads.read is None:  # receive: the same tensors in the same order, shaped from the meta model
+            _fill(gpt, ((n, reads.receive(like, self.device)) for n, like in shard(reads.shapes, self.rank)))
+            return
+        _fill(gpt, shard(reads, self.rank))
+        if reads.from_rank_zero:
+            for rank in range(1, self.world_size):
+                for _, tensor in shard(reads.read, rank):
+                    dist.send(tensor.to(self.device).contiguous(), rank)
+
+    def _critic(self, hf_model: torch.nn.Module, reads: HFReads, dtype: torch.dtype) -> torch.nn.Module:
+        """A token-classification critic: megatron trunk + the model's final norm and score head
+        (replicated: read whole, or broadcast from rank 0)."""
+        trunk = self._megatron_trunk(hf_model, reads, dtype, post_process=False)
+        norm = self._replicated(hf_model.model.norm, "model.norm.", reads).to(dtype)
+        score = self._replicated(hf_model.score, "score.", reads).to(dtype)
+        return MegatronValueModel(trunk, norm, score, hf_model.config,
                                   dropout=copy.deepcopy(getattr(hf_model, "dropout", None)))
+
+    def _replicated(self, module: torch.nn.Module, prefix: str, reads: HFReads) -> torch.nn.Module:
+        """A copy of a small transformers submodule on this device, its parameters (``prefix`` +
+        name) read, or broadcast from rank 0 for a random init."""
+        import torch.distributed as dist
+
+        module = copy.deepcopy(module).to_empty(device=self.device)
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if reads.read is not None:
+                    param.copy_(reads(prefix + name, None))
+                if reads.from_rank_zero or reads.read is None:
+                    dist.broadcast(param, src=0)
+                if reads.read is None:
+                    reads.loaded += param.numel() * param.element_size()
+        return module
+
+    def load_report(self) -> dict[str, dict[str, Any]]:
+        """Per model: where its weights came from (``source``), the bytes of the whole transformers
+        model (``full_bytes``), of this rank's megatron shard (``shard_bytes``), and what this rank
+        read from a checkpoint or received from rank 0 while loading (``loaded_bytes``: its shard,
+        plus the other ranks' columns of ``o_proj`` / ``down_proj``, which it reads whole)."""
+        return self.loaded
+
+    def _report(self) -> None:
+        if self.rank == 0:
+            for name, r in self.loaded.items():
+                log.info("%s: %s, rank 0 holds %.3g of %.3g GB (%.3g GB read or received)", name, r["source"],
+                         r["shard_bytes"] / 1e9, r["full_bytes"] / 1e9, r["loaded_bytes"] / 1e9)
 
     def close(self) -> None:
         from megatron.core import parallel_state
@@ -256,6 +382,53 @@ def check_architectures(module: RLModule) -> None:
     for model in module.children():
         if hasattr(model, "config") and any(True for _ in model.parameters()):
             megatron_config(model.config)
+
+
+class HFReads:
+    """A transformers model's tensors as one rank reads them: a layouts :data:`Reader` (``read``;
+    ``None`` on a rank that receives a random init from rank 0), and the bytes read or received."""
+
+    def __init__(self, read: Reader | None, params: dict[str, torch.Tensor], source: str,
+                 from_rank_zero: bool = False) -> None:
+        self.read, self.params, self.source, self.from_rank_zero = read, params, source, from_rank_zero
+        self.loaded = 0
+
+    def __call__(self, name: str, rows: Rows) -> torch.Tensor:
+        tensor = self.read(name, rows)
+        self.loaded += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def shapes(self, name: str, rows: Rows) -> torch.Tensor:
+        """The model's own (meta) tensors: what a receiving rank expects, without data."""
+        return state_reader(self.params)(name, rows)
+
+    def receive(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+        import torch.distributed as dist
+
+        tensor = torch.empty(like.shape, dtype=like.dtype, device=device)
+        dist.recv(tensor, src=0)
+        self.loaded += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def _fill(gpt: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy each ``(megatron name, tensor)`` into ``gpt``'s parameter as it comes; every one must be filled."""
+    params = {n: p for n, p in gpt.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")}
+    unexpected, filled = [], set()
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if name in params:
+                params[name].copy_(tensor)
+                filled.add(name)
+            else:
+                unexpected.append(name)
+    missing = sorted(set(params) - filled)
+    if missing or unexpected:
+        raise RuntimeError(f"Megatron layout mismatch: missing {missing}, unexpected {unexpected}")
+
+
+def _nbytes(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def reduce_and_clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
