@@ -61,6 +61,46 @@ def test_ranks_match_one_device(devices, tp, pp, config, bpe_tokenizer, gsm8k_pr
         strategy.teardown()
 
 
+DDP = "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel"
+
+
+@pytest.mark.parametrize("distributed,overlap", [(True, True), (False, False)],
+                         ids=["distributed-optimizer-overlap", "plain-optimizer"])
+def test_dp2_lr_schedule_and_clipping_match_one_device(distributed, overlap, config, bpe_tokenizer, gsm8k_prompts,
+                                                       ray_session):
+    """megatron's DDP and optimizer step the policy as the user's AdamW does on one device: the
+    warm-up schedule's lr each step, the gradient norm before clipping, and the parameters after
+    three steps clipped to a norm far below the gradient's (so every step clips)."""
+    prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])
+    single_module = make_module(config, bpe_tokenizer, warmup_steps=3)
+    single = SingleDeviceStrategy(device="cpu", micro_batch_size=8, gradient_clip_val=1e-3)
+    single.setup(single_module, seed=7)
+    torch.manual_seed(0)
+    batch = prepared_batch(single_module, single, prompts)
+    strategy = MegatronStrategy(devices=2, micro_batch_size=5, gradient_clip_val=1e-3,
+                                use_distributed_optimizer=distributed, overlap_grad_reduce=overlap,
+                                ddp_bucket_size=2048 if overlap else None)  # several buckets: several reductions
+    try:
+        strategy.setup(make_module(config, bpe_tokenizer, warmup_steps=3), seed=7)
+        optimizer = ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer" if distributed
+                     else "megatron.core.optimizer.optimizer.FP32Optimizer")
+        for layout in strategy._require_group().execute_all("training_layout"):
+            assert layout == {"ddp": {"policy": DDP}, "optimizers": [optimizer]}
+        lrs = []
+        for _ in range(3):
+            m_single, m_meg = single.train_step(batch), strategy.train_step(batch)
+            lrs.append(m_meg["actor/lr"])
+            assert m_meg["actor/lr"] == pytest.approx(m_single["actor/lr"], rel=1e-12)
+            assert m_meg["actor/grad_norm"] == pytest.approx(m_single["actor/grad_norm"], rel=1e-4)
+            assert m_single["actor/grad_norm"] > 10 * 1e-3  # clipped
+        assert lrs == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3], rel=1e-12)  # lr 1e-3, 3 warm-up steps
+        after = dict(strategy.export_weights())
+        for name, p in single_module.policy.named_parameters():
+            torch.testing.assert_close(after[name], p.detach(), rtol=0, atol=1e-5, msg=name)
+    finally:
+        strategy.teardown()
+
+
 def llama_config(vocab_size):
     from transformers import LlamaConfig
 
