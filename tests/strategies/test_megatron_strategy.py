@@ -145,7 +145,39 @@ def test_bad_megatron_arguments():
         MegatronStrategy(precision="bf16-mixed")
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_megatron_optimizer_translates_the_users_and_refuses_others():
+    """configure_optimizers()'s torch optimizer becomes megatron-core's OptimizerConfig; what it
+    cannot translate is refused, naming what it can."""
+    from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
+
+    from rltrainer.strategies.megatron.optimizer import optimizer_config
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    options = dict(use_distributed_optimizer=True, gradient_clip_val=0.5, precision="32-true")
+    adamw = torch.optim.AdamW(params, lr=3e-4, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    cfg = optimizer_config([adamw], options)
+    assert (cfg.optimizer, cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay) == (
+        "adam", 3e-4, 0.8, 0.9, 1e-6, 0.1)
+    assert cfg.decoupled_weight_decay and cfg.use_distributed_optimizer and cfg.clip_grad == 0.5
+    assert optimizer_config([adamw], {**options, "gradient_clip_val": None}).clip_grad == 0.0  # no clipping
+    assert not optimizer_config([torch.optim.Adam(params, weight_decay=0.1)],
+                                {**options, "use_distributed_optimizer": False}).decoupled_weight_decay
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.5)
+    assert optimizer_config([sgd], {**options, "use_distributed_optimizer": False}).optimizer == "sgd"
+    with pytest.raises(ValueError, match="use_distributed_optimizer=False"):
+        optimizer_config([sgd], options)
+    with pytest.raises(TypeError, match="RMSprop.*torch.optim.AdamW"):
+        optimizer_config([torch.optim.RMSprop(params)], options)
+    with pytest.raises(ValueError, match="amsgrad=False"):
+        optimizer_config([torch.optim.AdamW(params, amsgrad=True)], options)
+    with pytest.raises(ValueError, match="all be Adam"):
+        optimizer_config([adamw, sgd], {**options, "use_distributed_optimizer": False})
+    if USING_PYTORCH_OPTIMIZER:  # no Transformer Engine / apex: torch's AdamW is the only Adam it shards
+        with pytest.raises(ValueError, match="torch.optim.AdamW"):
+            optimizer_config([torch.optim.Adam(params, weight_decay=0.1)], options)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])  # dp2: sharded optimizer
 def test_megatron_checkpoint_resume_matches_uninterrupted_run(tp, pp, config, bpe_tokenizer, gsm8k_prompts, tmp_path,
                                                               ray_session):
     def run(max_steps, ckpt=None, save=None):

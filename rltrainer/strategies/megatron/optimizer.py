@@ -66,9 +66,9 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
     elif type(optimizer) is torch.optim.SGD:
         bad = [k for k in ("maximize",) if any(g.get(k) for g in optimizer.param_groups)]
     else:
-        raise TypeError(f"strategy='megatron' steps with megatron-core's optimizer, translated from "
-                        f"configure_optimizers(); it translates {_SUPPORTED}. Got {type(optimizer).__module__}."
-                        f"{type(optimizer).__qualname__}: return one of those from configure_optimizers().")
+        raise TypeError(f"strategy='megatron' cannot translate {type(optimizer).__module__}."
+                        f"{type(optimizer).__qualname__} from configure_optimizers() into megatron-core's optimizer; "
+                        f"it translates {_SUPPORTED}. Return one of those from configure_optimizers().")
     if bad:
         raise ValueError(f"strategy='megatron' cannot translate {type(optimizer).__name__}({bad[0]}=True) into "
                          f"megatron-core's optimizer; it translates {_SUPPORTED}. Set {bad[0]}=False.")
@@ -156,14 +156,16 @@ class UserGroups:
     the megatron param groups built from user optimizer ``index``, in that optimizer's order. Looked
     up on each access, so a checkpoint load (which rebuilds the groups) keeps them bound."""
 
-    def __init__(self, megatron: Any, index: int, count: int) -> None:
-        self.megatron, self.index, self.count = megatron, index, count
+    def __init__(self, megatron: Any, index: int, user: torch.optim.Optimizer) -> None:
+        self.megatron, self.index, self.user = megatron, index, user
         self._opt_called = False  # torch's scheduler warns on its first step unless the optimizer stepped
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """A user group with no trainable parameter on any rank has no megatron group: its own
+        (stepped by nothing) stands in, so that the scheduler's per-group lists keep their length."""
         by_tag = {g[GROUP_TAG]: g for g in self.megatron.param_groups}
-        return [by_tag[(self.index, j)] for j in range(self.count)]
+        return [by_tag.get((self.index, j), group) for j, group in enumerate(self.user.param_groups)]
 
     def step(self) -> None:
         """Called by :meth:`MegatronOptimizer.step` after megatron's step (the scheduler checks it)."""
@@ -195,7 +197,7 @@ class MegatronOptimizer:
             chunks = list(self.ddps.values())
             self.megatron = get_megatron_optimizer(config, chunks, config_overrides=group_overrides(optimizers, chunks))
         copy_hyperparameters(self.megatron.param_groups, optimizers, config.optimizer)
-        self.views = [UserGroups(self.megatron, i, len(opt.param_groups)) for i, opt in enumerate(optimizers)]
+        self.views = [UserGroups(self.megatron, i, opt) for i, opt in enumerate(optimizers)]
         for sched in schedulers:
             index = next((i for i, opt in enumerate(optimizers) if sched.optimizer is opt), None)
             if index is None:
@@ -286,10 +288,13 @@ class MegatronOptimizer:
         return {"groups": groups, "optimizers": parts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with self._placement():
+        # no_grad: with fp32 parameters the main-parameter shards megatron copies into are views of
+        # the (grad-requiring) model parameters (distrib_optimizer.py:420-421, 940)
+        with self._placement(), torch.no_grad():
             for opt, part in zip(self.megatron.chained_optimizers, state["optimizers"]):
                 if part is not None:
                     opt.load_state_dict(_with_padding_flags(part))
+                    _unshare_steps(opt)
         # megatron matches loaded groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), alike
         # for every group here: put each group's own hyperparameters (and tag) back, in order
         for group, saved in zip(self.megatron.param_groups, state["groups"], strict=True):
@@ -309,6 +314,17 @@ def _optimizer_state(opt: Any) -> dict[str, Any] | None:
         state = {**state, "param_state": opt.get_parameter_state_dp_reshardable(),
                  "param_state_sharding_type": "dp_reshardable"}
     return _detached(state)
+
+
+def _unshare_steps(opt: Any) -> None:
+    """Without Transformer Engine or apex, megatron-core 0.16's distributed optimizer loads one
+    ``step`` tensor into every parameter's state (distrib_optimizer.py:808-815), and torch's Adam
+    increments each parameter's ``step`` in place: the next step would count it once per
+    parameter. Give each parameter its own copy."""
+    inner = getattr(opt, "optimizer", None)
+    for param_state in (inner.state.values() if inner is not None else []):
+        if isinstance(param_state.get("step"), torch.Tensor):
+            param_state["step"] = param_state["step"].clone()
 
 
 def _detached(value: Any) -> Any:

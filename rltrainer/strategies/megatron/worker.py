@@ -195,7 +195,8 @@ class MegatronWorker(TrainingWorker):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        stepped = [n for n, p in self.module.policy.named_parameters() if p.requires_grad and self._optimizer.stepped]
+        policy = self.module.policy.named_parameters()
+        stepped = [n for n, p in policy if p.requires_grad] if self._optimizer.stepped else []
         config = self.module.policy.config
         names = [hf for name in stepped
                  for hf in hf_names_of(name.removeprefix("gpt."), config, self.layout, self.stage)]
@@ -247,4 +248,3 @@ class MegatronWorker(TrainingWorker):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_local_training_state(self.module, self.optimizers, self.schedulers, state)
         self.versions.forget_synced()
-
