@@ -318,7 +318,7 @@ def _optimizer_state(opt: Any) -> dict[str, Any] | None:
 
 def _unshare_steps(opt: Any) -> None:
     """Without Transformer Engine or apex, megatron-core 0.16's distributed optimizer loads one
-    ``step`` tensor into every parameter's state (distrib_optimizer.py:808-815), and torch's Adam
+    ``step`` tensor into every parameter's state (distrib_optimizer.py:818-825), and torch's Adam
     increments each parameter's ``step`` in place: the next step would count it once per
     parameter. Give each parameter its own copy."""
     inner = getattr(opt, "optimizer", None)
@@ -340,7 +340,7 @@ def _detached(value: Any) -> Any:
 def _with_padding_flags(state: dict[str, Any]) -> dict[str, Any]:
     """megatron-core 0.16's ``get_parameter_state_dp_reshardable`` writes no ``padding`` flag, which
     its inverse ``load_parameter_state_from_dp_reshardable`` filters on (distrib_optimizer.py:
-    942-975, 1795-1799); every entry it writes is a parameter: ``padding=False``."""
+    942-975, 1790-1794); every entry it writes is a parameter: ``padding=False``."""
     if state.get("param_state_sharding_type") != "dp_reshardable":
         return state
     param_state = dict(state["param_state"])
