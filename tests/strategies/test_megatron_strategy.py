@@ -177,7 +177,7 @@ def test_megatron_optimizer_translates_the_users_and_refuses_others():
     from rltrainer.strategies.megatron.optimizer import optimizer_config
 
     params = [torch.nn.Parameter(torch.zeros(2))]
-    options = dict(use_distributed_optimizer=True, gradient_clip_val=0.5, precision="32-true")
+    options = {"use_distributed_optimizer": True, "gradient_clip_val": 0.5, "precision": "32-true"}
     adamw = torch.optim.AdamW(params, lr=3e-4, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
     cfg = optimizer_config([adamw], options)
     assert (cfg.optimizer, cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay) == (

@@ -49,7 +49,10 @@ def ddp_target(model: torch.nn.Module) -> torch.nn.Module:
 def wrap_in_ddp(models: dict[str, torch.nn.Module], options: dict[str, Any]) -> dict[str, Any]:
     """megatron-core ``DistributedDataParallel`` around each model (its parameters move into the
     DDP's contiguous buffers; the model itself is called as before)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=options["grad_reduce_in_fp32"], overlap_grad_reduce=options["overlap_grad_reduce"],
@@ -264,8 +267,9 @@ class MegatronOptimizer:
                 for opt in self.megatron.chained_optimizers:
                     params = opt.get_parameters()
                     if params and not getattr(opt, "is_stub_optimizer", False):
+                        decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
                         clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=norm,
-                                                     use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                                                     use_decoupled_grad=decoupled)
         return norm
 
     def step(self) -> None:

@@ -53,8 +53,8 @@ class MegatronStrategy(WorkerGroupStrategy):
         self.tp, self.pp = tp, pp
         self.options.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                             use_distributed_optimizer=bool(use_distributed_optimizer),
-                            overlap_grad_reduce=bool(overlap_grad_reduce), grad_reduce_in_fp32=bool(grad_reduce_in_fp32),
-                            ddp_bucket_size=ddp_bucket_size)
+                            overlap_grad_reduce=bool(overlap_grad_reduce),
+                            grad_reduce_in_fp32=bool(grad_reduce_in_fp32), ddp_bucket_size=ddp_bucket_size)
 
     def data_parallel_rank(self, rank: int) -> int:
         return (rank // self.tp) % self.data_parallel_size
