@@ -205,7 +205,7 @@ def test_megatron_optimizer_translates_the_users_and_refuses_others():
 def test_megatron_checkpoint_resume_matches_uninterrupted_run(tp, pp, config, bpe_tokenizer, gsm8k_prompts, tmp_path,
                                                               ray_session):
     def run(max_steps, ckpt=None, save=None):
-        module = make_module(config, bpe_tokenizer, num_generations=2)
+        module = make_module(config, bpe_tokenizer, num_generations=2, warmup_steps=2)  # the lr moves at resume
         strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         with Trainer(strategy=strategy, max_steps=max_steps, logger=False, enable_progress_bar=False, seed=6,
                      default_root_dir=tmp_path) as trainer:
