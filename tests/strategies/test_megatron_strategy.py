@@ -32,9 +32,10 @@ def config(bpe_tokenizer):
     return tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
 
 
-@pytest.mark.parametrize("devices,tp,pp", [(2, 2, 1), (2, 1, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2)],
-                         ids=["tp2", "dp2", "pp2", "dp2-pp2", "tp2-pp2"])
-def test_ranks_match_one_device(devices, tp, pp, config, bpe_tokenizer, gsm8k_prompts, ray_session):
+@pytest.mark.parametrize("devices,tp,pp,overlap", [(2, 2, 1, False), (2, 1, 1, False), (2, 1, 2, False),
+                                                   (4, 1, 2, False), (4, 2, 2, False), (4, 1, 2, True)],
+                         ids=["tp2", "dp2", "pp2", "dp2-pp2", "tp2-pp2", "dp2-pp2-overlap"])
+def test_ranks_match_one_device(devices, tp, pp, overlap, config, bpe_tokenizer, gsm8k_prompts, ray_session):
     prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])  # prompts of unequal length
     single_module = make_module(config, bpe_tokenizer)
     single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)
@@ -42,7 +43,8 @@ def test_ranks_match_one_device(devices, tp, pp, config, bpe_tokenizer, gsm8k_pr
     torch.manual_seed(0)
     batch = prepared_batch(single_module, single, prompts)
     strategy = MegatronStrategy(devices=devices, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                micro_batch_size=5)
+                                micro_batch_size=5, overlap_grad_reduce=overlap,
+                                ddp_bucket_size=2048 if overlap else None)  # several buckets on the first stage
     try:
         strategy.setup(make_module(config, bpe_tokenizer), seed=7)
         before = dict(strategy.export_weights())
@@ -238,6 +240,9 @@ def test_ppo_critic_on_tensor_parallel_matches_one_device(config, bpe_tokenizer,
     strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2, micro_batch_size=4)
     try:
         strategy.setup(ppo(), seed=3)
+        for layout in strategy._require_group().execute_all("training_layout"):  # both models, one optimizer
+            assert layout == {"ddp": {"policy": DDP, "critic": DDP},
+                              "optimizers": ["megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"]}
         torch.testing.assert_close(strategy.compute(batch, "values")["values"], batch["values"], rtol=0, atol=1e-5)
         for _ in range(2):
             m_single, m_meg = single.train_step(batch), strategy.train_step(batch)
