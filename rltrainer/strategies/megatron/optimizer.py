@@ -206,7 +206,8 @@ class MegatronOptimizer:
             if index is None:
                 raise ValueError(f"The LR scheduler {type(sched).__name__} from configure_optimizers() steps an "
                                  "optimizer configure_optimizers() did not return: build it on one of those")
-            sched.optimizer = self.views[index]
+            for bound in (sched, *getattr(sched, "_schedulers", ())):  # SequentialLR / ChainedScheduler's parts too
+                bound.optimizer = self.views[index]
 
     def _placement(self) -> contextlib.AbstractContextManager:
         return cpu_placement(self.device, type_names=True)
