@@ -32,13 +32,13 @@ def config(bpe_tokenizer):
     return tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
 
 
-@pytest.mark.parametrize("devices,tp,pp,family", [(2, 2, 1, "qwen2"), (2, 1, 1, "qwen2"), (2, 1, 2, "qwen2"),
-                                                  (4, 1, 2, "qwen2"), (4, 2, 2, "qwen2"), (2, 2, 1, "qwen3"),
-                                                  (2, 1, 2, "qwen3")],
-                         ids=["tp2", "dp2", "pp2", "dp2-pp2", "tp2-pp2", "tp2-qwen3", "pp2-qwen3"])
-def test_ranks_match_one_device(devices, tp, pp, family, config, bpe_tokenizer, gsm8k_prompts, ray_session):
+@pytest.mark.parametrize("devices,tp,pp,family,overlap", [
+    (2, 2, 1, "qwen2", False), (2, 1, 1, "qwen2", False), (2, 1, 2, "qwen2", False), (4, 1, 2, "qwen2", False),
+    (4, 2, 2, "qwen2", False), (4, 1, 2, "qwen2", True), (2, 2, 1, "qwen3", False), (2, 1, 2, "qwen3", False)],
+    ids=["tp2", "dp2", "pp2", "dp2-pp2", "tp2-pp2", "dp2-pp2-overlap", "tp2-qwen3", "pp2-qwen3"])
+def test_ranks_match_one_device(devices, tp, pp, family, overlap, config, bpe_tokenizer, gsm8k_prompts, ray_session):
     """Qwen3: q/k norms (replicated over TP, their gradients summed over it) and heads x head_dim
-    (4 x 16) != hidden (32)."""
+    (4 x 16) != hidden (32). ``overlap``: megatron's overlapped, bucketed gradient reduction."""
     if family == "qwen3":
         from rltrainer.testing import tiny_qwen3_config
 
@@ -50,7 +50,8 @@ def test_ranks_match_one_device(devices, tp, pp, family, config, bpe_tokenizer, 
     torch.manual_seed(0)
     batch = prepared_batch(single_module, single, prompts)
     strategy = MegatronStrategy(devices=devices, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                micro_batch_size=5)
+                                micro_batch_size=5, overlap_grad_reduce=overlap,
+                                ddp_bucket_size=2048 if overlap else None)  # several buckets on the first stage
     try:
         strategy.setup(make_module(config, bpe_tokenizer), seed=7)
         before = dict(strategy.export_weights())
@@ -70,6 +71,70 @@ def test_ranks_match_one_device(devices, tp, pp, family, config, bpe_tokenizer, 
         atol = 1e-5 if family == "qwen2" else 4e-5
         for name, p in single_module.policy.named_parameters():
             torch.testing.assert_close(after[name], p.detach(), rtol=0, atol=atol, msg=name)
+    finally:
+        strategy.teardown()
+
+
+DDP = "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel"
+
+
+@pytest.mark.parametrize("distributed,overlap", [(True, True), (False, False)],
+                         ids=["distributed-optimizer-overlap", "plain-optimizer"])
+def test_dp2_lr_schedule_and_clipping_match_one_device(distributed, overlap, config, bpe_tokenizer, gsm8k_prompts,
+                                                       ray_session):
+    """megatron's DDP and optimizer step the policy as the user's AdamW does on one device: the
+    warm-up schedule's lr each step, the gradient norm before clipping, and the parameters after
+    three steps clipped to a norm far below the gradient's (so every step clips)."""
+    prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])
+    single_module = make_module(config, bpe_tokenizer, warmup_steps=3)
+    single = SingleDeviceStrategy(device="cpu", micro_batch_size=8, gradient_clip_val=1e-3)
+    single.setup(single_module, seed=7)
+    torch.manual_seed(0)
+    batch = prepared_batch(single_module, single, prompts)
+    strategy = MegatronStrategy(devices=2, micro_batch_size=5, gradient_clip_val=1e-3,
+                                use_distributed_optimizer=distributed, overlap_grad_reduce=overlap,
+                                ddp_bucket_size=2048 if overlap else None)  # several buckets: several reductions
+    try:
+        strategy.setup(make_module(config, bpe_tokenizer, warmup_steps=3), seed=7)
+        optimizer = ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer" if distributed
+                     else "megatron.core.optimizer.optimizer.FP32Optimizer")
+        for layout in strategy._require_group().execute_all("training_layout"):
+            assert layout == {"ddp": {"policy": DDP}, "optimizers": [optimizer]}
+        lrs = []
+        for _ in range(3):
+            m_single, m_meg = single.train_step(batch), strategy.train_step(batch)
+            lrs.append(m_meg["actor/lr"])
+            assert m_meg["actor/lr"] == pytest.approx(m_single["actor/lr"], rel=1e-12)
+            assert m_meg["actor/grad_norm"] == pytest.approx(m_single["actor/grad_norm"], rel=1e-4)
+            assert m_single["actor/grad_norm"] > 10 * 1e-3  # clipped
+        assert lrs == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3], rel=1e-12)  # lr 1e-3, 3 warm-up steps
+        after = dict(strategy.export_weights())
+        for name, p in single_module.policy.named_parameters():
+            torch.testing.assert_close(after[name], p.detach(), rtol=0, atol=1e-5, msg=name)
+    finally:
+        strategy.teardown()
+
+
+def test_dp2_bf16_steps_with_the_distributed_optimizer(config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """bf16-true on megatron's DDP and distributed optimizer: two steps move every weight, and the
+    gradient norm stays within bf16 rounding of the fp32 single-device one."""
+    prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])
+    single_module = make_module(config, bpe_tokenizer)
+    single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)
+    single.setup(single_module, seed=7)
+    torch.manual_seed(0)
+    batch = prepared_batch(single_module, single, prompts)
+    strategy = MegatronStrategy(devices=2, micro_batch_size=5, precision="bf16-true")
+    try:
+        strategy.setup(make_module(config, bpe_tokenizer), seed=7)
+        assert strategy._require_group().execute_all("training_layout")[0]["optimizers"] == [
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"]
+        before = dict(strategy.export_weights())
+        for _ in range(2):
+            m_single, m_meg = single.train_step(batch), strategy.train_step(batch)
+            assert m_meg["actor/grad_norm"] == pytest.approx(m_single["actor/grad_norm"], rel=2e-2)
+        after = dict(strategy.export_weights())
+        assert all(not torch.equal(before[n], after[n]) for n in before)  # every weight moved
     finally:
         strategy.teardown()
 
@@ -118,11 +183,43 @@ def test_bad_megatron_arguments():
         MegatronStrategy(precision="bf16-mixed")
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_megatron_optimizer_translates_the_users_and_refuses_others():
+    """configure_optimizers()'s torch optimizer becomes megatron-core's OptimizerConfig; what it
+    cannot translate is refused, naming what it can."""
+    from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
+
+    from rltrainer.strategies.megatron.optimizer import optimizer_config
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    options = {"use_distributed_optimizer": True, "gradient_clip_val": 0.5, "precision": "32-true"}
+    adamw = torch.optim.AdamW(params, lr=3e-4, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    cfg = optimizer_config([adamw], options)
+    assert (cfg.optimizer, cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay) == (
+        "adam", 3e-4, 0.8, 0.9, 1e-6, 0.1)
+    assert cfg.decoupled_weight_decay and cfg.use_distributed_optimizer and cfg.clip_grad == 0.5
+    assert optimizer_config([adamw], {**options, "gradient_clip_val": None}).clip_grad == 0.0  # no clipping
+    assert not optimizer_config([torch.optim.Adam(params, weight_decay=0.1)],
+                                {**options, "use_distributed_optimizer": False}).decoupled_weight_decay
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.5)
+    assert optimizer_config([sgd], {**options, "use_distributed_optimizer": False}).optimizer == "sgd"
+    with pytest.raises(ValueError, match="use_distributed_optimizer=False"):
+        optimizer_config([sgd], options)
+    with pytest.raises(TypeError, match="RMSprop.*torch.optim.AdamW"):
+        optimizer_config([torch.optim.RMSprop(params)], options)
+    with pytest.raises(ValueError, match="amsgrad=False"):
+        optimizer_config([torch.optim.AdamW(params, amsgrad=True)], options)
+    with pytest.raises(ValueError, match="all be Adam"):
+        optimizer_config([adamw, sgd], {**options, "use_distributed_optimizer": False})
+    if USING_PYTORCH_OPTIMIZER:  # no Transformer Engine / apex: torch's AdamW is the only Adam it shards
+        with pytest.raises(ValueError, match="torch.optim.AdamW"):
+            optimizer_config([torch.optim.Adam(params, weight_decay=0.1)], options)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])  # dp2: sharded optimizer
 def test_megatron_checkpoint_resume_matches_uninterrupted_run(tp, pp, config, bpe_tokenizer, gsm8k_prompts, tmp_path,
                                                               ray_session):
     def run(max_steps, ckpt=None, save=None):
-        module = make_module(config, bpe_tokenizer, num_generations=2)
+        module = make_module(config, bpe_tokenizer, num_generations=2, warmup_steps=2)  # the lr moves at resume
         strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         with Trainer(strategy=strategy, max_steps=max_steps, logger=False, enable_progress_bar=False, seed=6,
                      default_root_dir=tmp_path) as trainer:
@@ -155,6 +252,9 @@ def test_ppo_critic_on_tensor_parallel_matches_one_device(config, bpe_tokenizer,
     strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2, micro_batch_size=4)
     try:
         strategy.setup(ppo(), seed=3)
+        for layout in strategy._require_group().execute_all("training_layout"):  # both models, one optimizer
+            assert layout == {"ddp": {"policy": DDP, "critic": DDP},
+                              "optimizers": ["megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"]}
         torch.testing.assert_close(strategy.compute(batch, "values")["values"], batch["values"], rtol=0, atol=1e-5)
         for _ in range(2):
             m_single, m_meg = single.train_step(batch), strategy.train_step(batch)

@@ -24,10 +24,20 @@ inside the hook raises :class:`StageOutput`, whose hidden states the schedule se
 :class:`PipelineSlot`). So with pipeline stages a hook may call one pipelined model per
 micro-batch (PPO's critic needs ``pipeline_model_parallel_size=1``).
 
-Gradients are summed over data-parallel ranks (losses are normalised by global counts), the tied
-embedding's two copies (first and last stage) add their gradients, and clipping uses the global
-norm over tensor-parallel shards and pipeline stages. On CPU (tests), the attention is a layer
-spec of our own (SDPA) and megatron-core's CUDA placements point at the CPU: see
+Gradients and the optimizer step are megatron-core's own, as its users expect
+(:mod:`~rltrainer.strategies.megatron.optimizer`): each trainable model is wrapped in megatron's
+``DistributedDataParallel`` (contiguous buckets; no reduction before the schedule's last
+micro-batch, then megatron's ``finalize_model_grads``: the bucketed reduce-scatter, or all-reduce,
+over the data-parallel group and the tied embedding's all-reduce between the first and last
+stage). Gradients are summed over data-parallel ranks, not averaged (``calculate_per_token_loss``:
+the hooks' losses are normalised by global counts). The optimizers ``configure_optimizers()``
+returns (AdamW / Adam; SGD with ``use_distributed_optimizer=False``) become one megatron-core
+optimizer (``get_megatron_optimizer``), by default the distributed one (each data-parallel rank
+steps its shard, then the updated parameters are all-gathered), with each param group's lr, betas,
+eps and weight decay; the user's LR schedulers step its groups. The gradient norm (``actor/grad_norm``)
+and clipping are megatron's (over data-parallel shards, tensor-parallel slices and pipeline stages).
+On CPU (tests), the attention is a layer spec of our own (SDPA) and megatron-core's CUDA
+placements and type names point at the CPU: see
 :func:`~rltrainer.strategies.megatron.cpu.cpu_shims` and
 :func:`~rltrainer.strategies.megatron.cpu.cpu_placement`.
 
@@ -39,7 +49,9 @@ Where each job lives:
 
 - :mod:`~rltrainer.strategies.megatron.strategy`: :class:`MegatronStrategy`, the controller side.
 - :mod:`~rltrainer.strategies.megatron.worker`: :class:`MegatronWorker`, the rank side (setup,
-  the schedule, gradients, weight export, checkpoints).
+  the schedule, weight export, checkpoints).
+- :mod:`~rltrainer.strategies.megatron.optimizer`: megatron's DDP and optimizer, built from the
+  module's optimizers (:class:`~rltrainer.strategies.megatron.optimizer.MegatronOptimizer`).
 - :mod:`~rltrainer.strategies.megatron.config`: a transformers config -> megatron-core settings, or an error.
 - :mod:`~rltrainer.strategies.megatron.models`: ``GPTModel`` behind the transformers call.
 - :mod:`~rltrainer.strategies.megatron.layouts`: HF <-> megatron weight layouts (pure tensors).

@@ -20,23 +20,38 @@ def cpu_shims() -> None:
 
 
 class _CUDAOnCPU(TorchFunctionMode):
-    """Tensors that megatron-core creates with ``device="cuda"`` (the schedules' token counter) or
-    moves with ``.cuda()`` (the tied embedding's copy on the last stage) stay on the CPU."""
+    """Tensors that megatron-core creates with ``device="cuda"`` (the schedules' token counter, the
+    optimizers' norm and scale tensors) or moves with ``.cuda()`` (the tied embedding's copy on the
+    last stage) stay on the CPU.
+
+    With ``type_names`` (only around megatron-core's DDP and optimizer calls, never around the
+    hooks), ``tensor.type()`` of a CPU tensor answers with its CUDA name (``"torch.FloatTensor"`` ->
+    ``"torch.cuda.FloatTensor"``): megatron-core's optimizers choose their fp32 or 16-bit path by
+    that name and refuse any other (distrib_optimizer.py:361, 420, 582; optimizer.py:671, 690;
+    clip_grads.py:167 asserts it of every gradient it clips)."""
+
+    def __init__(self, type_names: bool = False) -> None:
+        super().__init__()
+        self.type_names = type_names
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and self.type_names and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         device = kwargs.get("device")
         if device is not None and not isinstance(device, int) and torch.device(device).type == "cuda":
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
 
 
-def cpu_placement(device: torch.device) -> contextlib.AbstractContextManager:
-    """Around megatron-core calls: on a CPU rank, CUDA placements become CPU ones (see
-    :class:`_CUDAOnCPU`); on a GPU rank, nothing."""
-    return _CUDAOnCPU() if device.type == "cpu" else contextlib.nullcontext()
+def cpu_placement(device: torch.device, type_names: bool = False) -> contextlib.AbstractContextManager:
+    """Around megatron-core calls: on a CPU rank, CUDA placements become CPU ones (and, with
+    ``type_names``, CPU tensors report CUDA type names; see :class:`_CUDAOnCPU`); on a GPU rank,
+    nothing."""
+    return _CUDAOnCPU(type_names) if device.type == "cpu" else contextlib.nullcontext()
 
 
 def cpu_attention_spec() -> type:

@@ -25,9 +25,10 @@ def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_pr
               pp: int = 1, pre_process: bool = True, share_embeddings: bool | None = None) -> torch.nn.Module:
     """A megatron-core ``GPTModel`` (this rank's pipeline stage) with the architecture of a
     Llama / Qwen2 / Qwen3 transformers config, converted by :func:`megatron_config` (which
-    refuses a field it cannot convert). Parameters whose gradients are partial on each
-    tensor-parallel rank (Qwen3's q/k norms: each rank normalises its own heads) are marked
-    ``partial_grad_over_tp``."""
+    refuses a field it cannot convert). Qwen3's q/k norms are replicated over tensor-parallel
+    ranks, each of which sees only its own heads: megatron-core's ``finalize_model_grads`` sums
+    their gradients over the TP group (``distributed/finalize_model_grads.py:353-355``, keyed on
+    ``config.qk_layernorm`` and the parameter names)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -44,12 +45,8 @@ def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_pr
         spec.submodules.self_attention.submodules.core_attention = cpu_attention_spec()
     gpt_args = dict(arch.gpt) if share_embeddings is None else {
         **arch.gpt, "share_embeddings_and_output_weights": share_embeddings}
-    gpt = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
-                   **gpt_args)
-    for name, param in gpt.named_parameters():  # summed over TP as in distributed/finalize_model_grads.py:353-355
-        if ".q_layernorm." in name or ".k_layernorm." in name:
-            param.partial_grad_over_tp = True
-    return gpt
+    return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
+                    **gpt_args)
 
 
 class StageOutput(BaseException):  # noqa: N818 (not an error: a control-flow signal, like GeneratorExit)

@@ -22,6 +22,16 @@ class MegatronStrategy(WorkerGroupStrategy):
         tensor_model_parallel_size: ranks that split each layer's matrices.
         pipeline_model_parallel_size: stages the decoder layers are split into (evenly); the hooks
             run in megatron-core's 1F1B schedule.
+        use_distributed_optimizer: step with megatron-core's distributed optimizer (each
+            data-parallel rank keeps and steps a shard of the optimizer state and main parameters,
+            gradients are reduce-scattered and the updated parameters all-gathered); ``False``:
+            megatron-core's plain optimizer on every rank (gradients all-reduced). Either way it is
+            built from ``configure_optimizers()``: AdamW / Adam (SGD with ``False``).
+        overlap_grad_reduce: launch each gradient bucket's reduction from the backward pass of the
+            last micro-batch (megatron's DDP), instead of all at once after it.
+        grad_reduce_in_fp32: keep and reduce gradients in fp32 (matters for ``bf16-true``).
+        ddp_bucket_size: elements per gradient bucket with ``overlap_grad_reduce`` (``None``:
+            megatron's default, ``max(40M, 1M x data-parallel size)``).
         devices / num_nodes / rollout_placement / ...: as for :class:`FSDP2Strategy`.
     """
 
@@ -32,7 +42,9 @@ class MegatronStrategy(WorkerGroupStrategy):
     supported_model_types = SUPPORTED_MODEL_TYPES
 
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, tensor_model_parallel_size: int = 1,
-                 pipeline_model_parallel_size: int = 1, **kwargs: Any) -> None:
+                 pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
+                 overlap_grad_reduce: bool = False, grad_reduce_in_fp32: bool = True,
+                 ddp_bucket_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(devices=devices, num_nodes=num_nodes, **kwargs)
         tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
         if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1 or self.world_size % (tp * pp):
@@ -40,8 +52,13 @@ class MegatronStrategy(WorkerGroupStrategy):
                              f"{self.world_size} ranks (devices x num_nodes)")
         if self.precision in ("bf16-mixed", "16-mixed"):
             raise ValueError(f"strategy='megatron' takes precision '32-true' or 'bf16-true', got {self.precision!r}")
+        if ddp_bucket_size is not None and (not isinstance(ddp_bucket_size, int) or ddp_bucket_size < 1):
+            raise ValueError(f"ddp_bucket_size must be a positive number of elements or None, got {ddp_bucket_size!r}")
         self.tp, self.pp = tp, pp
-        self.options.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.options.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            use_distributed_optimizer=bool(use_distributed_optimizer),
+                            overlap_grad_reduce=bool(overlap_grad_reduce),
+                            grad_reduce_in_fp32=bool(grad_reduce_in_fp32), ddp_bucket_size=ddp_bucket_size)
 
     def data_parallel_rank(self, rank: int) -> int:
         return (rank // self.tp) % self.data_parallel_size

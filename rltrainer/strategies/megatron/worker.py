@@ -1,6 +1,7 @@
 """The rank side of ``strategy="megatron"``: :class:`MegatronWorker`, one megatron-core rank
-(a pipeline stage's tensor-parallel shard of each model), and the gradient reduction and clipping
-across tensor-parallel shards, pipeline stages and data-parallel ranks.
+(a pipeline stage's tensor-parallel shard of each model). Its gradients and optimizer step are
+megatron-core's own (:mod:`~rltrainer.strategies.megatron.optimizer`): the trainable models in
+megatron's ``DistributedDataParallel``, stepped by megatron's (by default distributed) optimizer.
 
 Setup builds the transformers models on the meta device and fills each rank's shard one tensor
 at a time (:meth:`MegatronWorker.setup`): read from the safetensors files (its stage, its rows),
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from rltrainer.strategies.megatron.models import (
     StageOutput,
     build_gpt,
 )
+from rltrainer.strategies.megatron.optimizer import MegatronOptimizer
 from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import (
     check_model_type,
@@ -62,6 +63,7 @@ class MegatronWorker(TrainingWorker):
         self._slot: PipelineSlot | None = None
         self._coords: list[tuple[int, int]] = [(0, 0)]  # every rank's (pipeline stage, tensor-parallel rank)
         self.loaded: dict[str, dict[str, Any]] = {}
+        self._optimizer: MegatronOptimizer | None = None
 
     def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
         """``configure_model`` with the same seed on every rank, inside
@@ -116,6 +118,7 @@ class MegatronWorker(TrainingWorker):
         self.module = module
         self._locate_weights(specs)
         self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
+        self._use_megatron_optimizer()
 
     def _locate_weights(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Every rank learns which stage (and megatron parameter) holds each of the policy's HF
@@ -133,6 +136,16 @@ class MegatronWorker(TrainingWorker):
         if missing:
             raise RuntimeError(f"Megatron layout holds no parameter for {sorted(missing)}")
         self._specs = {n: specs[n] for n in self._sources}  # export in megatron order: siblings adjacent
+
+    def _use_megatron_optimizer(self) -> None:
+        """Wrap the trainable models in megatron's DDP and step them with megatron's optimizer,
+        built from the module's (see :class:`MegatronOptimizer`); the schedule's gradient hooks go
+        on the config it reads (the pipeline slot's)."""
+        trainable = {n: m for n, m in self.module.trainable_models().items()
+                     if any(p.requires_grad for p in m.parameters())}
+        self._optimizer = MegatronOptimizer(trainable, self.optimizers, self.schedulers, self.options, self.device)
+        self._optimizer.attach(self._slot.config)
+        self.optimizers = [self._optimizer]  # type: ignore[list-item]  # what run_train_step steps
 
     def _convert(self, name: str, hf_model: torch.nn.Module, reads: HFReads, precision: str) -> torch.nn.Module:
         """This rank's megatron-core model for ``hf_model`` (a causal LM, or a token-classification
@@ -296,30 +309,30 @@ class MegatronWorker(TrainingWorker):
                 num_microbatches=len(micro_batches), seq_length=max(mb["input_ids"].shape[1] for mb in micro_batches),
                 micro_batch_size=max(len(mb) for mb in micro_batches), forward_only=not backward)
 
+    def training_layout(self) -> dict[str, Any]:
+        """What trains on this rank: each DDP-wrapped model's wrapper class, and the classes of
+        megatron-core's optimizers (inside its ``ChainedOptimizer``), as ``module.QualName``."""
+        def name(obj: Any) -> str:
+            return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+        return {"ddp": {n: name(d) for n, d in self._optimizer.ddps.items()},
+                "optimizers": [name(o) for o in self._optimizer.megatron.chained_optimizers]}
+
     def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float | None) -> float:
-        self._reduce_tied_embedding()
-        return reduce_and_clip(params, max_norm)
-
-    def _reduce_tied_embedding(self) -> None:
-        """Tied embeddings over pipeline stages: the first stage's embedding and the last stage's
-        output layer are copies of one tensor; add their gradients (megatron's embedding group)."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        if self.layout.pp == 1 or not self.module.policy.config.tie_word_embeddings:
-            return
-        if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
-            return
-        grad = self.module.policy.gpt.shared_embedding_or_output_weight().grad
-        if grad is not None:
-            dist.all_reduce(grad, group=parallel_state.get_embedding_group())
+        """megatron's global gradient norm and clipping (the gradients were reduced inside the
+        schedule, by megatron's ``finalize_model_grads``)."""
+        return self._optimizer.clip(max_norm)
 
     def mark_stepped(self, stepped: list[str]) -> None:
         """Bump the HF names each stepped megatron parameter holds (a frozen one holds no step), on
-        every stage alike: each rank plans the same export."""
+        every stage alike: each rank plans the same export. With megatron's DDP the gradients live
+        in its buffers (``param.grad`` stays ``None``), so ``stepped`` is taken from the optimizer:
+        every trainable policy parameter once it stepped, none if the step was skipped."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        policy = self.module.policy.named_parameters()
+        stepped = [n for n, p in policy if p.requires_grad] if self._optimizer.stepped else []
         config = self.module.policy.config
         names = [hf for name in stepped
                  for hf in hf_names_of(name.removeprefix("gpt."), config, self.layout, self.stage)]
@@ -429,37 +442,3 @@ def _fill(gpt: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> 
 
 def _nbytes(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
-
-
-def reduce_and_clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
-    """Sum gradients over data-parallel ranks (and a replicated weight's partial gradients, such
-    as Qwen3's q/k norms, over tensor-parallel ranks), then clip by the global norm: tensor-parallel
-    shards add their squares across the TP group, replicated tensors count once per stage, stages
-    add up over the pipeline group, and the last stage's copy of a tied embedding is not counted."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    grads = [p.grad for p in params if p.grad is not None]
-    if parallel_state.get_data_parallel_world_size() > 1:
-        for g in grads:
-            dist.all_reduce(g, group=parallel_state.get_data_parallel_group())
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:  # replicated, but each rank saw its own heads
-        for p in params:
-            if p.grad is not None and getattr(p, "partial_grad_over_tp", False):
-                dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
-    counted = [p for p in params if p.grad is not None and not getattr(p, "shared", False)]
-    sharded = torch.as_tensor(sum((p.grad.float() ** 2).sum() for p in counted
-                                  if getattr(p, "tensor_model_parallel", False)), dtype=torch.float32)
-    replicated = torch.as_tensor(sum((p.grad.float() ** 2).sum() for p in counted
-                                     if not getattr(p, "tensor_model_parallel", False)), dtype=torch.float32)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-    total = sharded + replicated
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    norm = math.sqrt(float(total))
-    if max_norm and math.isfinite(norm) and norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
-    return norm
-
