@@ -58,7 +58,6 @@ def rank_main(rank: int, world: int, port: int, workdir: str, family: str) -> No
     from rltrainer.strategies.megatron.cpu import cpu_shims
     from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_to_megatron, megatron_to_hf
     from rltrainer.strategies.megatron.models import build_gpt
-    from rltrainer.strategies.megatron.worker import reduce_and_clip
 
     cpu_shims()  # megatron-core places RoPE frequencies and buffers with torch.cuda.current_device()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -74,7 +73,9 @@ def rank_main(rank: int, world: int, port: int, workdir: str, family: str) -> No
     logits = gather_from_tensor_model_parallel_region(model(ids, positions, attention_mask=None))  # [b, s, V]
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
-    reduce_and_clip(list(model.parameters()), None)  # the worker's reduction: Qwen3's q/k norm grads over TP
+    for name, param in model.named_parameters():  # Qwen3's q/k norms: each TP rank saw its own heads; the
+        if "q_layernorm" in name or "k_layernorm" in name:  # worker's finalize_model_grads sums them over TP
+            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())  # (:353-355)
     grads = {n: p.grad for n, p in model.named_parameters()}
     gathered = [None] * world
     dist.all_gather_object(gathered, grads)
