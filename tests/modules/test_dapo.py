@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rltrainer import DAPO, ModelCheckpoint, Trainer, prompt_dataloader
+from rltrainer import DAPO, GRPO, ModelCheckpoint, Trainer, prompt_dataloader
 from rltrainer.algorithms.dapo import mixed_groups, overlong_penalty
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.pipelines import check_module_pipeline
+from rltrainer.rollout.engine import Generation
 from rltrainer.strategies.fsdp2 import FSDP2Strategy
 from rltrainer.testing import tiny_qwen2_config
 
@@ -260,3 +261,30 @@ def test_a_drawn_batch_is_consumed_even_if_none_of_it_is_trained(tiny_config, bp
     trainer.max_steps = 2
     trainer.fit(module, prompt_dataloader(rows, batch_size=4, shuffle=False))
     assert [sorted(set(b["prompt_position"][:, 1].tolist())) for b in module.trained] == [[0], [2]]
+
+
+class LengthByIndexEngine:
+    """A fake engine: sample j of every prompt has 2 + 2j tokens (of at most 4), all ending with a stop."""
+
+    weight_version = 0
+
+    def generate(self, prompts, sampling):
+        rows = len(prompts) * sampling.n
+        lengths = torch.tensor([2 + 2 * j for _ in prompts for j in range(sampling.n)])
+        mask = (torch.arange(4) < lengths.unsqueeze(-1)).long()
+        return Generation(mask.clone(), mask, torch.zeros(rows, 4), ["x"] * rows, ["stop"] * rows)
+
+
+def test_groups_are_filtered_on_the_task_score_not_the_shaped_one() -> None:
+    """Every task score is 1; the overlong penalty (L_max 4, L_cache 2) makes each group's shaped
+    scores (1, 0) unequal. The paper filters on accuracy, so every group is dropped."""
+    module = dapo(max_new_tokens=4, overlong_buffer_len=2, reward_funcs=lambda c, **k: [1.0] * len(c))
+    drawn = []
+    module._trainer = SimpleNamespace(step_metrics={}, draw_prompts=lambda: drawn.append(1))  # no more data
+    prompts = RolloutBatch.from_rows([{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}])
+    out = module.rollout_step(prompts, LengthByIndexEngine())
+    assert len(out) == 0 and drawn == [1]
+    metrics = module._trainer.step_metrics
+    assert metrics["dynamic_sampling/dropped_group_share"] == 1.0 and metrics["dynamic_sampling/gen_rounds"] == 1
+    shaped = module.score(GRPO.rollout_step(module, prompts, LengthByIndexEngine()))["scores"]
+    assert shaped.tolist() == [1.0, 0.0, 1.0, 0.0]  # unequal: filtering on these would keep both groups
