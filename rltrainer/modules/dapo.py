@@ -111,7 +111,8 @@ class DAPO(GRPO):
     # -- control flow ---------------------------------------------------------------------------
     def rollout_step(self, batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
         """GRPO's sampling; with ``dynamic_sampling``, scored and filtered, drawing more prompts
-        until ``B`` groups have mixed rewards (see the class docstring). Returns ``N <= B*G`` rows."""
+        until ``B`` groups have mixed rewards (see the class docstring). Returns ``N <= B*G`` rows.
+        Called by hand (no Trainer), it filters the groups of the prompts it is given and draws none."""
         if not self.dynamic_sampling:
             return super().rollout_step(batch, engine)
         target, G = len(batch), self.sampling.n
@@ -128,7 +129,7 @@ class DAPO(GRPO):
                 break
             if self.max_gen_rounds is not None and rounds >= self.max_gen_rounds:
                 raise RuntimeError(self._bound_message(len(kept), target, rounds, generated))
-            prompts = self.trainer.draw_prompts()  # None: the data ran out
+            prompts = self._trainer.draw_prompts() if self._trainer is not None else None  # None: no more data
         self._log_sampling(rounds, generated, len(kept), target)
         if not kept:  # the data ran out with no mixed group: the pipeline ends the run
             return rows[torch.zeros(0, dtype=torch.long)]
@@ -147,8 +148,8 @@ class DAPO(GRPO):
         self.log("dynamic_sampling/surplus_groups", max(kept - target, 0))
         self.log("dynamic_sampling/short_groups", max(target - kept, 0))
         if kept < target:
-            log.warning("Dynamic sampling reached the end of the data with %d of %d mixed groups; the last step "
-                        "trains on %s.", kept, target, "them" if kept else "nothing (the run ends)")
+            log.warning("Dynamic sampling ran out of prompts with %d of %d mixed groups; the step trains on %s.",
+                        kept, target, "them" if kept else "nothing (in fit, the run ends)")
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """GRPO's reward, then the overlong penalty: ``task_scores [N]`` (the reward functions'),

@@ -288,3 +288,5 @@ def test_groups_are_filtered_on_the_task_score_not_the_shaped_one() -> None:
     assert metrics["dynamic_sampling/dropped_group_share"] == 1.0 and metrics["dynamic_sampling/gen_rounds"] == 1
     shaped = module.score(GRPO.rollout_step(module, prompts, LengthByIndexEngine()))["scores"]
     assert shaped.tolist() == [1.0, 0.0, 1.0, 0.0]  # unequal: filtering on these would keep both groups
+    module._trainer = None  # called by hand: filters the given prompts' groups, draws nothing
+    assert len(module.rollout_step(prompts, LengthByIndexEngine())) == 0
