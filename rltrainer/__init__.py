@@ -3,7 +3,7 @@
 from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
 from rltrainer.data import RolloutBatch, prompt_dataloader
 from rltrainer.module import RLModule
-from rltrainer.modules import GRPO, PPO
+from rltrainer.modules import DAPO, GRPO, PPO
 from rltrainer.rollout import ENGINES, RolloutEngine, SamplingParams
 from rltrainer.strategies import STRATEGIES, Strategy
 from rltrainer.trainer import Trainer
@@ -11,6 +11,6 @@ from rltrainer.trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
-    "ENGINES", "GRPO", "PPO", "STRATEGIES", "Callback", "ModelCheckpoint", "ProgressBar", "RLModule", "RolloutBatch",
+    "DAPO", "ENGINES", "GRPO", "PPO", "STRATEGIES", "Callback", "ModelCheckpoint", "ProgressBar", "RLModule", "RolloutBatch",
     "RolloutEngine", "SamplingParams", "Strategy", "Trainer", "prompt_dataloader",
 ]

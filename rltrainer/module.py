@@ -59,6 +59,10 @@ class RLModule(torch.nn.Module):
 
     update_epochs: int = 1
     mini_batch_size: int | None = None
+    #: the ``Trainer(pipeline=...)`` modes the module can run under (``None``: all); ``fit`` refuses
+    #: the others before setup, with ``pipeline_reason`` in the message.
+    supported_pipelines: tuple[str, ...] | None = None
+    pipeline_reason: str = ""
 
     def __init__(self) -> None:
         super().__init__()
@@ -132,6 +136,12 @@ class RLModule(torch.nn.Module):
         the pipeline sets the engine's version when the call started) and the non-tensors ``uid``
         and ``response_text``. It may run in a controller thread while the policy trains
         (``pipeline="one_step_off"`` / ``"async"``); ``engine`` then stands for one replica.
+
+        The prompt rows carry ``prompt_position [B, 3]`` (epoch, loader batch, row), which
+        ``batch.repeat`` keeps. A ``rollout_step`` that needs more prompts (dynamic sampling) may
+        call ``self.trainer.draw_prompts()`` for the next loader batch (``pipeline="sync"`` only);
+        it then returns rows of any of the prompts it was given or drew, ``G`` per prompt, with
+        their ``prompt_position`` carried over.
 
         The default samples with ``self.sampling``; override it for multi-turn or tool use.
         """

@@ -76,13 +76,37 @@ class Prompts:
     positions: list[Position]
 
 
-def tag(batch: RolloutBatch, prompts: Prompts, version: int, group_size: int) -> RolloutBatch:
-    """Add ``policy_version [N]`` (unless ``rollout_step`` set it) and ``prompt_position [N, 3]``."""
+def check_module_pipeline(module: Any, pipeline: str) -> None:
+    """Raise before setup if ``module`` cannot run under ``pipeline`` (its ``supported_pipelines``)."""
+    supported = getattr(module, "supported_pipelines", None)
+    if supported is not None and pipeline not in supported:
+        raise ValueError(f"{type(module).__name__} runs with pipeline in {', '.join(map(repr, supported))}, got "
+                         f"Trainer(pipeline={pipeline!r}). {getattr(module, 'pipeline_reason', '')}".rstrip())
+
+
+def with_positions(prompts: Prompts) -> RolloutBatch:
+    """The prompt rows with ``prompt_position [B, 3]`` (a ``rollout_step`` that repeats rows carries it)."""
+    prompts.batch["prompt_position"] = torch.tensor(prompts.positions, dtype=torch.long).reshape(-1, 3)  # [B, 3]
+    return prompts.batch
+
+
+def tag(batch: RolloutBatch, prompts: Prompts, version: int, group_size: int, drew: bool = False) -> RolloutBatch:
+    """Add ``policy_version [N]`` (unless ``rollout_step`` set it) and ``prompt_position [N, 3]``. A
+    ``rollout_step`` that drew prompts of its own (``drew``, :meth:`Pipeline.draw_prompts`) must carry
+    ``prompt_position`` over from the prompt rows it kept (``RolloutBatch.repeat`` does)."""
+    if "policy_version" not in batch:
+        batch["policy_version"] = torch.full((len(batch),), version, dtype=torch.long)  # [N]
+    if drew:
+        carried = batch.get("prompt_position")
+        if carried is None or tuple(carried.shape) != (len(batch), 3) or len(batch) % group_size:
+            raise ValueError(f"rollout_step drew more prompts and returned {len(batch)} rows with prompt_position "
+                             f"{None if carried is None else tuple(carried.shape)}; expected a multiple of "
+                             f"{group_size} rows (module.sampling.n per prompt) with prompt_position [N, 3] carried "
+                             f"from the prompt rows (batch.repeat(n) keeps it)")
+        return batch
     if len(batch) != len(prompts.positions) * group_size:
         raise ValueError(f"rollout_step returned {len(batch)} rows for {len(prompts.positions)} prompts; expected "
                          f"{group_size} per prompt (module.sampling.n), samples of a prompt adjacent")
-    if "policy_version" not in batch:
-        batch["policy_version"] = torch.full((len(batch),), version, dtype=torch.long)  # [N]
     positions = torch.tensor(prompts.positions, dtype=torch.long).reshape(-1, 3)
     batch["prompt_position"] = positions.repeat_interleave(group_size, dim=0)  # [N, 3]
     return batch
@@ -102,22 +126,45 @@ class Pipeline:
         self.group_size = trainer.module.sampling.n
         self.prompt_batches = iter(prompt_batches)
         self.skip: set[tuple[int, int]] = set()  # loader batches a restored checkpoint already holds
+        self._prompts = self._next_prompts()
+        self._last_loader_batch: tuple[int, int] | None = None  # (epoch, index) of the latest batch handed out
+        self._exhausted = False
+        self._drew = False  # whether the rollout_step running now drew prompts of its own
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: list[Future] = []
         self._window = time.perf_counter()
         self._waited = self._engine_busy = 0.0
 
     def __iter__(self) -> Iterator[RolloutBatch]:
-        for prompts in self._next_prompts():
+        for prompts in self._prompts:
             self.trainer.step_metrics.update(self.trainer._await_weights())  # weight_sync="async"
             call_hooks(self.trainer, "on_step_start", prompts.batch)
-            yield self._wait(self._submit(prompts, inline=True))
+            batch = self._wait(self._submit(prompts, inline=True))
+            if len(batch) == 0 and self._exhausted:  # rollout_step drew to the data's end and kept nothing
+                return
+            if len(batch) == 0:
+                raise ValueError("rollout_step returned 0 rows; only a rollout_step that drew prompts until the "
+                                 "data ran out (Trainer.draw_prompts returned None) may, which ends the run")
+            yield batch
+
+    def draw_prompts(self) -> RolloutBatch | None:
+        """The next loader batch for a ``rollout_step`` that needs more prompts than it was given
+        (dynamic sampling), as prompt rows with ``prompt_position [B, 3]``; ``None`` once the data
+        ran out (the last epoch's last batch). A drawn batch is consumed like any other: the resume
+        position moves past it, and it is not handed to a later step."""
+        self._drew = True
+        prompts = next(self._prompts, None)
+        if prompts is None:
+            self._exhausted = True
+            return None
+        return with_positions(prompts)
 
     # -- shared pieces -----------------------------------------------------------------------------
     def _next_prompts(self) -> Iterator[Prompts]:
         for epoch, index, raw in self.prompt_batches:
             if (epoch, index) not in self.skip:
                 batch = self.trainer.as_batch(raw)
+                self._last_loader_batch = (epoch, index)
                 yield Prompts(batch, [(epoch, index, row) for row in range(len(batch))])
 
     def _submit(self, prompts: Prompts, engine: Any = None, inline: bool = False) -> Future:
@@ -143,9 +190,10 @@ class Pipeline:
 
     def _run(self, prompts: Prompts, engine: Any) -> RolloutBatch:
         start, version = time.perf_counter(), engine.weight_version  # rollout_step may tag a later one
-        batch = call_module_hook(self.trainer, "rollout_step", prompts.batch, engine)
+        self._drew = False
+        batch = call_module_hook(self.trainer, "rollout_step", with_positions(prompts), engine)
         batch.meta["timing_s/gen"] = time.perf_counter() - start
-        return tag(batch, prompts, version, self.group_size)
+        return tag(batch, prompts, version, self.group_size, drew=self._drew)
 
     def _wait(self, future: Future) -> RolloutBatch:
         """The request's rows (its error, if it failed); time spent here is the trainer's idle time."""
@@ -163,8 +211,10 @@ class Pipeline:
         return 1
 
     def position(self, batch: RolloutBatch) -> tuple[int, int]:
-        """``(epoch, loader batches done in it)`` after training on ``batch`` (where a resume starts)."""
-        epoch, index, _ = batch["prompt_position"][-1].tolist()
+        """``(epoch, loader batches done in it)`` after training on ``batch`` (where a resume starts):
+        past the latest loader batch handed out, whether its rows were trained on or (drawn by the
+        step's ``rollout_step`` and filtered out) not."""
+        epoch, index = self._last_loader_batch or tuple(batch["prompt_position"][-1, :2].tolist())
         return epoch, index + 1
 
     def metrics(self) -> dict[str, float]:
@@ -220,6 +270,14 @@ class OneStepOffPipeline(Pipeline):
             yield batch  # the loop trains on batch t (version t + 1) and pushes behind the request above
             batch = self._wait(self._held) if self._held is not None else None
 
+    def position(self, batch: RolloutBatch) -> tuple[int, int]:
+        """After ``batch``'s loader batch (the following one is already generated, and held)."""
+        epoch, index, _ = batch["prompt_position"][-1].tolist()
+        return epoch, index + 1
+
+    def draw_prompts(self) -> RolloutBatch | None:
+        raise RuntimeError(refused_draw(self.mode))
+
     def state_dict(self) -> dict[str, Any]:
         """The next batch, already generated by the weights of this step (waits for it)."""
         if self._held is None:
@@ -250,9 +308,7 @@ class AsyncPipeline(Pipeline):
         self.ready: list[tuple[Position, RolloutBatch]] = []  # finished groups, in arrival order
         self.consumed: set[Position] = set()  # prompts trained on (their epochs not finished)
         self.batch_size: int | None = None
-        self._exhausted = False
         self._dropped = 0
-        self._prompts = self._next_prompts()
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         while True:
@@ -331,6 +387,9 @@ class AsyncPipeline(Pipeline):
     def max_requests(self) -> int:
         return (self.max_staleness + 2) * max(len(self.replicas), 1)
 
+    def draw_prompts(self) -> RolloutBatch | None:
+        raise RuntimeError(refused_draw(self.mode))
+
     def position(self, batch: RolloutBatch) -> tuple[int, int]:
         """The epoch of the oldest prompt not trained on yet (a resume reads that epoch again and
         skips the prompts in ``consumed``); ``consumed`` forgets the epochs before it."""
@@ -347,6 +406,12 @@ class AsyncPipeline(Pipeline):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consumed = {tuple(p) for p in state.get("consumed", [])}
+
+
+def refused_draw(mode: str) -> str:
+    return (f"rollout_step asked for more prompts (Trainer.draw_prompts), which only pipeline='sync' offers; this "
+            f"run has pipeline={mode!r}, whose prompts are already queued for generation ahead of the step. Use "
+            f"pipeline='sync' (or a module that samples only the prompts it is given).")
 
 
 def build_pipeline(trainer: Trainer, prompt_batches: Iterable[tuple[int, int, Any]]) -> Pipeline:

@@ -22,7 +22,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.loggers import build_loggers
 from rltrainer.loop import batch_metrics, training_step, validation_loop
 from rltrainer.module import REQUIRED_HOOKS, RLModule
-from rltrainer.pipelines import Pipeline, build_pipeline, check_pipeline
+from rltrainer.pipelines import Pipeline, build_pipeline, check_module_pipeline, check_pipeline
 from rltrainer.rollout.engine import RolloutEngine, build_engine
 from rltrainer.strategies.strategy import Strategy, build_strategy
 
@@ -145,6 +145,7 @@ class Trainer:
             ckpt_path: str | Path | None = None) -> None:
         """Train ``module`` on prompts from ``train_dataloaders`` (or ``datamodule``)."""
         check_hooks(module)
+        check_module_pipeline(module, self.pipeline)  # before setup: nothing is built for a refused pairing
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self._seed_everything()
         self._setup(module)
@@ -186,6 +187,15 @@ class Trainer:
         ``tensors``, ``bytes``, ``skipped`` (unchanged since the last sync) and ``seconds``."""
         self._await_weights()
         return self._start_push(self.global_step).wait()
+
+    def draw_prompts(self) -> RolloutBatch | None:
+        """During ``fit``, for a ``rollout_step`` that needs more prompts than its batch (dynamic
+        sampling): the next loader batch as prompt rows with ``prompt_position [B, 3]``, or ``None``
+        when the data ran out. It counts as consumed (the epoch and resume position move past it).
+        Only ``pipeline="sync"`` offers it; a module that uses it sets ``supported_pipelines``."""
+        if self._pipeline is None:
+            raise RuntimeError("Trainer.draw_prompts() is only available inside fit(), from rollout_step")
+        return self._pipeline.draw_prompts()
 
     @property
     def off_policy(self) -> bool:

@@ -1,7 +1,8 @@
 """GRPO (and its relatives: Dr. GRPO, DAPO's loss settings, RLOO, REINFORCE++, GSPO, CISPO, SAPO,
 DPPO, Clip-/KL-Cov) as an ``RLModule`` subclass: the loss and the advantage estimator are registry
 entries chosen by name (:data:`~rltrainer.algorithms.POLICY_LOSSES`,
-:data:`~rltrainer.algorithms.ADVANTAGES`)."""
+:data:`~rltrainer.algorithms.ADVANTAGES`). The whole of DAPO, dynamic sampling included, is
+:class:`~rltrainer.DAPO`."""
 
 from __future__ import annotations
 
