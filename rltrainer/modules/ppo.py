@@ -33,8 +33,12 @@ def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Modu
         config = copy.deepcopy(spec)
         config.num_labels, config.classifier_dropout = 1, 0.0
         return init_from_config(config, auto_class=AutoModelForTokenClassification)
-    if isinstance(spec, str):
-        return AutoModelForTokenClassification.from_pretrained(spec, num_labels=1, classifier_dropout=0.0)
+    if isinstance(spec, str):  # transformers 5 passes unknown from_pretrained kwargs to __init__: set them on the config
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(spec)
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        return AutoModelForTokenClassification.from_pretrained(spec, config=config)
     return spec()
 
 

@@ -27,3 +27,19 @@ def test_ppo_trains_policy_and_critic(tiny_config, bpe_tokenizer, gsm8k_prompts)
     assert any(not torch.equal(a, b) for a, b in zip(module.critic.parameters(), critic_before.critic.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(module.policy.parameters(), critic_before.policy.parameters()))
     assert len(trainer.strategy.optimizers) == 2
+
+
+def test_ppo_critic_from_a_checkpoint_path(tiny_config, bpe_tokenizer, tmp_path):
+    """A critic from a model directory: the backbone's weights loaded, one output, no dropout (transformers 5
+    passes from_pretrained's unknown keyword arguments to the model's __init__, which refused
+    ``classifier_dropout``)."""
+    from transformers import AutoModelForCausalLM
+
+    from rltrainer.modules.ppo import build_value_model
+
+    AutoModelForCausalLM.from_config(tiny_config).save_pretrained(tmp_path)
+    critic = build_value_model(str(tmp_path))
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert critic.config.num_labels == 1 and critic.score.out_features == 1
+    assert critic.dropout.p == 0.0
+    assert torch.equal(critic.model.embed_tokens.weight, policy.model.embed_tokens.weight)
