@@ -102,6 +102,11 @@ class DAPO(GRPO):
         self.dynamic_sampling, self.max_gen_rounds = dynamic_sampling, max_gen_rounds
         self.overlong_penalty_factor, self.overlong_buffer_len = overlong_penalty_factor, overlong_buffer_len
         self.mask_truncated = mask_truncated
+        if dynamic_sampling and self.reward_model_spec is not None:
+            raise ValueError("DAPO's dynamic sampling filters groups by their scores inside rollout_step, before the "
+                             "compute stages run, so a RewardModel's scores (stage 'reward_model') are not there yet. "
+                             "Use rule rewards with dynamic sampling, or DAPO(dynamic_sampling=False) with a "
+                             "RewardModel.")
         if dynamic_sampling:
             self.supported_pipelines = ("sync",)
             self.pipeline_reason = ("DAPO's dynamic sampling draws further prompts from the loader inside the step "
