@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rltrainer import DAPO, GRPO, RewardModel, Teacher, Trainer, prompt_dataloader
+from rltrainer import DAPO, GRPO, PPO, RewardModel, Teacher, Trainer, prompt_dataloader
 from rltrainer.algorithms import ADVANTAGES, AdvantageContext
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import response_log_probs
@@ -74,6 +74,8 @@ def test_distillation_alone_trains(tiny_config, bpe_tokenizer, gsm8k_prompts):
         assert key in m and math.isfinite(m[key]), key
     assert m["actor/grad_norm"] > 0  # with zero scores and no teacher the advantages, and the gradient, are 0
     assert GRPO(tiny_config, bpe_tokenizer, reward_funcs=[], teacher=Teacher(tiny_config)).rewards is None
+    ppo = PPO(tiny_config, bpe_tokenizer, reward_funcs=None, teacher=Teacher(tiny_config))  # any estimator: GAE too
+    assert ppo.compute_stages() == ["old_log_prob", "teacher", "values"]
 
 
 def test_teacher_vocabularies_are_checked(tiny_config, bpe_tokenizer, qwen_tokenizer):
