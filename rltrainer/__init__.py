@@ -1,9 +1,11 @@
 """rltrainer: a thin, Lightning-style Trainer API for RL post-training of LLMs."""
 
+from rltrainer.algorithms.distill import Teacher
 from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
 from rltrainer.data import RolloutBatch, prompt_dataloader
 from rltrainer.module import RLModule
 from rltrainer.modules import DAPO, GRPO, PPO
+from rltrainer.rewards.model import RewardModel
 from rltrainer.rollout import ENGINES, RolloutEngine, SamplingParams
 from rltrainer.strategies import STRATEGIES, Strategy
 from rltrainer.trainer import Trainer
@@ -11,6 +13,6 @@ from rltrainer.trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
-    "DAPO", "ENGINES", "GRPO", "PPO", "STRATEGIES", "Callback", "ModelCheckpoint", "ProgressBar", "RLModule", "RolloutBatch",
-    "RolloutEngine", "SamplingParams", "Strategy", "Trainer", "prompt_dataloader",
+    "DAPO", "ENGINES", "GRPO", "PPO", "STRATEGIES", "Callback", "ModelCheckpoint", "ProgressBar", "RLModule", "RewardModel",
+    "RolloutBatch", "RolloutEngine", "SamplingParams", "Strategy", "Teacher", "Trainer", "prompt_dataloader",
 ]

@@ -41,9 +41,7 @@ def build_causal_lm(spec: ModelSpec, dtype: torch.dtype | None = None, seed: int
         config.use_cache = False
         return init_from_config(config, dtype)
     if isinstance(spec, str):
-        if _DEFERRED.get() is None:
-            return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype) if dtype else AutoModelForCausalLM.from_pretrained(spec)
-        return _checkpoint_on_meta(spec, dtype)
+        return load_pretrained(spec, AutoModelForCausalLM, dtype)
     if callable(spec):
         return spec()
     raise TypeError(
@@ -52,12 +50,24 @@ def build_causal_lm(spec: ModelSpec, dtype: torch.dtype | None = None, seed: int
     )
 
 
+def load_pretrained(spec: str, auto_class: Any, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """``auto_class.from_pretrained(spec)``; inside :func:`deferred_init`, the same model built on the
+    meta device with the checkpoint's safetensors attached."""
+    if _DEFERRED.get() is None:
+        return auto_class.from_pretrained(spec, dtype=dtype) if dtype else auto_class.from_pretrained(spec)
+    return _checkpoint_on_meta(spec, dtype, auto_class)
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy with gradients off and in eval mode (a reference model). A model built on the
     meta device copies as one (no memory) and shares its weight source."""
-    ref = copy.deepcopy(model)
-    ref.requires_grad_(False)
-    return ref.eval()
+    return freeze(copy.deepcopy(model))
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with gradients off and in eval mode (a reference model, a teacher, a reward model)."""
+    model.requires_grad_(False)
+    return model.eval()
 
 
 # -- building on the meta device, loading each rank's part -------------------------------------------
@@ -265,7 +275,7 @@ def _with_source(model: torch.nn.Module, source: SafetensorsWeights | RandomInit
     return model
 
 
-def _checkpoint_on_meta(spec: str, dtype: torch.dtype | None) -> torch.nn.Module:
+def _checkpoint_on_meta(spec: str, dtype: torch.dtype | None, auto_class: Any = None) -> torch.nn.Module:
     """``from_pretrained(spec)``'s model, built on the meta device, with its safetensors attached."""
     from transformers import AutoConfig
 
@@ -275,7 +285,7 @@ def _checkpoint_on_meta(spec: str, dtype: torch.dtype | None) -> torch.nn.Module
     dtype = dtype or getattr(config, "dtype", None) or weights.dtype()  # from_pretrained's dtype="auto"
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    return _with_source(_from_config(config, dtype, meta=True).eval(), weights)  # from_pretrained returns eval()
+    return _with_source(_from_config(config, dtype, auto_class, meta=True).eval(), weights)  # from_pretrained returns eval()
 
 
 def _checkpoint_dir(spec: str) -> str:

@@ -6,7 +6,7 @@ The loop is the same; the only thing DAPO asks of it is more prompts (``Trainer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ import torch
 from rltrainer.algorithms.dapo import mixed_groups, overlong_penalty
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec
-from rltrainer.modules.grpo import GRPO
+from rltrainer.modules.grpo import GRPO, RewardSpec
 from rltrainer.pipelines import concat_rollouts
 from rltrainer.rollout.engine import RolloutEngine
 
@@ -69,7 +69,7 @@ class DAPO(GRPO):
         self,
         model: ModelSpec,
         tokenizer: Any,
-        reward_funcs: Callable[..., list[float]] | str | Sequence[Callable[..., list[float]] | str],
+        reward_funcs: RewardSpec | Sequence[RewardSpec] | None,
         *,
         num_generations: int = 16,
         max_new_tokens: int = 512,
@@ -102,6 +102,11 @@ class DAPO(GRPO):
         self.dynamic_sampling, self.max_gen_rounds = dynamic_sampling, max_gen_rounds
         self.overlong_penalty_factor, self.overlong_buffer_len = overlong_penalty_factor, overlong_buffer_len
         self.mask_truncated = mask_truncated
+        if dynamic_sampling and self.reward_model_spec is not None:
+            raise ValueError("DAPO's dynamic sampling filters groups by their scores inside rollout_step, before the "
+                             "compute stages run, so a RewardModel's scores (stage 'reward_model') are not there yet. "
+                             "Use rule rewards with dynamic sampling, or DAPO(dynamic_sampling=False) with a "
+                             "RewardModel.")
         if dynamic_sampling:
             self.supported_pipelines = ("sync",)
             self.pipeline_reason = ("DAPO's dynamic sampling draws further prompts from the loader inside the step "

@@ -17,12 +17,14 @@ from rltrainer.algorithms import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLIC
                                   required_fields)
 from rltrainer.algorithms.advantages import group_signal_metrics
 from rltrainer.algorithms.aggregation import masked_sum_over
+from rltrainer.algorithms.distill import Teacher, check_same_vocabulary, check_teacher_vocab, distillation_term
 from rltrainer.algorithms.rollout_corr import (ROLLOUT_CORRECTIONS, check_rollout_correction, mismatch_metrics,
                                                rejects, share_of_batch)
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
+from rltrainer.models import ModelSpec, build_causal_lm, freeze, frozen_copy, response_log_probs
 from rltrainer.module import RLModule
 from rltrainer.rewards import RewardManager, resolve_reward
+from rltrainer.rewards.model import RewardModel, build_reward_model, sequence_scores
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
 
 #: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
@@ -57,11 +59,36 @@ def entry_params(kind: str, name: str, entry_defaults: Mapping[str, Any], kwargs
     return params
 
 
-def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values: bool) -> list[str]:
+def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values: bool, teacher: bool = False,
+                    reward_model: bool = False) -> list[str]:
     """The forward passes before ``advantage_step``, in order: ``old_log_prob`` (the policy moves
-    within a batch, or something needs the old log-probs on the controller), ``ref``, ``values``."""
-    return ((["old_log_prob"] if moves or needs_old else []) + (["ref"] if needs_ref else [])
+    within a batch, or something needs the old log-probs on the controller: a teacher does),
+    ``ref``, ``teacher``, ``reward_model``, ``values``."""
+    return ((["old_log_prob"] if moves or needs_old or teacher else []) + (["ref"] if needs_ref else [])
+            + (["teacher"] if teacher else []) + (["reward_model"] if reward_model else [])
             + (["values"] if needs_values else []))
+
+
+RewardSpec = Callable[..., list[float]] | str | RewardModel
+
+
+def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weights: Sequence[float] | None
+                  ) -> tuple[RewardManager | None, RewardModel | None, float]:
+    """The rule rewards (a :class:`RewardManager`, or ``None`` if there are none), the reward model
+    among ``reward_funcs`` (at most one) and its weight; ``weights`` has one entry per element."""
+    entries = [] if reward_funcs is None else (
+        list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+    weights = [1.0] * len(entries) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(entries):
+        raise ValueError(f"Got {len(weights)} reward_weights for {len(entries)} reward_funcs; pass one weight per "
+                         "entry (reward models included), or reward_weights=None for all 1.0.")
+    models = [(e, w) for e, w in zip(entries, weights) if isinstance(e, RewardModel)]
+    if len(models) > 1:
+        raise ValueError(f"reward_funcs holds {len(models)} RewardModel entries; one reward model is supported "
+                         "(its stage 'reward_model'). Keep one, or combine them in a model of your own.")
+    rules = [(resolve_reward(e), w) for e, w in zip(entries, weights) if not isinstance(e, RewardModel)]
+    manager = RewardManager([f for f, _ in rules], [w for _, w in rules]) if rules else None
+    return manager, (models[0][0] if models else None), (models[0][1] if models else 0.0)
 
 
 class GRPO(RLModule):
@@ -72,8 +99,11 @@ class GRPO(RLModule):
             callable returning a causal LM.
         tokenizer: the transformers tokenizer of ``model``.
         reward_funcs: a callable ``fn(completions, **dataset_fields) -> list[float]``, a
-            registered name (``"gsm8k"``, ``"math"``, ...), or a list of those.
-        reward_weights: one weight per reward function (default 1.0 each).
+            registered name (``"gsm8k"``, ``"math"``, ...), a
+            :class:`~rltrainer.rewards.model.RewardModel` (a sequence-classification model scored on
+            the training ranks, at most one), or a list of those. ``None`` or ``[]``: no reward,
+            which needs a ``teacher`` (distillation alone).
+        reward_weights: one weight per entry of ``reward_funcs`` (default 1.0 each).
         num_generations: group size ``G``: samples per prompt.
         max_new_tokens, temperature, top_p, top_k: rollout sampling (``top_k=0`` is off).
         lr, weight_decay, warmup_steps: AdamW with linear warm-up, then constant.
@@ -111,6 +141,20 @@ class GRPO(RLModule):
             ``low``, ``high``, the kept range of the ratio ``pi_old / pi_rollout``), overriding its
             defaults. Checked here: an unknown name, parameter or bad value raises.
         model_seed: seed for a randomly initialised ``model`` config.
+        teacher: a :class:`~rltrainer.algorithms.distill.Teacher` for on-policy distillation: a
+            frozen causal LM sharing the tokenizer, scored on the training ranks (stage
+            ``teacher``, ``teacher_log_probs [N, T]``); ``advantage_step`` subtracts
+            ``teacher.coef * (old_log_probs - teacher_log_probs)`` from the estimator's advantages,
+            per token (the stage ``old_log_prob`` runs for it). ``None``: no distillation.
+
+    Where the scores come from, in the loop's order: ``reward_step`` (controller) sums the rule
+    rewards (``scores [N]``, zeros if there are none); the compute stages then run on the training
+    ranks, ``reward_model`` among them (``rm_scores [N]``); ``advantage_step`` (controller) first
+    adds ``weight * rm_scores`` to ``scores``, then runs the estimator on the sum, then subtracts the
+    distillation term. So ``critic/score/*`` are logged by ``advantage_step`` when a reward model is
+    set (by ``reward_step`` otherwise); ``reward_model/score/mean`` is the model's unweighted mean,
+    ``distill/reverse_kl/mean`` the token mean of ``log pi_old - log pi_teacher``. Validation
+    (``validation_step``, on the controller) scores with the rule rewards only.
 
     Off-policy rollouts (a Trainer that is ``off_policy``: an async pipeline, or an engine whose
     log-probs are not the trainer's; or a ``rollout_correction``) need ``old_log_probs``, the
@@ -141,7 +185,7 @@ class GRPO(RLModule):
         self,
         model: ModelSpec,
         tokenizer: Any,
-        reward_funcs: Callable[..., list[float]] | str | Sequence[Callable[..., list[float]] | str],
+        reward_funcs: RewardSpec | Sequence[RewardSpec] | None,
         reward_weights: Sequence[float] | None = None,
         num_generations: int = 8,
         max_new_tokens: int = 512,
@@ -168,6 +212,7 @@ class GRPO(RLModule):
         rollout_correction: str | None = None,
         rollout_correction_kwargs: dict[str, Any] | None = None,
         model_seed: int | None = 0,
+        teacher: Teacher | None = None,
     ) -> None:
         super().__init__()
         AGGREGATIONS.get(loss_agg_mode), KL_ESTIMATORS.get(kl_estimator)  # unknown names raise here
@@ -204,8 +249,8 @@ class GRPO(RLModule):
             check_rollout_correction(rollout_correction, dict(rollout_correction_kwargs or {}))
         if tokenizer is None or getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError("GRPO needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
-        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        self.rewards = RewardManager([resolve_reward(f) for f in funcs], reward_weights)
+        self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(reward_funcs, reward_weights)
+        self.distill = self._checked_teacher(teacher, tokenizer)
         self.model_spec = model
         self.model_seed = model_seed
         self.tokenizer = tokenizer
@@ -221,10 +266,36 @@ class GRPO(RLModule):
         self._correction_rejects = rollout_correction is not None and rejects(rollout_correction,
                                                                                self.rollout_correction_kwargs)
 
+    def _checked_teacher(self, teacher: Teacher | None, tokenizer: Any) -> Teacher | None:
+        """``teacher`` after the checks that need no model; and a run needs some training signal."""
+        if teacher is not None and not isinstance(teacher, Teacher):
+            raise TypeError(f"teacher must be a rltrainer.algorithms.distill.Teacher (the model and its coef), got "
+                            f"{type(teacher).__name__}; e.g. teacher=Teacher('Qwen/Qwen3-8B', coef=1.0).")
+        if teacher is not None:
+            check_same_vocabulary(tokenizer, teacher.tokenizer)
+        if self.rewards is None and self.reward_model_spec is None and teacher is None:
+            raise ValueError(f"{type(self).__name__} got no reward (reward_funcs is empty) and no teacher: give reward "
+                             "functions, a RewardModel, or teacher=Teacher(...) to train on distillation alone.")
+        if "reward_baselines" in self._advantage_fields and (self.rewards is None or self.reward_model_spec):
+            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} scores a greedy baseline response "
+                             "with the rule rewards on the controller; it needs rule rewards and no RewardModel (the "
+                             "baseline has no tokens on the training ranks). Use another estimator, e.g. 'grpo'.")
+        return teacher
+
     # -- models ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
+        """The policy; a frozen copy as reference if :meth:`needs_ref`; the frozen ``teacher`` and
+        ``reward_model`` if given (built like the policy, so strategies place them alike)."""
         self.policy = build_causal_lm(self.model_spec, seed=self.model_seed)
         self.ref_policy = frozen_copy(self.policy) if self.needs_ref() else None
+        self.teacher = None
+        if self.distill is not None:
+            self.teacher = freeze(build_causal_lm(self.distill.model, seed=self.distill.seed))
+            check_teacher_vocab(self.policy, self.teacher, self.tokenizer, self.distill.tokenizer is not None)
+        self.reward_model = None
+        if self.reward_model_spec is not None:
+            self.reward_model = build_reward_model(self.reward_model_spec.model, self.tokenizer.pad_token_id,
+                                                   seed=self.reward_model_spec.seed)
 
     def needs_ref(self) -> bool:
         """A reference model for the KL loss (``kl_coef > 0``) or the estimator (a KL in the reward)."""
@@ -250,18 +321,42 @@ class GRPO(RLModule):
         return out
 
     def reward_step(self, batch: RolloutBatch) -> RolloutBatch:
-        fields = {k: list(v) for k, v in batch.non_tensors.items() if k not in ROLLOUT_FIELDS}
-        result = self.rewards(list(batch["response_text"]), fields)
-        batch["scores"] = result.scores  # [N]
-        if "baseline_response_text" in batch:
-            batch["reward_baselines"] = self.baseline_scores(batch, fields)  # [N]
-            self.log("critic/reward_baseline/mean", batch["reward_baselines"].mean().item())
-        for name, value in result.metrics().items():
-            self.log(name, value)
-        scores = result.scores
+        """``scores [N]``: the rule rewards' weighted sum (zeros without rule rewards). A reward
+        model's scores are added later, by :meth:`add_reward_model_scores` (see the class docstring)."""
+        if self.rewards is None:
+            batch["scores"] = torch.zeros(len(batch), dtype=torch.float32)  # [N]
+        else:
+            fields = {k: list(v) for k, v in batch.non_tensors.items() if k not in ROLLOUT_FIELDS}
+            result = self.rewards(list(batch["response_text"]), fields)
+            batch["scores"] = result.scores  # [N]
+            if "baseline_response_text" in batch:
+                batch["reward_baselines"] = self.baseline_scores(batch, fields)  # [N]
+                self.log("critic/reward_baseline/mean", batch["reward_baselines"].mean().item())
+            for name, value in result.metrics().items():
+                self.log(name, value)
+        if self.reward_model_spec is None:
+            self.log_scores(batch["scores"])
+        return batch
+
+    def log_scores(self, scores: torch.Tensor) -> None:
+        """``critic/score/{mean,max,min}`` of the scores the estimator sees (``[N]``)."""
         self.log("critic/score/mean", scores.mean().item())
         self.log("critic/score/max", scores.max().item())
         self.log("critic/score/min", scores.min().item())
+
+    def add_reward_model_scores(self, batch: RolloutBatch) -> RolloutBatch:
+        """``scores += weight * rm_scores`` (the stage ``reward_model``'s ``[N]``), logged (controller,
+        first in :meth:`advantage_step`). Without a reward model, the batch as it is."""
+        if self.reward_model_spec is None:
+            return batch
+        if "rm_scores" not in batch:
+            raise KeyError(f"A RewardModel is set, so advantage_step needs 'rm_scores' [N] from the compute stage "
+                           f"'reward_model' (compute_stages adds it); the batch has {batch.keys()}")
+        rm_scores = batch["rm_scores"].float()  # [N]
+        batch["scores"] = batch["scores"] + self.reward_model_weight * rm_scores  # [N]
+        self.log("reward_model/score/mean", rm_scores.mean().item())
+        self.log(f"reward/{self.reward_model_spec.name}/mean", rm_scores.mean().item())
+        self.log_scores(batch["scores"])
         return batch
 
     def baseline_scores(self, batch: RolloutBatch, fields: dict[str, list[Any]]) -> torch.Tensor:
@@ -286,7 +381,18 @@ class GRPO(RLModule):
         needs_old = ((self.corrects_rollouts() and self._correction_rejects) or self._loss_prepare() is not None
                      or "old_log_probs" in self._advantage_fields)
         return required_stages(moves=self.update_epochs > 1 or self.mini_batch_size is not None,
-                               needs_old=needs_old, needs_ref=self.needs_ref(), needs_values=self.uses_critic)
+                               needs_old=needs_old, needs_ref=self.needs_ref(), needs_values=self.uses_critic,
+                               teacher=self.distill is not None, reward_model=self.reward_model_spec is not None)
+
+    def compute_step(self, micro_batch: RolloutBatch, stage: str) -> dict[str, torch.Tensor]:
+        """RLModule's stages, plus ``teacher`` (``teacher_log_probs [n, T]``, at the sampling
+        temperature, as the policy's) and ``reward_model`` (``rm_scores [n]``)."""
+        if stage == "teacher":
+            temperature = micro_batch.meta.get("temperature") or 1.0
+            return {"teacher_log_probs": response_log_probs(self.teacher, micro_batch, temperature)[0]}
+        if stage == "reward_model":
+            return {"rm_scores": sequence_scores(self.reward_model, micro_batch)}
+        return super().compute_step(micro_batch, stage)
 
     def _loss_prepare(self) -> Callable[..., dict[str, torch.Tensor]] | None:
         return getattr(self._policy_loss_fn, "prepare", None)
@@ -337,7 +443,7 @@ class GRPO(RLModule):
         """Correct the rollouts, then the estimator (by name, with its parameters), then the loss's
         batch-level ``prepare`` if it has one (its outputs travel in the batch, named in
         ``meta["loss_extras"]``)."""
-        batch = self.correct_rollouts(batch)
+        batch = self.correct_rollouts(self.add_reward_model_scores(batch))
         missing = sorted(f for f in self._advantage_fields if f not in batch)
         if missing:
             raise KeyError(f"advantage_estimator={self.advantage_estimator!r} needs {missing} in the batch (the "
@@ -345,6 +451,7 @@ class GRPO(RLModule):
         ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields})
         advantages, returns = self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], ctx,
                                                  **self.advantage_kwargs)
+        advantages = self.distill_advantages(batch, advantages)
         batch["advantages"] = advantages  # [N, T]
         batch["returns"] = returns  # [N, T]
         mask = batch["response_mask"].bool()
@@ -362,6 +469,20 @@ class GRPO(RLModule):
         for name, value in signal.items():  # a stalled run shows here: all groups zero-std
             self.log(name, value)
         return batch
+
+    def distill_advantages(self, batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor:
+        """``advantages [N, T] - coef * (old_log_probs - teacher_log_probs)`` with a teacher (logs
+        ``distill/reverse_kl/mean``); the advantages as they are without one."""
+        if self.distill is None:
+            return advantages
+        missing = [f for f in ("old_log_probs", "teacher_log_probs") if f not in batch]
+        if missing:
+            raise KeyError(f"Distillation needs {missing} [N, T] from the compute stages 'old_log_prob' and 'teacher' "
+                           f"(compute_stages adds them with a teacher); the batch has {batch.keys()}")
+        term, reverse_kl = distillation_term(batch["old_log_probs"], batch["teacher_log_probs"],
+                                             batch["response_mask"], self.distill.coef)
+        self.log("distill/reverse_kl/mean", reverse_kl)
+        return advantages - term  # [N, T]
 
     # -- compute flow ---------------------------------------------------------------------------
     def correct_micro_batch(self, old_log_probs: torch.Tensor, micro_batch: RolloutBatch

@@ -6,7 +6,7 @@ critic's ``values`` among the needs."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ import torch
 from rltrainer.algorithms import ADVANTAGES, clipped_value_loss
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec, init_from_config
-from rltrainer.modules.grpo import GRPO, entry_params
+from rltrainer.modules.grpo import GRPO, RewardSpec, entry_params
 
 
 def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Module:
@@ -72,7 +72,7 @@ class PPO(GRPO):
     uses_critic = True
 
     def __init__(self, model: ModelSpec, tokenizer: Any,
-                 reward_funcs: Callable[..., list[float]] | str | Sequence[Callable[..., list[float]] | str],
+                 reward_funcs: RewardSpec | Sequence[RewardSpec] | None,
                  critic_model: ModelSpec | None = None, critic_lr: float = 1e-5, vf_coef: float = 0.5,
                  cliprange_value: float = 0.5, gamma: float = 1.0, lam: float = 0.95,
                  kl_in_reward_coef: float = 0.0, num_generations: int = 1, advantage_estimator: str = "gae",

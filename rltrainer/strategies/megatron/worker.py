@@ -83,7 +83,7 @@ class MegatronWorker(TrainingWorker):
         torch.manual_seed(seed)
         with deferred_init(init_random_here=self.rank == 0):
             module.configure_model()
-        check_architectures(module)  # every rank refuses alike, before megatron-core is set up
+        check_architectures(module, pp)  # every rank refuses alike, before megatron-core is set up
         if pp > 1 and getattr(module, "critic", None) is not None:
             raise NotImplementedError(
                 f"pipeline_model_parallel_size={pp} runs one pipelined model per hook call; {type(module).__name__} "
@@ -386,15 +386,29 @@ class MegatronWorker(TrainingWorker):
         self.versions.forget_synced()
 
 
-def check_architectures(module: RLModule) -> None:
+def check_architectures(module: RLModule, pp: int = 1) -> None:
     """Refuse, on every rank and before any weight is converted, a policy of a family megatron is
-    not tested with, and any model whose config :func:`megatron_config` cannot convert."""
+    not tested with, any model whose config :func:`megatron_config` cannot convert, a
+    sequence-classification model (a reward model: not converted), and, with ``pp`` pipeline
+    stages, a model whose hidden size is not the policy's (a larger teacher)."""
     if getattr(module, "policy", None) is None:
         raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
     check_model_type(module.policy, "megatron", SUPPORTED_MODEL_TYPES)
-    for model in module.children():
-        if hasattr(model, "config") and any(True for _ in model.parameters()):
-            megatron_config(model.config)
+    for name, model in module.named_children():
+        if not (hasattr(model, "config") and any(True for _ in model.parameters())):
+            continue
+        if type(model).__name__.endswith("ForSequenceClassification"):
+            raise NotImplementedError(
+                f"strategy='megatron' cannot run {name} ({type(model).__name__}, a sequence-classification reward "
+                "model): it converts causal LMs and token-classification critics only. Use strategy='fsdp2' (or "
+                "'single') for a RewardModel, or score with rule rewards.")
+        megatron_config(model.config)
+        hidden, policy_hidden = getattr(model.config, "hidden_size", None), module.policy.config.hidden_size
+        if pp > 1 and hidden != policy_hidden:
+            raise NotImplementedError(
+                f"pipeline_model_parallel_size={pp}: the schedule passes the policy's hidden states "
+                f"(hidden_size={policy_hidden}) between stages, and {name} has hidden_size={hidden}. Use "
+                "pipeline_model_parallel_size=1 for a model of another size (e.g. a larger teacher).")
 
 
 class HFReads:

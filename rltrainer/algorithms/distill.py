@@ -1,0 +1,87 @@
+"""On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines' "on-policy distillation"):
+a frozen teacher scores the policy's own samples, and each token's advantage is lowered by
+``coef`` times the per-token reverse-KL estimate ``log pi_old - log pi_teacher`` (k1 on the
+sampled token). Added after any advantage estimator; with no reward at all, it is the whole signal.
+
+The teacher is any transformers causal LM that shares the policy's tokenizer: the rollouts' token
+ids are scored as they are, so a teacher with another vocabulary would score other words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """A teacher for on-policy distillation (``GRPO(teacher=Teacher(...))``).
+
+    Args:
+        model: hub id or local path, a transformers ``PretrainedConfig`` (random init) or a
+            callable returning a causal LM; built frozen in ``configure_model``, like the
+            reference model, so every strategy places (and shards) it the same way.
+        coef: ``lambda`` in ``A - lambda * (log pi_old - log pi_teacher)``, per response token.
+        tokenizer: the teacher's own tokenizer, optional. Given, its vocabulary must equal the
+            policy tokenizer's (checked at construction), and the models' embedding sizes may then
+            differ (padded vocabularies, e.g. Qwen2.5-7B's 152064 rows vs 1.5B's 151936). Not
+            given, the teacher's ``config.vocab_size`` must equal the policy's.
+        seed: seed of a config's random init (``None``: the RNG as the policy's init left it, so a
+            teacher with the policy's config is another random model; the policy's ``model_seed``
+            gives a copy of the policy).
+    """
+
+    model: Any
+    coef: float = 1.0
+    tokenizer: Any = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.coef, (int, float)) or not self.coef >= 0:
+            raise ValueError(f"Teacher(coef={self.coef!r}): the distillation weight must be a number >= 0 "
+                             "(lambda in A - lambda * (log pi - log pi_teacher)).")
+
+
+def check_same_vocabulary(tokenizer: Any, teacher_tokenizer: Any) -> None:
+    """Raise unless the two tokenizers map the same strings to the same ids."""
+    if teacher_tokenizer is None or teacher_tokenizer is tokenizer:
+        return
+    ours, theirs = tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if ours != theirs:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(
+            f"The teacher's tokenizer differs from the policy's ({len(theirs)} vs {len(ours)} entries; e.g. "
+            f"{differ}). Distillation scores the policy's token ids with the teacher, so both must share one "
+            "tokenizer: choose a teacher of the policy's family.")
+
+
+def check_teacher_vocab(policy: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any,
+                        verified_tokenizer: bool) -> None:
+    """Raise if the teacher cannot score the policy's token ids: its embedding is smaller than the
+    tokenizer, or (unless the teacher's tokenizer was verified equal) its ``vocab_size`` differs."""
+    mine = getattr(getattr(policy, "config", None), "vocab_size", None)
+    theirs = getattr(getattr(teacher, "config", None), "vocab_size", None)
+    if theirs is None or mine is None:
+        return
+    if theirs < len(tokenizer):
+        raise ValueError(f"The teacher's vocab_size is {theirs}, smaller than the tokenizer's {len(tokenizer)} "
+                         "entries: it cannot score every token the policy samples. Use a teacher that shares the "
+                         "policy's tokenizer.")
+    if theirs != mine and not verified_tokenizer:
+        raise ValueError(
+            f"The teacher's vocab_size is {theirs}, the policy's {mine}: they may not share a tokenizer, which "
+            "distillation needs (the policy's token ids are scored as they are). Use a teacher of the policy's "
+            "family, or, if only the embedding padding differs, pass Teacher(..., tokenizer=teacher_tokenizer) "
+            "so that the vocabularies are compared.")
+
+
+def distillation_term(old_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor,
+                      response_mask: torch.Tensor, coef: float) -> tuple[torch.Tensor, float]:
+    """``coef * (log pi_old - log pi_teacher)`` per response token (``[N, T]``, 0 on padding), to
+    subtract from the advantages, and the token mean of the reverse-KL estimate (the metric)."""
+    reverse_kl = (old_log_probs - teacher_log_probs) * response_mask  # [N, T]
+    tokens = response_mask.sum()
+    mean = (reverse_kl.sum() / tokens).item() if tokens > 0 else 0.0
+    return coef * reverse_kl, mean
