@@ -71,4 +71,12 @@ def sequence_scores(reward_model: torch.nn.Module, batch: RolloutBatch) -> torch
     [n, P+T]``), taken by transformers at the last token that is not padding."""
     out = reward_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"], use_cache=False)
-    return out.logits[:, 0].float()  # [n]
+    if out.logits.dim() == 2:  # transformers' sequence classifier: already pooled, [n, 1]
+        return out.logits[:, 0].float()  # [n]
+    # a per-token head (the megatron strategy runs the classifier as a critic-style trunk): pool as
+    # transformers does (modeling_layers.py, GenericForSequenceClassification), at the rightmost token
+    # that is not pad_token_id
+    ids = batch["input_ids"]  # [n, P+T]
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    last = (positions * (ids != reward_model.config.pad_token_id)).argmax(-1)  # [n]
+    return out.logits[torch.arange(len(ids), device=ids.device), last, 0].float()  # [n]

@@ -77,7 +77,7 @@ def test_fsdp2_reward_model_from_a_checkpoint_matches_one_device(tiny_config, bp
 
 
 @needs_megatron
-def test_megatron_teacher_matches_one_device_and_a_reward_model_is_refused(tiny_config, bpe_tokenizer, gsm8k_prompts,
+def test_megatron_teacher_and_reward_model_match_one_device(tiny_config, bpe_tokenizer, gsm8k_prompts,
                                                                           ray_session):
     from rltrainer.controller.worker_group import WorkerError
     from rltrainer.strategies import MegatronStrategy
@@ -94,11 +94,30 @@ def test_megatron_teacher_matches_one_device_and_a_reward_model_is_refused(tiny_
                                    rtol=0, atol=1e-5)
     finally:
         strategy.teardown()
-    rm = make(tiny_config, bpe_tokenizer, reward_funcs=RewardModel(tiny_qwen2_config(len(bpe_tokenizer), 32, 1)))
-    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2)
+    def rm_module():  # a reward model of its own size, mixed with a rule reward
+        rm_config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=48, num_layers=1)
+        return make(tiny_config, bpe_tokenizer, reward_funcs=[length_reward, RewardModel(rm_config, seed=5)],
+                    reward_weights=[1.0, 0.5])
+
+    from rltrainer.rewards.model import sequence_scores
+
+    single_module = rm_module()
+    batch = single_batch(single_module, gsm8k_prompts)
+    pad = bpe_tokenizer.pad_token_id
+    for row, cut in ((0, 3), (5, 6)):  # right padding inside the responses: the score is taken before it
+        batch["input_ids"][row, -cut:], batch["attention_mask"][row, -cut:] = pad, 0
+    expected = sequence_scores(single_module.reward_model, batch)  # transformers' own pooling
+    assert expected.std() > 0 and not torch.allclose(expected[[0, 5]], batch["rm_scores"][[0, 5]])
+    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2, micro_batch_size=5)
+    try:  # tensor-parallel trunk, replicated norm and score head, pooled at the last non-pad token
+        strategy.setup(rm_module(), seed=7)
+        torch.testing.assert_close(strategy.compute(batch, "reward_model")["rm_scores"], expected, rtol=0, atol=1e-5)
+    finally:
+        strategy.teardown()
+    strategy = MegatronStrategy(devices=2, pipeline_model_parallel_size=2)
     try:
-        with pytest.raises(WorkerError, match="strategy='megatron' cannot run reward_model .*Use strategy='fsdp2'"):
-            strategy.setup(rm, seed=0)
+        with pytest.raises(WorkerError, match="pipeline_model_parallel_size=2 .*reward_model .*a reward model"):
+            strategy.setup(rm_module(), seed=0)
     finally:
         strategy.teardown()
     strategy = MegatronStrategy(devices=2, pipeline_model_parallel_size=2)  # a teacher of another hidden size

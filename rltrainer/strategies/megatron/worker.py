@@ -388,20 +388,21 @@ class MegatronWorker(TrainingWorker):
 
 def check_architectures(module: RLModule, pp: int = 1) -> None:
     """Refuse, on every rank and before any weight is converted, a policy of a family megatron is
-    not tested with, any model whose config :func:`megatron_config` cannot convert, a
-    sequence-classification model (a reward model: not converted), and, with ``pp`` pipeline
-    stages, a model whose hidden size is not the policy's (a larger teacher)."""
+    not tested with, any model whose config :func:`megatron_config` cannot convert, and, with ``pp``
+    pipeline stages, a sequence-classification reward model (a second pipelined model; at
+    ``pp=1`` it runs as a critic-style trunk, see :func:`~rltrainer.rewards.model.sequence_scores`)
+    or a model whose hidden size is not the policy's (a larger teacher)."""
     if getattr(module, "policy", None) is None:
         raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
     check_model_type(module.policy, "megatron", SUPPORTED_MODEL_TYPES)
     for name, model in module.named_children():
         if not (hasattr(model, "config") and any(True for _ in model.parameters())):
             continue
-        if type(model).__name__.endswith("ForSequenceClassification"):
+        if type(model).__name__.endswith("ForSequenceClassification") and pp > 1:
             raise NotImplementedError(
-                f"strategy='megatron' cannot run {name} ({type(model).__name__}, a sequence-classification reward "
-                "model): it converts causal LMs and token-classification critics only. Use strategy='fsdp2' (or "
-                "'single') for a RewardModel, or score with rule rewards.")
+                f"pipeline_model_parallel_size={pp} runs one pipelined model per hook call; {name} "
+                f"({type(model).__name__}, a reward model) is a second one: use pipeline_model_parallel_size=1 "
+                "(tensor and data parallelism run it), or strategy='fsdp2'.")
         megatron_config(model.config)
         hidden, policy_hidden = getattr(model.config, "hidden_size", None), module.policy.config.hidden_size
         if pp > 1 and hidden != policy_hidden:
