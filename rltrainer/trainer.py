@@ -18,6 +18,7 @@ import torch
 
 from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, ProgressBar
+from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.loggers import build_loggers
 from rltrainer.loop import batch_metrics, training_step, validation_loop
@@ -64,6 +65,13 @@ class Trainer:
         staleness_policy: ``"async"``: ``"wait"`` (train on the oldest requests first, never
             exceed the bound) or ``"drop"`` (train on what finished first; drop rows that fell
             behind the bound, count them and generate their prompts again).
+        stage_timeout_s: the watchdog over the controller's waits on worker processes
+            (:mod:`rltrainer.controller.watchdog`): a stage (``actor.train_step``,
+            ``rollout.generate``...) that runs longer raises in the controller, naming the stage, the
+            ranks that have not answered and their Python stacks, and everything is shut down. One
+            number for every stage, a dict by stage or method name (``{"train_step": 900}``; the
+            others: the default), or ``None``: 10x the stage's running median, at least 300 s
+            (1800 s before the stage has completed once). ``float("inf")``: no limit.
     """
 
     def __init__(
@@ -88,6 +96,7 @@ class Trainer:
         pipeline: str = "sync",
         max_staleness: int = 1,
         staleness_policy: str = "wait",
+        stage_timeout_s: float | dict[str, float] | None = None,
     ) -> None:
         for name, value in (("max_steps", max_steps), ("log_every_n_steps", log_every_n_steps)):
             if not isinstance(value, int) or (value < 1 and not (name == "max_steps" and value == -1)):
@@ -102,6 +111,7 @@ class Trainer:
         if num_nodes != 1:
             strategy_kwargs["num_nodes"] = num_nodes
         self.strategy = build_strategy(strategy, **strategy_kwargs)
+        self.watchdog = self.strategy.watchdog = Watchdog(stage_timeout_s)
         if isinstance(strategy, Strategy) and precision != "32-true" and precision != strategy.precision:
             raise ValueError(f"Trainer(precision={precision!r}) conflicts with the strategy's own "
                              f"precision={strategy.precision!r}; set it in one place.")

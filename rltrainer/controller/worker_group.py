@@ -9,7 +9,9 @@ batch), :meth:`WorkerGroup.execute_rank_zero`. Each has an ``_async`` twin retur
 work); :class:`RayWorkerGroup` runs ``world_size`` Ray actors in one placement group. Either way,
 a worker that raises or dies surfaces in the controller as a :class:`WorkerError` naming the
 worker, the method and the remote traceback; the Ray group then kills all its actors, since the
-surviving ranks may be blocked in a collective with the failed one.
+surviving ranks may be blocked in a collective with the failed one. A Ray group given a
+:class:`~rltrainer.controller.watchdog.Watchdog` also fails a wait that runs past its stage's
+timeout (a hung rank), with the ranks that did not answer and their stacks.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rltrainer.controller.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +128,12 @@ def get_together(calls: Sequence[tuple[WorkerGroup, Sequence[Any], str]]) -> lis
 
         until = time.monotonic() + RayWorkerGroup.failure_grace_s if errors else None
         pending = list(owner)
+        watch = _watch_together(calls)
         while pending:
             timeout = None if until is None else max(0.0, until - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=watch.wait_s(timeout))
+            if not ready and until is None:  # nothing failed: the stage ran past its timeout
+                watch.time_out(calls, pending, owner)
             if not ready:
                 break
             died = _failure(ready[0])
@@ -134,6 +142,7 @@ def get_together(calls: Sequence[tuple[WorkerGroup, Sequence[Any], str]]) -> lis
                 if died:
                     break
                 until = until or time.monotonic() + RayWorkerGroup.failure_grace_s  # a death may follow
+        watch.end(completed=not errors)
     if errors:
         failed = min(errors, key=lambda i: (not errors[i], i))
         group, futures, method = calls[failed]
@@ -148,6 +157,57 @@ def get_together(calls: Sequence[tuple[WorkerGroup, Sequence[Any], str]]) -> lis
                              f"{group.name!r} in the same operation.")
             raise
     return [group.get(futures, method) for group, futures, method in calls]
+
+
+class _WatchedWait:
+    """One watched wait of :func:`get_together`: its stage (``group+group.method``) and deadline."""
+
+    def __init__(self, watchdog: Watchdog | None, stage: str) -> None:
+        self.watchdog, self.stage = watchdog, stage
+        self.call = watchdog.begin(stage) if watchdog is not None else None
+        self.timeout_s = _finite(watchdog.timeout_for(stage)) if watchdog is not None else None
+        self.start = time.monotonic()
+
+    def wait_s(self, other: float | None) -> float | None:
+        """How long the next ``ray.wait`` may block: to the deadline, or ``other`` if sooner."""
+        if self.timeout_s is None:
+            return other
+        left = max(0.0, self.start + self.timeout_s - time.monotonic())
+        return left if other is None else min(left, other)
+
+    def end(self, completed: bool) -> None:
+        if self.watchdog is not None and self.call is not None:
+            self.watchdog.end(self.call, completed)
+            self.call = None
+
+    def time_out(self, calls: Sequence[tuple[WorkerGroup, Sequence[Any], str]], pending: list[Any],
+                 owner: dict[Any, int]) -> None:
+        """Raise the timeout, from the first group with ranks that have not answered, after the
+        others are shut down (their ranks wait on those)."""
+        self.end(completed=False)
+        late: dict[int, list[int]] = {}
+        for ref in pending:
+            i = owner[ref]
+            late.setdefault(i, []).append(list(calls[i][1]).index(ref))
+        first = min(late)
+        for i, (group, _, _) in enumerate(calls):
+            if i != first and isinstance(group, RayWorkerGroup):
+                group.shutdown()
+        group, _, method = calls[first]
+        group._time_out(method, sorted(late[first]), time.monotonic() - self.start, self.timeout_s or 0.0,
+                        stage=self.stage)
+
+
+def _finite(seconds: float) -> float | None:
+    """``ray.wait``'s timeout: ``None`` for no limit."""
+    return None if seconds == float("inf") else seconds
+
+
+def _watch_together(calls: Sequence[tuple[WorkerGroup, Sequence[Any], str]]) -> _WatchedWait:
+    ray_groups = [g for g, _, _ in calls if isinstance(g, RayWorkerGroup)]
+    watchdog = next((g.watchdog for g in ray_groups if g.watchdog is not None), None)
+    names = "+".join(dict.fromkeys(g.name for g in ray_groups))
+    return _WatchedWait(watchdog, f"{names}.{calls[0][2]}")
 
 
 def _failure(ref: Any) -> bool | None:
@@ -194,18 +254,19 @@ class RayWorkerGroup(WorkerGroup):
         cpus_per_worker / gpus_per_worker: the resources of each bundle.
         placement: Ray placement strategy: ``"PACK"`` (fill a node first) or ``"SPREAD"``...
         ready_timeout_s: how long to wait for the cluster to grant the resources.
+        watchdog: fails a wait that runs past its stage's timeout (``None``: waits have no limit).
     """
 
     failure_grace_s = 3.0  # after a first failure, how long the other ranks get to report theirs
 
     def __init__(self, worker_cls: type, world_size: int, name: str = "workers", cpus_per_worker: float = 1.0,
                  gpus_per_worker: float = 0.0, placement: str = "PACK", ready_timeout_s: float = 60.0,
-                 **init_kwargs: Any) -> None:
+                 watchdog: Watchdog | None = None, **init_kwargs: Any) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.name, self.world_size = name, world_size
+        self.name, self.world_size, self.watchdog = name, world_size, watchdog
         self.actors: list[Any] = []
         self._broken: str | None = None
         self._failure: WorkerError | None = None  # the failure that shut the group down
@@ -257,9 +318,19 @@ class RayWorkerGroup(WorkerGroup):
         results: list[Any] = [None] * len(futures)
         failures: list[tuple[int, bool, str, BaseException | None]] = []
         pending = list(futures)
+        stage = f"{self.name}.{method}"
+        call = self.watchdog.begin(stage) if self.watchdog is not None else None
+        timeout = _finite(self.watchdog.timeout_for(stage)) if self.watchdog is not None else None
+        start = time.monotonic()
         while pending and not failures:
-            ready, pending = ray.wait(pending, num_returns=1)
+            left = None if timeout is None else max(0.0, start + timeout - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:  # past the stage's timeout
+                self.watchdog.end(call, completed=False)
+                self._time_out(method, [rank_of[r] for r in pending], time.monotonic() - start, timeout)
             self._collect(ready, rank_of, results, failures)
+        if call is not None:
+            self.watchdog.end(call, completed=not failures)
         if failures:
             if pending:  # give the other ranks a moment to report (a dead peer fails their collectives)
                 ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.failure_grace_s)
@@ -299,6 +370,23 @@ class RayWorkerGroup(WorkerGroup):
         self._failure = error
         self.shutdown()
         raise error from cause
+
+    def _time_out(self, method: str, ranks: list[int], waited_s: float, timeout_s: float,
+                  stage: str | None = None) -> None:
+        """Raise :class:`~rltrainer.controller.watchdog.StageTimeout` for ``ranks`` (with their
+        stacks), after killing the group: its other ranks may wait on them in a collective."""
+        from rltrainer.controller.watchdog import StageTimeout, python_stacks
+
+        stacks = python_stacks({r: self._pid(r) for r in ranks if isinstance(self._pid(r), int)})
+        in_flight = self.watchdog.in_flight() if self.watchdog is not None else []
+        error = StageTimeout(self.name, method, ranks, waited_s, timeout_s, stacks, in_flight)
+        if stage is not None and stage != error.stage:
+            error.add_note(f"The wait was one operation of several groups: stage {stage!r}.")
+        log.error("%s", error)
+        self._broken = str(error).splitlines()[0]
+        self._failure = error
+        self.shutdown()
+        raise error
 
     def shutdown(self) -> None:
         import ray

@@ -69,7 +69,7 @@ def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values:
             + (["values"] if needs_values else []))
 
 
-RewardSpec = Callable[..., list[float]] | str | RewardModel
+RewardSpec = str | Callable[..., list[float]] | RewardModel  # str first: a config file's name stays a name
 
 
 def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weights: Sequence[float] | None

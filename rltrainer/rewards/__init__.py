@@ -25,15 +25,33 @@ REWARDS.add("math", math_reward, description="MATH/MATH-500: the last \\boxed{} 
 
 
 def resolve_reward(fn_or_name: str | Callable[..., Any]) -> Callable[..., Any]:
-    """The reward function registered as ``fn_or_name``, or ``fn_or_name`` itself if callable."""
+    """The reward function registered as ``fn_or_name``, ``fn_or_name`` itself if callable, or the
+    function a dotted path names (``"my_rewards.exact_match"``: how a config file names its own)."""
     if callable(fn_or_name):
         return fn_or_name
+    if isinstance(fn_or_name, str) and "." in fn_or_name and fn_or_name not in REWARDS.names():
+        return import_reward(fn_or_name)
     if isinstance(fn_or_name, str):
         return REWARDS.get(fn_or_name)
     raise TypeError(
         f"Expected a reward function or a registered reward name ({', '.join(REWARDS.names())}); "
         f"got {type(fn_or_name).__name__} {fn_or_name!r}."
     )
+
+
+def import_reward(path: str) -> Callable[..., Any]:
+    """The callable at dotted ``path`` (``package.module.function``); raises naming what failed."""
+    import importlib
+
+    module_name, _, attr = path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"Reward {path!r} is neither a registered name ({', '.join(REWARDS.names())}) nor an "
+                         f"importable function: {exc}. Check the dotted path, or register the function.") from exc
+    if not callable(fn):
+        raise TypeError(f"Reward {path!r} names a {type(fn).__name__}, not a function")
+    return fn
 
 
 __all__ = [

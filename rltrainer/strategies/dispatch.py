@@ -90,7 +90,8 @@ class WorkerGroupStrategy(Strategy):
         if gpus is None:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
         return RayWorkerGroup(worker_cls, size, name=name, cpus_per_worker=self.cpus_per_worker,
-                              gpus_per_worker=gpus, threads=self.threads_per_worker, **init_kwargs)
+                              gpus_per_worker=gpus, watchdog=self.watchdog, threads=self.threads_per_worker,
+                              **init_kwargs)
 
     def setup(self, module: RLModule, seed: int) -> None:
         if self.world_size == 1:

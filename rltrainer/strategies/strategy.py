@@ -21,6 +21,7 @@ from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightT
 from rltrainer.weights.versions import ParamVersions, WeightVersions, stepped_parameter_names
 
 if TYPE_CHECKING:
+    from rltrainer.controller.watchdog import Watchdog
     from rltrainer.module import RLModule
     from rltrainer.rollout.engine import RolloutEngine
 
@@ -46,6 +47,9 @@ class Strategy(abc.ABC):
     #: README's "Model families per strategy" table; setup refuses a policy of any other family
     #: (:func:`check_model_type`). ``None``: no check (e.g. a user's own strategy).
     supported_model_types: frozenset[str] | None = None
+    #: the controller's :class:`~rltrainer.controller.watchdog.Watchdog` over the waits on worker
+    #: processes (the Trainer sets it from ``stage_timeout_s``); ``None``: waits have no limit.
+    watchdog: Watchdog | None = None
 
     def __init__(self, micro_batch_size: int = 8, max_tokens_per_micro_batch: int | None = None,
                  gradient_clip_val: float | None = 1.0, precision: str = "32-true") -> None:

@@ -1,0 +1,6 @@
+"""``python -m rltrainer fit --config grpo.yaml``: the config-file CLI, :mod:`rltrainer.cli`."""
+
+from rltrainer.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""No silent hangs: the controller's watchdog turns a hung stage into an error that names it, the
+ranks that did not answer and their stacks, and shuts everything down."""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from rltrainer import GRPO, Callback, Trainer, prompt_dataloader
+from rltrainer.controller.watchdog import StageTimeout, Watchdog
+from rltrainer.strategies import FSDP2Strategy
+from rltrainer.testing import length_reward
+
+TRAIN_STEP_TIMEOUT_S = 15.0
+
+
+class HangingGRPO(GRPO):
+    """``policy_step`` never returns, on every rank (a deadlock, a stuck collective, a lost device)."""
+
+    def advantage_step(self, batch):
+        batch = super().advantage_step(batch)
+        self.logged_update_start = time.monotonic()  # on the controller: the update starts next
+        return batch
+
+    def policy_step(self, micro_batch):
+        while True:
+            time.sleep(3600)
+
+
+class RecordPids(Callback):
+    def on_fit_start(self, trainer, module):
+        self.pids = list(trainer.strategy.group.pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has exited
+
+
+def test_a_hung_policy_step_on_two_fsdp2_ranks_raises_with_stacks_and_leaves_no_process(
+        tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    module = HangingGRPO(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8)
+    pids = RecordPids()
+    trainer = Trainer(strategy=FSDP2Strategy(devices=2, micro_batch_size=4), max_steps=2, logger=False,
+                      enable_progress_bar=False, callbacks=[pids], stage_timeout_s={"train_step": TRAIN_STEP_TIMEOUT_S})
+    with pytest.raises(StageTimeout) as info:
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    raised_after = time.monotonic() - module.logged_update_start
+    error, message = info.value, str(info.value)
+    assert error.stage == "actor.train_step" and error.ranks == [0, 1]
+    assert "'actor.train_step' exceeded its timeout of 15 s" in message and "ranks [0, 1]" in message
+    assert TRAIN_STEP_TIMEOUT_S <= error.waited_s < TRAIN_STEP_TIMEOUT_S + 5
+    assert raised_after < TRAIN_STEP_TIMEOUT_S + 45  # the stacks and the shutdown included, under load
+    if shutil.which("py-spy"):
+        assert message.count("policy_step") >= 2, message  # each rank's stack shows where it hangs
+    assert trainer.strategy.group is None  # fit tore everything down
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids.pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in pids.pids if alive(p)], "worker processes survived the timeout"
+
+
+def test_timeouts_scale_with_the_running_median_above_a_floor():
+    dog = Watchdog(factor=10.0, floor_s=2.0, first_timeout_s=100.0)
+    assert dog.timeout_for("actor.train_step") == 100.0  # never completed: the first call's allowance
+    for seconds in (0.5, 0.5, 3.0):
+        dog._durations.setdefault("actor.train_step", __import__("collections").deque(maxlen=20)).append(seconds)
+    assert dog.timeout_for("actor.train_step") == 5.0  # 10 x median 0.5
+    dog._durations["actor.compute"] = __import__("collections").deque([0.01])
+    assert dog.timeout_for("actor.compute") == 2.0  # the floor
+    call = dog.begin("rollout.generate")
+    assert dog.in_flight()[0].startswith("rollout.generate for ")
+    dog.end(call)
+    assert list(dog._durations["rollout.generate"]) and not dog.in_flight()
+    failed = dog.begin("rollout.generate")
+    dog.end(failed, completed=False)  # a failed call does not count towards the median
+    assert len(dog._durations["rollout.generate"]) == 1
+
+
+def test_fixed_timeouts_by_stage_or_method_and_bad_values():
+    dog = Watchdog({"train_step": 7, "rollout.generate": 9})
+    assert dog.timeout_for("actor.train_step") == 7 and dog.timeout_for("rollout.generate") == 9
+    assert dog.timeout_for("actor.compute") == dog.first_timeout_s
+    assert Watchdog(12).timeout_for("anything.at_all") == 12
+    for bad in (0, -1, {"train_step": "soon"}):
+        with pytest.raises(ValueError, match="stage_timeout_s must be positive seconds"):
+            Trainer(stage_timeout_s=bad, logger=False, enable_progress_bar=False)
+
+
+def test_stacks_of_a_process_or_why_there_are_none():
+    from rltrainer.controller.watchdog import python_stacks
+
+    stacks = python_stacks({0: os.getpid()} if shutil.which("py-spy") else {0: 1})
+    assert 0 in stacks and stacks[0].strip()
