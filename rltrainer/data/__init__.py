@@ -1,7 +1,8 @@
 """Batches and prompt datasets."""
 
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.data.datasets import load_rows, prepare_gsm8k, prepare_math500
+from rltrainer.data.datasets import load_rows, prepare_gsm8k, prepare_math500, prepare_prompts
 from rltrainer.data.loader import collate_rows, prompt_dataloader
 
-__all__ = ["RolloutBatch", "collate_rows", "load_rows", "prepare_gsm8k", "prepare_math500", "prompt_dataloader"]
+__all__ = ["RolloutBatch", "collate_rows", "load_rows", "prepare_gsm8k", "prepare_math500", "prepare_prompts",
+           "prompt_dataloader"]
