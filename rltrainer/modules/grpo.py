@@ -26,6 +26,7 @@ from rltrainer.module import RLModule
 from rltrainer.rewards import RewardManager, resolve_reward
 from rltrainer.rewards.model import RewardModel, build_reward_model, sequence_scores
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
+from rltrainer.schedulers import build_lr_scheduler, check_lr_scheduler
 
 #: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
 ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason", "baseline_response_text"})
@@ -106,7 +107,13 @@ class GRPO(RLModule):
         reward_weights: one weight per entry of ``reward_funcs`` (default 1.0 each).
         num_generations: group size ``G``: samples per prompt.
         max_new_tokens, temperature, top_p, top_k: rollout sampling (``top_k=0`` is off).
-        lr, weight_decay, warmup_steps: AdamW with linear warm-up, then constant.
+        lr, weight_decay, warmup_steps: AdamW, with a linear warm-up over ``warmup_steps`` optimizer
+            steps (transformers' schedules: from 0).
+        lr_scheduler_type: the LR schedule after the warm-up, a name of transformers'
+            ``get_scheduler`` (as TRL's ``lr_scheduler_type``): ``"constant"`` (default),
+            ``"linear"`` or ``"cosine"`` decay to 0 over the run (the Trainer's estimate of its
+            optimizer steps), ``"cosine_with_min_lr"``, ...
+        lr_scheduler_kwargs: that schedule's own arguments (e.g. ``{"min_lr_rate": 0.1}``).
         policy_loss: an entry of :data:`~rltrainer.algorithms.POLICY_LOSSES`: ``"ppo_clip"``
             (default), ``"gspo"``, ``"cispo"``, ``"sapo"``, ``"dppo_tv"``, ``"dppo_kl"``,
             ``"clip_cov"``, ``"kl_cov"``, or one registered by the user.
@@ -195,6 +202,8 @@ class GRPO(RLModule):
         lr: float = 1e-6,
         weight_decay: float = 0.01,
         warmup_steps: int = 0,
+        lr_scheduler_type: str = "constant",
+        lr_scheduler_kwargs: dict[str, Any] | None = None,
         clip_ratio_low: float = 0.2,
         clip_ratio_high: float = 0.2,
         clip_ratio_c: float | None = 3.0,
@@ -256,7 +265,9 @@ class GRPO(RLModule):
         self.tokenizer = tokenizer
         self.sampling = SamplingParams(n=num_generations, max_new_tokens=max_new_tokens, temperature=temperature,
                                        top_p=top_p, top_k=top_k)
+        check_lr_scheduler(lr_scheduler_type, warmup_steps)
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
+        self.lr_scheduler_type, self.lr_scheduler_kwargs = lr_scheduler_type, dict(lr_scheduler_kwargs or {})
         self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c = clip_ratio_low, clip_ratio_high, clip_ratio_c
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
         self.loss_agg_mode, self.norm_adv_by_std = loss_agg_mode, norm_adv_by_std
@@ -304,8 +315,8 @@ class GRPO(RLModule):
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
-        warmup = max(self.warmup_steps, 0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        sched = build_lr_scheduler(opt, self.lr_scheduler_type, self.warmup_steps, self.estimated_optimizer_steps,
+                                   self.lr_scheduler_kwargs)
         return {"optimizer": opt, "lr_scheduler": sched}
 
     # -- control flow ---------------------------------------------------------------------------
