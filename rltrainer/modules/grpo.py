@@ -73,10 +73,10 @@ def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values:
 RewardSpec = Callable[..., list[float]] | str | RewardModel
 
 
-def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weights: Sequence[float] | None
-                  ) -> tuple[RewardManager | None, RewardModel | None, float]:
-    """The rule rewards (a :class:`RewardManager`, or ``None`` if there are none), the reward model
-    among ``reward_funcs`` (at most one) and its weight; ``weights`` has one entry per element."""
+def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weights: Sequence[float] | None,
+                  **options: Any) -> tuple[RewardManager | None, RewardModel | None, float]:
+    """The rule rewards (a :class:`RewardManager` with ``options``, or ``None`` if there are none), the
+    reward model among ``reward_funcs`` (at most one) and its weight; ``weights`` has one entry per element."""
     entries = [] if reward_funcs is None else (
         list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
     weights = [1.0] * len(entries) if weights is None else [float(w) for w in weights]
@@ -88,7 +88,7 @@ def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weight
         raise ValueError(f"reward_funcs holds {len(models)} RewardModel entries; one reward model is supported "
                          "(its stage 'reward_model'). Keep one, or combine them in a model of your own.")
     rules = [(resolve_reward(e), w) for e, w in zip(entries, weights) if not isinstance(e, RewardModel)]
-    manager = RewardManager([f for f, _ in rules], [w for _, w in rules]) if rules else None
+    manager = RewardManager([f for f, _ in rules], [w for _, w in rules], **options) if rules else None
     return manager, (models[0][0] if models else None), (models[0][1] if models else 0.0)
 
 
@@ -105,6 +105,14 @@ class GRPO(RLModule):
             the training ranks, at most one), or a list of those. ``None`` or ``[]``: no reward,
             which needs a ``teacher`` (distillation alone).
         reward_weights: one weight per entry of ``reward_funcs`` (default 1.0 each).
+        reward_num_workers: run the synchronous reward functions in this many processes (``0``: one
+            after another on the controller); ``async def`` ones are always awaited concurrently.
+        reward_timeout: seconds a sample's reward may take (async, or with ``reward_num_workers``);
+            past it the sample scores 0 and counts in ``reward/errors``. A reward function may also
+            return a list per completion (one value per response token, i.e. per entry of the
+            ``completion_ids`` field every reward function receives): ``token_level_scores [N, T]``,
+            which the token-level estimators (``reinforce_plus_plus``, ``gae``) use, while outcome
+            estimators use its sum.
         num_generations: group size ``G``: samples per prompt.
         max_new_tokens, temperature, top_p, top_k: rollout sampling (``top_k=0`` is off).
         lr, weight_decay, warmup_steps: AdamW, with a linear warm-up over ``warmup_steps`` optimizer
@@ -194,6 +202,8 @@ class GRPO(RLModule):
         tokenizer: Any,
         reward_funcs: RewardSpec | Sequence[RewardSpec] | None,
         reward_weights: Sequence[float] | None = None,
+        reward_num_workers: int = 0,
+        reward_timeout: float | None = None,
         num_generations: int = 8,
         max_new_tokens: int = 512,
         temperature: float = 1.0,
@@ -258,7 +268,8 @@ class GRPO(RLModule):
             check_rollout_correction(rollout_correction, dict(rollout_correction_kwargs or {}))
         if tokenizer is None or getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError("GRPO needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
-        self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(reward_funcs, reward_weights)
+        self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(
+            reward_funcs, reward_weights, num_workers=reward_num_workers, timeout=reward_timeout)
         self.distill = self._checked_teacher(teacher, tokenizer)
         self.model_spec = model
         self.model_seed = model_seed
@@ -338,8 +349,11 @@ class GRPO(RLModule):
             batch["scores"] = torch.zeros(len(batch), dtype=torch.float32)  # [N]
         else:
             fields = {k: list(v) for k, v in batch.non_tensors.items() if k not in ROLLOUT_FIELDS}
-            result = self.rewards(list(batch["response_text"]), fields)
+            ids = [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
+            result = self.rewards(list(batch["response_text"]), {**fields, "completion_ids": ids})  # TRL's name
             batch["scores"] = result.scores  # [N]
+            if result.token_scores is not None:  # per-token rewards; their rows sum to the scores
+                batch["token_level_scores"] = result.token_level_scores(batch["response_mask"])  # [N, T]
             if "baseline_response_text" in batch:
                 batch["reward_baselines"] = self.baseline_scores(batch, fields)  # [N]
                 self.log("critic/reward_baseline/mean", batch["reward_baselines"].mean().item())
@@ -365,6 +379,11 @@ class GRPO(RLModule):
                            f"'reward_model' (compute_stages adds it); the batch has {batch.keys()}")
         rm_scores = batch["rm_scores"].float()  # [N]
         batch["scores"] = batch["scores"] + self.reward_model_weight * rm_scores  # [N]
+        if "token_level_scores" in batch:  # the model's score on each response's last token
+            lengths = batch["response_mask"].sum(-1).long().clamp(min=1) - 1  # [N]
+            tokens = batch["token_level_scores"].clone()
+            tokens[torch.arange(len(batch)), lengths] += self.reward_model_weight * rm_scores.to(tokens.dtype)
+            batch["token_level_scores"] = tokens  # [N, T]
         self.log("reward_model/score/mean", rm_scores.mean().item())
         self.log(f"reward/{self.reward_model_spec.name}/mean", rm_scores.mean().item())
         self.log_scores(batch["scores"])
@@ -459,7 +478,8 @@ class GRPO(RLModule):
         if missing:
             raise KeyError(f"advantage_estimator={self.advantage_estimator!r} needs {missing} in the batch (the "
                            f"stages of compute_stages and GRPO's rollout/reward steps add them); it has {batch.keys()}")
-        ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields})
+        ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields},
+                               token_level_scores=batch.get("token_level_scores"))
         advantages, returns = self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], ctx,
                                                  **self.advantage_kwargs)
         advantages = self.distill_advantages(batch, advantages)
