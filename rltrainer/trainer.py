@@ -19,7 +19,7 @@ import torch
 from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, ProgressBar
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.loggers import build_loggers
+from rltrainer.loggers import build_loggers, hyperparameters, log_hyperparameters
 from rltrainer.loop import batch_metrics, training_step, validation_loop
 from rltrainer.module import REQUIRED_HOOKS, RLModule
 from rltrainer.pipelines import Pipeline, build_pipeline, check_module_pipeline, check_pipeline
@@ -58,7 +58,14 @@ class Trainer:
         default_root_dir: where logs and checkpoints go (default: the working directory).
         callbacks: a list of :class:`~rltrainer.callbacks.Callback`.
         logger: ``True`` (CSV), ``False``, a name (``"csv"``, ``"tensorboard"``, ``"wandb"``,
-            ``"mlflow"``), a Lightning logger, or a list.
+            ``"mlflow"``), a Lightning logger, or a list. Every logger gets the module's and the
+            Trainer's hyperparameters at the start of ``fit``.
+        project: a logger built by name: the W&B project, MLflow experiment, or CSV/TensorBoard
+            folder (default ``"lightning_logs"``).
+        run_name: a logger built by name: the W&B / MLflow run name, the CSV/TensorBoard version.
+        run_id: the W&B (or MLflow) run id to log to. ``None`` with ``"wandb"``: the id this job's
+            ``default_root_dir`` kept from its first start (``wandb_run_id``), so a job restarted
+            after preemption resumes the same W&B run.
         fast_dev_run: run 1 step (or N if an int) and 1 validation batch, with no logger.
         enable_progress_bar: show a progress bar with the step, reward and step time.
         weight_sync: ``"sync"`` (push new weights at the end of each step and wait) or ``"async"``
@@ -94,6 +101,9 @@ class Trainer:
         default_root_dir: str | Path | None = None,
         callbacks: list[Callback] | None = None,
         logger: Any = True,
+        project: str | None = None,
+        run_name: str | None = None,
+        run_id: str | None = None,
         fast_dev_run: bool | int = False,
         enable_progress_bar: bool = True,
         weight_sync: str = "sync",
@@ -137,7 +147,7 @@ class Trainer:
         self.callbacks: list[Callback] = list(callbacks or [])
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
-        self.loggers = build_loggers(logger, self.default_root_dir)
+        self.loggers = build_loggers(logger, self.default_root_dir, project, run_name, run_id)
         self.module: RLModule | None = None
         self.global_step = 0
         self.current_epoch = 0
@@ -164,6 +174,8 @@ class Trainer:
         if ckpt_path is not None:
             self._restore(ckpt_path)
         self._validated_this_step = False
+        log_hyperparameters(self.loggers, {**hyperparameters(self, "trainer"), **hyperparameters(self.strategy, "strategy"),
+                                           **hyperparameters(module, "module")})
         try:
             call_hooks(self, "on_fit_start")
             self._fit_loop(train_loader, val_loader)

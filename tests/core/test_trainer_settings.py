@@ -139,3 +139,63 @@ def test_cosine_schedule_over_a_fit(tiny_config, bpe_tokenizer, gsm8k_prompts):
     trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=4))
     assert module.estimated_optimizer_steps == 4  # 2 steps x (8 rows / mini-batches of 4)
     assert lrs == pytest.approx(reference_lrs("cosine", 1, 4, 4, lr=1e-3))
+
+
+# -- item 6: logger identity and hyperparameters ----------------------------------------------------------
+def test_wandb_gets_project_name_and_a_run_id_that_a_restart_reuses(tmp_path):
+    from rltrainer.loggers import WANDB_ID_FILE, logger_kwargs
+
+    first = logger_kwargs("wandb", tmp_path, "gsm8k-grpo", "qwen-0.5b", None)
+    assert first["project"] == "gsm8k-grpo" and first["name"] == "qwen-0.5b" and first["resume"] == "allow"
+    assert first["save_dir"] == str(tmp_path) and (tmp_path / WANDB_ID_FILE).read_text() == first["id"]
+    assert logger_kwargs("wandb", tmp_path, "gsm8k-grpo", "qwen-0.5b", None)["id"] == first["id"]  # the restart
+    assert logger_kwargs("wandb", tmp_path / "other", None, None, "abc123")["id"] == "abc123"
+    assert logger_kwargs("csv", tmp_path, None, None, None) == {"save_dir": str(tmp_path), "name": "lightning_logs",
+                                                              "version": None}
+    assert logger_kwargs("tensorboard", tmp_path, "p", "r", None) == {"save_dir": str(tmp_path), "name": "p", "version": "r"}
+
+
+def test_trainer_builds_wandb_with_its_identity(tmp_path, monkeypatch):
+    import types
+
+    built = {}
+
+    class FakeWandbLogger:
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+        def log_metrics(self, metrics, step):
+            pass
+
+    fake = types.ModuleType("fake_loggers")
+    fake.WandbLogger = FakeWandbLogger
+    monkeypatch.setitem(__import__("sys").modules, "fake_loggers", fake)
+    monkeypatch.setitem(__import__("rltrainer.loggers").loggers.LOGGER_NAMES, "wandb", ("fake_loggers", "WandbLogger"))
+    Trainer(logger="wandb", project="p", run_name="r", default_root_dir=tmp_path, enable_progress_bar=False)
+    assert built["project"] == "p" and built["name"] == "r" and built["resume"] == "allow" and built["id"]
+
+
+def test_every_logger_gets_the_hyperparameters(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    class Recording:
+        def __init__(self):
+            self.params = None
+
+        def log_hyperparams(self, params):
+            self.params = params
+
+        def log_metrics(self, metrics, step):
+            pass
+
+        def save(self):
+            pass
+
+    a, b = Recording(), Recording()
+    module = make_module(tiny_config, bpe_tokenizer, lr_scheduler_type="linear", clip_ratio_high=0.28)
+    Trainer(max_steps=1, logger=[a, b], micro_batch_size=4, enable_progress_bar=False).fit(
+        module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    assert a.params == b.params
+    p = a.params
+    assert p["module/lr"] == 1e-3 and p["module/lr_scheduler_type"] == "linear"
+    assert p["module/policy_loss_kwargs/clip_ratio_high"] == 0.28 and p["module/sampling/n"] == 2
+    assert p["trainer/max_steps"] == 1 and p["strategy/micro_batch_size"] == 4 and p["module/estimated_optimizer_steps"] == 1
+    assert all(v is None or isinstance(v, (bool, int, float, str)) for v in p.values())
