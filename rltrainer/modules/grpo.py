@@ -379,11 +379,6 @@ class GRPO(RLModule):
                            f"'reward_model' (compute_stages adds it); the batch has {batch.keys()}")
         rm_scores = batch["rm_scores"].float()  # [N]
         batch["scores"] = batch["scores"] + self.reward_model_weight * rm_scores  # [N]
-        if "token_level_scores" in batch:  # the model's score on each response's last token
-            lengths = batch["response_mask"].sum(-1).long().clamp(min=1) - 1  # [N]
-            tokens = batch["token_level_scores"].clone()
-            tokens[torch.arange(len(batch)), lengths] += self.reward_model_weight * rm_scores.to(tokens.dtype)
-            batch["token_level_scores"] = tokens  # [N, T]
         self.log("reward_model/score/mean", rm_scores.mean().item())
         self.log(f"reward/{self.reward_model_spec.name}/mean", rm_scores.mean().item())
         self.log_scores(batch["scores"])

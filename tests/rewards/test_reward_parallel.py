@@ -103,3 +103,13 @@ def test_grpo_passes_completion_ids_and_uses_per_token_rewards(tiny_config, bpe_
     assert [len(ids) for ids in seen["ids"]] == mask.sum(-1).tolist()
     assert torch.equal(batch["token_level_scores"][:, 0], torch.ones(len(batch)))
     torch.testing.assert_close(batch["token_level_scores"].sum(-1), batch["scores"])
+
+
+def test_token_rewards_keep_what_the_scores_gained_since_on_the_last_token():
+    from rltrainer.algorithms.advantages import AdvantageContext, outcome_token_rewards
+
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    tokens = torch.tensor([[0.5, 0.0, 0.5, 0.0]])
+    scores = torch.tensor([1.0 - 0.25])  # an overlong penalty added after the reward step
+    rewards = outcome_token_rewards(scores, mask, AdvantageContext(token_level_scores=tokens), 0.0, "k1", "test")
+    assert rewards.tolist() == [[0.5, 0.0, 0.25, 0.0]]
