@@ -349,8 +349,12 @@ class GRPO(RLModule):
             batch["scores"] = torch.zeros(len(batch), dtype=torch.float32)  # [N]
         else:
             fields = {k: list(v) for k, v in batch.non_tensors.items() if k not in ROLLOUT_FIELDS}
-            ids = [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
-            result = self.rewards(list(batch["response_text"]), {**fields, "completion_ids": ids})  # TRL's name
+            if "responses" in batch:  # the completions' token ids, TRL's name
+                with_ids = {**fields, "completion_ids": [row[mask.bool()].tolist() for row, mask in
+                                                        zip(batch["responses"], batch["response_mask"])]}
+            else:  # a batch made by hand, without token ids
+                with_ids = fields
+            result = self.rewards(list(batch["response_text"]), with_ids)
             batch["scores"] = result.scores  # [N]
             if result.token_scores is not None:  # per-token rewards; their rows sum to the scores
                 batch["token_level_scores"] = result.token_level_scores(batch["response_mask"])  # [N, T]
