@@ -6,13 +6,14 @@ from rltrainer.data import RolloutBatch, prompt_dataloader
 from rltrainer.module import RLModule
 from rltrainer.modules import DAPO, GRPO, PPO
 from rltrainer.rewards.model import RewardModel
-from rltrainer.rollout import ENGINES, RolloutEngine, SamplingParams
-from rltrainer.strategies import STRATEGIES, Strategy
+from rltrainer.rollout import ENGINES, HFEngine, RolloutEngine, SamplingParams, SGLangEngine, VLLMEngine
+from rltrainer.strategies import STRATEGIES, FSDP2Strategy, MegatronStrategy, SingleDeviceStrategy, Strategy
 from rltrainer.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DAPO", "ENGINES", "GRPO", "PPO", "STRATEGIES", "Callback", "ModelCheckpoint", "ProgressBar", "RLModule", "RewardModel",
-    "RolloutBatch", "RolloutEngine", "SamplingParams", "Strategy", "Teacher", "Trainer", "prompt_dataloader",
+    "DAPO", "ENGINES", "GRPO", "PPO", "STRATEGIES", "Callback", "FSDP2Strategy", "HFEngine", "MegatronStrategy",
+    "ModelCheckpoint", "ProgressBar", "RLModule", "RewardModel", "RolloutBatch", "RolloutEngine", "SGLangEngine",
+    "SamplingParams", "SingleDeviceStrategy", "Strategy", "Teacher", "Trainer", "VLLMEngine", "prompt_dataloader",
 ]

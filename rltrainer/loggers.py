@@ -1,21 +1,29 @@
 """Loggers are Lightning's, resolved by name and imported lazily (``import lightning`` takes
-several seconds, so it happens only when a logger is actually used)."""
+several seconds, so it happens only when a logger is actually used). A logger built by name gets
+the run's identity (``project``, ``run_name``, and for W&B a run id that a restarted job reuses,
+so a preempted run resumes as the same W&B run); every logger gets the hyperparameters."""
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-#: name -> (module, class). All take ``save_dir``/``name`` or their own arguments.
+#: name -> (module, class).
 LOGGER_NAMES = {
     "csv": ("lightning.pytorch.loggers", "CSVLogger"),
     "tensorboard": ("lightning.pytorch.loggers", "TensorBoardLogger"),
     "wandb": ("lightning.pytorch.loggers", "WandbLogger"),
     "mlflow": ("lightning.pytorch.loggers", "MLFlowLogger"),
 }
+#: where a W&B run id is kept under ``default_root_dir``, so the restarted job logs to the same run.
+WANDB_ID_FILE = "wandb_run_id"
 
 
-def build_loggers(logger: Any, default_root_dir: str | Path) -> list[Any]:
+def build_loggers(logger: Any, default_root_dir: str | Path, project: str | None = None,
+                  run_name: str | None = None, run_id: str | None = None) -> list[Any]:
     """``True`` -> CSVLogger; ``False``/``None`` -> none; a name (``"csv"``, ``"tensorboard"``,
     ``"wandb"``, ``"mlflow"``); a logger instance; or a list of those."""
     if logger is None or logger is False:
@@ -23,10 +31,10 @@ def build_loggers(logger: Any, default_root_dir: str | Path) -> list[Any]:
     if logger is True:
         logger = "csv"
     items = logger if isinstance(logger, (list, tuple)) else [logger]
-    return [_build_one(item, default_root_dir) for item in items]
+    return [_build_one(item, default_root_dir, project, run_name, run_id) for item in items]
 
 
-def _build_one(item: Any, root: str | Path) -> Any:
+def _build_one(item: Any, root: str | Path, project: str | None, run_name: str | None, run_id: str | None) -> Any:
     if not isinstance(item, str):
         if not hasattr(item, "log_metrics"):
             raise TypeError(f"A logger needs a log_metrics(metrics, step) method; got {type(item).__name__}")
@@ -37,6 +45,55 @@ def _build_one(item: Any, root: str | Path) -> Any:
 
     module_name, class_name = LOGGER_NAMES[item]
     cls = getattr(importlib.import_module(module_name), class_name)
-    if item in ("csv", "tensorboard"):
-        return cls(save_dir=str(root), name="lightning_logs")
-    return cls()
+    return cls(**logger_kwargs(item, root, project, run_name, run_id))
+
+
+def logger_kwargs(name: str, root: str | Path, project: str | None, run_name: str | None,
+                  run_id: str | None) -> dict[str, Any]:
+    """The constructor arguments of the Lightning logger ``name`` for this run."""
+    if name in ("csv", "tensorboard"):
+        return {"save_dir": str(root), "name": project or "lightning_logs", "version": run_name}
+    if name == "wandb":
+        return {"project": project, "name": run_name, "id": wandb_run_id(root, run_id), "resume": "allow",
+                "save_dir": str(root)}
+    return {"experiment_name": project or "lightning_logs", "run_name": run_name, "run_id": run_id}  # mlflow
+
+
+def wandb_run_id(root: str | Path, run_id: str | None) -> str:
+    """``run_id``, or the one kept in ``root/wandb_run_id`` from an earlier start of this job (a new
+    one is written the first time)."""
+    path = Path(root) / WANDB_ID_FILE
+    if run_id is None and path.is_file():
+        return path.read_text().strip()
+    run_id = run_id or uuid.uuid4().hex[:8]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id)
+    return run_id
+
+
+def log_hyperparameters(loggers: list[Any], params: Mapping[str, Any]) -> None:
+    """Send ``params`` to every logger that takes hyperparameters."""
+    for logger in loggers:
+        if hasattr(logger, "log_hyperparams"):
+            logger.log_hyperparams(dict(params))
+
+
+def hyperparameters(obj: Any, prefix: str) -> dict[str, Any]:
+    """``obj``'s settings as flat ``prefix/name`` scalars: its public attributes that are numbers,
+    strings, booleans or ``None``, and those inside its dicts and dataclasses (``sampling``,
+    ``policy_loss_kwargs``...)."""
+    out: dict[str, Any] = {}
+    for key, value in vars(obj).items():
+        if key.startswith("_") or key.endswith("metrics"):  # private state, the metrics of a run
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        if isinstance(value, Mapping):
+            out.update({f"{prefix}/{key}/{k}": v for k, v in value.items() if _scalar(v)})
+        elif _scalar(value):
+            out[f"{prefix}/{key}"] = value
+    return out
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))

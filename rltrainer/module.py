@@ -59,6 +59,10 @@ class RLModule(torch.nn.Module):
 
     update_epochs: int = 1
     mini_batch_size: int | None = None
+    #: set by ``Trainer.fit`` before setup, so ``configure_optimizers`` can size an LR schedule on every
+    #: rank: the run's optimizer steps (training steps x ``update_epochs`` x mini-batches per batch),
+    #: ``None`` when the run's length is unknown (:func:`rltrainer.schedulers.estimate_optimizer_steps`).
+    estimated_optimizer_steps: int | None = None
     #: the ``Trainer(pipeline=...)`` modes the module can run under (``None``: all); ``fit`` refuses
     #: the others before setup, with ``pipeline_reason`` in the message.
     supported_pipelines: tuple[str, ...] | None = None
@@ -204,6 +208,13 @@ class RLModule(torch.nn.Module):
         result does not depend on micro-batching or the number of ranks. For the same reason each
         metric must be a contribution that sums to the mini-batch value (e.g. ``clipped.sum() /
         global_tokens``).
+
+        Multi-rank strategies give every rank the same number of micro-batches, so a rank short of
+        rows also runs this hook on a padding micro-batch (``micro_batch.meta["padding"]`` is True, its
+        ``response_mask`` and ``advantages`` all zero): the strategy multiplies that loss by 0 and
+        drops its metrics, so even a loss that ignores the mask adds nothing from it. The loss must be
+        finite on an all-masked row (``0 * nan`` is ``nan``): divide by the global counts, not by
+        the micro-batch's own mask sum.
 
         Example (REINFORCE)::
 

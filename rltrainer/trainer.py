@@ -20,11 +20,12 @@ from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, ProgressBar
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.loggers import build_loggers
+from rltrainer.loggers import build_loggers, hyperparameters, log_hyperparameters
 from rltrainer.loop import batch_metrics, training_step, validation_loop
 from rltrainer.module import REQUIRED_HOOKS, RLModule
 from rltrainer.pipelines import Pipeline, build_pipeline, check_module_pipeline, check_pipeline
 from rltrainer.rollout.engine import RolloutEngine, build_engine
+from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, build_strategy
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,28 @@ class Trainer:
         val_check_interval: validate every N steps (``None``: only at the end of ``fit``).
         limit_val_batches: validate on at most this many batches.
         log_every_n_steps: send metrics to the loggers every N steps.
-        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``, for a strategy
-            built from its name.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``.
+        micro_batch_size: rows per forward/backward pass on each rank (``None``: the strategy's
+            default, 8).
+        max_tokens_per_micro_batch: form micro-batches by a token budget instead (rows while
+            ``rows x longest row`` fits; verl's ``ppo_max_token_len_per_gpu``).
+        gradient_clip_val: clip the global gradient norm to this (``None``: no clipping).
+
+        ``precision`` and the three micro-batch / clipping settings configure a strategy built from
+        its name; a ``Strategy`` instance carries its own (``FSDP2Strategy(micro_batch_size=4)``), and a
+        Trainer value changed from its default that disagrees with the instance's raises.
         seed: seeds Python, numpy and torch at the start of ``fit``.
         default_root_dir: where logs and checkpoints go (default: the working directory).
         callbacks: a list of :class:`~rltrainer.callbacks.Callback`.
         logger: ``True`` (CSV), ``False``, a name (``"csv"``, ``"tensorboard"``, ``"wandb"``,
-            ``"mlflow"``), a Lightning logger, or a list.
+            ``"mlflow"``), a Lightning logger, or a list. Every logger gets the module's and the
+            Trainer's hyperparameters at the start of ``fit``.
+        project: a logger built by name: the W&B project, MLflow experiment, or CSV/TensorBoard
+            folder (default ``"lightning_logs"``).
+        run_name: a logger built by name: the W&B / MLflow run name, the CSV/TensorBoard version.
+        run_id: the W&B (or MLflow) run id to log to. ``None`` with ``"wandb"``: the id this job's
+            ``default_root_dir`` kept from its first start (``wandb_run_id``), so a job restarted
+            after preemption resumes the same W&B run.
         fast_dev_run: run 1 step (or N if an int) and 1 validation batch, with no logger.
         enable_progress_bar: show a progress bar with the step, reward and step time.
         weight_sync: ``"sync"`` (push new weights at the end of each step and wait) or ``"async"``
@@ -86,10 +102,16 @@ class Trainer:
         limit_val_batches: int | None = None,
         log_every_n_steps: int = 1,
         precision: str = "32-true",
+        micro_batch_size: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
+        gradient_clip_val: float | None = 1.0,
         seed: int = 0,
         default_root_dir: str | Path | None = None,
         callbacks: list[Callback] | None = None,
         logger: Any = True,
+        project: str | None = None,
+        run_name: str | None = None,
+        run_id: str | None = None,
         fast_dev_run: bool | int = False,
         enable_progress_bar: bool = True,
         weight_sync: str = "sync",
@@ -107,14 +129,11 @@ class Trainer:
             raise ValueError(f"val_check_interval must be a positive number of steps or None, got {val_check_interval}")
         if weight_sync not in ("sync", "async"):
             raise ValueError(f"weight_sync must be 'sync' or 'async', got {weight_sync!r}")
-        strategy_kwargs = {"devices": devices, "precision": precision}
-        if num_nodes != 1:
-            strategy_kwargs["num_nodes"] = num_nodes
-        self.strategy = build_strategy(strategy, **strategy_kwargs)
+        self.strategy = resolve_strategy(strategy, devices=devices, num_nodes=num_nodes, precision=precision,
+                                         micro_batch_size=micro_batch_size,
+                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                         gradient_clip_val=gradient_clip_val)
         self.watchdog = self.strategy.watchdog = Watchdog(stage_timeout_s)
-        if isinstance(strategy, Strategy) and precision != "32-true" and precision != strategy.precision:
-            raise ValueError(f"Trainer(precision={precision!r}) conflicts with the strategy's own "
-                             f"precision={strategy.precision!r}; set it in one place.")
         check_pipeline(pipeline, max_staleness, staleness_policy, self.strategy)
         if pipeline != "sync" and weight_sync != "sync":
             raise ValueError(f"weight_sync={weight_sync!r} overlaps the push with the next step in sync mode; "
@@ -138,7 +157,7 @@ class Trainer:
         self.callbacks: list[Callback] = list(callbacks or [])
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
-        self.loggers = build_loggers(logger, self.default_root_dir)
+        self.loggers = build_loggers(logger, self.default_root_dir, project, run_name, run_id)
         self.module: RLModule | None = None
         self.global_step = 0
         self.current_epoch = 0
@@ -158,11 +177,15 @@ class Trainer:
         check_module_pipeline(module, self.pipeline)  # before setup: nothing is built for a refused pairing
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self._seed_everything()
+        self.estimated_total_steps = self._estimate_total_steps(train_loader)
+        module.estimated_optimizer_steps = estimate_optimizer_steps(  # before setup: LR schedules read it
+            self.estimated_total_steps, module, getattr(train_loader, "batch_size", None))
         self._setup(module)
         if ckpt_path is not None:
             self._restore(ckpt_path)
-        self.estimated_total_steps = self._estimate_total_steps(train_loader)
         self._validated_this_step = False
+        log_hyperparameters(self.loggers, {**hyperparameters(self, "trainer"), **hyperparameters(self.strategy, "strategy"),
+                                           **hyperparameters(module, "module")})
         try:
             call_hooks(self, "on_fit_start")
             self._fit_loop(train_loader, val_loader)
@@ -423,6 +446,28 @@ class Trainer:
         by_epochs = per_epoch * self.max_epochs if per_epoch is not None and self.max_epochs else None
         candidates = [n for n in (by_epochs, self.max_steps if self.max_steps != -1 else None) if n is not None]
         return min(candidates) if candidates else None
+
+
+#: Trainer arguments that configure a strategy built from its name, with the Trainer's defaults.
+STRATEGY_SETTINGS = {"precision": "32-true", "micro_batch_size": None, "max_tokens_per_micro_batch": None,
+                     "gradient_clip_val": 1.0}
+
+
+def resolve_strategy(strategy: str | Strategy, devices: int | str, num_nodes: int, **settings: Any) -> Strategy:
+    """The strategy named ``strategy`` built with the Trainer's ``settings`` (those left at
+    :data:`STRATEGY_SETTINGS`' defaults are the strategy's own), or the instance, checked against them."""
+    changed = {k: v for k, v in settings.items() if v != STRATEGY_SETTINGS[k]}
+    if isinstance(strategy, Strategy):
+        for name, value in changed.items():
+            if getattr(strategy, name) != value:
+                raise ValueError(f"Trainer({name}={value!r}) conflicts with the strategy's own {name}="
+                                 f"{getattr(strategy, name)!r}; set it in one place (the Strategy's argument, or "
+                                 f"the Trainer's with strategy given by name).")
+        return strategy
+    kwargs: dict[str, Any] = {"devices": devices, "precision": settings["precision"], **changed}
+    if num_nodes != 1:
+        kwargs["num_nodes"] = num_nodes
+    return build_strategy(strategy, **kwargs)
 
 
 def sync_metrics(stats: dict[str, float]) -> dict[str, float]:

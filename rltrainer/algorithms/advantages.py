@@ -34,6 +34,7 @@ class AdvantageContext:
     old_log_probs: torch.Tensor | None = None  # [N, T] the policy's, before the update
     ref_log_probs: torch.Tensor | None = None  # [N, T] the reference model's
     reward_baselines: torch.Tensor | None = None  # [N] the score of a greedy response to each row's prompt (ReMax)
+    token_level_scores: torch.Tensor | None = None  # [N, T] per-token rewards whose rows sum to the scores
 
     def get(self, name: str, estimator: str) -> torch.Tensor:
         value = getattr(self, name)
@@ -58,7 +59,9 @@ def _kl_fields(params: dict) -> set[str]:
 
 def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, ctx: AdvantageContext | None,
                           kl_in_reward_coef: float, kl_estimator: str, name: str) -> torch.Tensor:
-    """Token rewards ``[N, T]``: the score on each row's last (unmasked) response token, minus
+    """Token rewards ``[N, T]``: the score on each row's last (unmasked) response token (or the
+    per-token rewards ``ctx.token_level_scores`` when a reward function returned lists, with what the
+    scores gained since, e.g. a penalty or a reward model's score, on the last token), minus
     ``kl_in_reward_coef * KL(pi_old || pi_ref)`` per token (verl's ``apply_kl_penalty``,
     ray_trainer.py:70-98 at b178a3c: ``token_level_scores - beta * kld``).
 
@@ -69,9 +72,13 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, ctx
     dtype = torch.promote_types(scores.dtype, torch.float32)
     mask = response_mask.to(dtype)
     rewards = torch.zeros(mask.shape, dtype=dtype, device=scores.device)
+    outcome = scores.to(dtype)  # [N] what goes on the last token
+    if ctx is not None and ctx.token_level_scores is not None:  # per-token rewards (a reward returned lists)
+        rewards = ctx.token_level_scores.to(dtype) * mask
+        outcome = outcome - rewards.sum(-1)  # what was added to the scores since (a penalty, a reward model)
     positions = torch.arange(mask.shape[1], device=mask.device, dtype=mask.dtype)
     last = (mask * (positions + 1)).argmax(-1)  # [N] each row's last response token (0 if none)
-    rewards[torch.arange(len(scores), device=scores.device), last] = scores.to(dtype)
+    rewards[torch.arange(len(scores), device=scores.device), last] += outcome
     if kl_in_reward_coef:
         ctx = ctx or AdvantageContext()
         old, ref = ctx.get("old_log_probs", name).to(dtype), ctx.get("ref_log_probs", name).to(dtype)

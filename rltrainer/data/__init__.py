@@ -2,7 +2,8 @@
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.data.datamodule import PromptDataModule
-from rltrainer.data.datasets import load_rows, prepare_gsm8k, prepare_math500
+from rltrainer.data.datasets import load_rows, prepare_gsm8k, prepare_math500, prepare_prompts
 from rltrainer.data.loader import collate_rows, prompt_dataloader
 
-__all__ = ["PromptDataModule", "RolloutBatch", "collate_rows", "load_rows", "prepare_gsm8k", "prepare_math500", "prompt_dataloader"]
+__all__ = ["PromptDataModule", "RolloutBatch", "collate_rows", "load_rows", "prepare_gsm8k", "prepare_math500",
+           "prepare_prompts", "prompt_dataloader"]

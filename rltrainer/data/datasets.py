@@ -1,21 +1,28 @@
-"""Load prompt datasets and turn them into ``prompt`` / ``prompt_ids`` / ``ground_truth`` rows.
+"""Load prompt datasets and turn them into rows the Trainer takes.
 
-Every ``prepare_*`` function returns a :class:`datasets.Dataset` with the columns
+The row contract: a row needs ``prompt_ids`` (``list[int]``, the prompt's token ids); every other
+column travels with it through the rollout and reaches the reward functions as a keyword argument
+holding a list aligned with the completions. :func:`prepare_prompts` builds such rows from any
+dataset, keeping every column:
 
 ==================  ===========  ==============================================================
 column              type         meaning
 ==================  ===========  ==============================================================
 ``prompt``          str          the full prompt text (chat template + generation prompt applied)
 ``prompt_ids``      list[int]    ``prompt`` tokenised without adding special tokens
-``ground_truth``    str          the gold answer, as the rewards in ``rltrainer.rewards`` expect
-``question``        str          the raw question text
+(every other)       any          as in the source rows
 ==================  ===========  ==============================================================
+
+:func:`prepare_gsm8k` / :func:`prepare_math500` are thin uses of it that also add
+``question`` (the raw question text) and ``ground_truth`` (the gold answer, as the rewards in
+``rltrainer.rewards`` expect).
 
 Prompts longer than ``max_prompt_length`` tokens are dropped, never truncated: a truncated
 question has a different answer. Example::
 
-    rows = load_rows("shared/data/gsm8k/train.jsonl")
+    rows = load_rows("recipes/data/gsm8k/train.jsonl")
     train = prepare_gsm8k(rows, tokenizer, max_prompt_length=256)
+    mine = prepare_prompts(load_rows("mine.jsonl"), tokenizer, prompt_column="problem")
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ logger = logging.getLogger(__name__)
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
-PROMPT_COLUMNS = ("prompt", "prompt_ids", "ground_truth", "question")
 
 # Maps one row (and its index, for error messages) to (question text, ground truth).
 RowParser = Callable[[Mapping[str, Any], int], tuple[str, str]]
@@ -149,26 +155,59 @@ def build_prompt(
     return f"{system_prompt}\n\n{content}" if system_prompt else content
 
 
+def build_chat_prompt(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    index: int,
+    system_prompt: str | None = None,
+) -> str:
+    """The prompt text for one conversation (``[{"role", "content"}, ...]``): the chat template with
+    a generation prompt; ``system_prompt`` goes first unless the conversation has a system turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"Row {index} holds chat messages, but the tokenizer has no chat_template to render them; "
+                         "use a tokenizer with one, or a column of plain prompt strings.")
+    bad = [m for m in messages if not isinstance(m, Mapping) or "role" not in m or "content" not in m]
+    if bad:
+        raise ValueError(f"Row {index}: every chat message needs 'role' and 'content'; got {_preview(bad[0])}.")
+    turns = [dict(m) for m in messages]
+    if system_prompt and not any(m["role"] == "system" for m in turns):
+        turns.insert(0, {"role": "system", "content": system_prompt})
+    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
+def _preview(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def prepare_prompts(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase,
-    parse_row: RowParser,
+    prompt_column: str = "prompt",
     max_prompt_length: int | None = 512,
     instruction: str | None = None,
     system_prompt: str | None = None,
     use_chat_template: bool = True,
     return_dropped: bool = False,
 ) -> Dataset | tuple[Dataset, int]:
-    """Map raw rows to :data:`PROMPT_COLUMNS` with ``parse_row`` and drop over-long prompts.
+    """Tokenised prompts from any dataset, every column kept: the rows :func:`prompt_dataloader`
+    and the reward functions take.
+
+    Each row gets ``prompt`` (the text the model sees: the chat template with a generation prompt)
+    and ``prompt_ids`` (``prompt`` tokenised without adding special tokens); every other column
+    stays as it is and reaches the reward functions as a keyword argument (``answer=[...]``).
 
     Args:
-        dataset: raw rows.
+        dataset: raw rows (a :class:`datasets.Dataset`, e.g. from :func:`load_rows`).
         tokenizer: a Hugging Face tokenizer; its chat template is used when it has one.
-        parse_row: ``(row, index) -> (question, ground_truth)``; raises ``ValueError`` on a bad row.
-        max_prompt_length: drop prompts with more tokens than this; ``None`` keeps all.
-        instruction: appended to the question after a space.
-        system_prompt: an optional system message.
-        use_chat_template: ``False`` gives plain ``question instruction`` text.
+        prompt_column: the column the prompt comes from: a string (the user turn; ``instruction``
+            is appended and the chat template applied) or a chat conversation, a list of
+            ``{"role", "content"}`` messages (TRL's conversational format, e.g. ``"messages"``), which
+            is rendered as it is. A source column named ``prompt`` is replaced by its rendered text.
+        max_prompt_length: drop (never truncate) prompts with more tokens than this; ``None`` keeps all.
+        instruction: appended to a string prompt after a space.
+        system_prompt: an optional system message (not added to a conversation that has one).
+        use_chat_template: ``False`` gives plain ``prompt instruction`` text for string prompts.
         return_dropped: also return the number of dropped prompts.
 
     Returns:
@@ -176,19 +215,23 @@ def prepare_prompts(
     """
     if max_prompt_length is not None and (not isinstance(max_prompt_length, int) or max_prompt_length <= 0):
         raise ValueError(f"max_prompt_length must be a positive int or None; got {max_prompt_length!r}.")
-    columns = list(dataset.column_names)
+    if prompt_column not in dataset.column_names:
+        raise ValueError(f"prepare_prompts(prompt_column={prompt_column!r}): the dataset has no such column; its "
+                         f"columns are {dataset.column_names}. Pass the column that holds the prompt (a string, or a "
+                         "list of chat messages), e.g. prompt_column='question' or prompt_column='messages'.")
 
-    def to_prompts(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        rows = [{key: batch[key][i] for key in columns} for i in range(len(indices))]
-        parsed = [parse_row(row, index) for row, index in zip(rows, indices)]
-        prompts = [build_prompt(q, tokenizer, instruction, system_prompt, use_chat_template) for q, _ in parsed]
+    def render(value: Any, index: int) -> str:
+        if isinstance(value, str):
+            return build_prompt(value, tokenizer, instruction, system_prompt, use_chat_template)
+        if isinstance(value, Sequence) and value:
+            return build_chat_prompt(value, tokenizer, index, system_prompt)
+        raise ValueError(f"Row {index}: column {prompt_column!r} must hold a string or a non-empty list of chat "
+                         f"messages; got {type(value).__name__} {_preview(value)}.")
+
+    def to_prompts(values: list[Any], indices: list[int]) -> dict[str, list[Any]]:
+        prompts = [render(value, index) for value, index in zip(values, indices)]
         prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        return {
-            "prompt": prompts,
-            "prompt_ids": [list(ids) for ids in prompt_ids],
-            "ground_truth": [truth for _, truth in parsed],
-            "question": [q for q, _ in parsed],
-        }
+        return {"prompt": prompts, "prompt_ids": [list(ids) for ids in prompt_ids]}
 
     from datasets.fingerprint import generate_random_fingerprint
 
@@ -196,13 +239,29 @@ def prepare_prompts(
         to_prompts,
         batched=True,
         with_indices=True,
-        remove_columns=columns,
+        input_columns=prompt_column,
         keep_in_memory=True,  # small, and avoids hashing the tokenizer for the cache key
         new_fingerprint=generate_random_fingerprint(),
         desc="Tokenizing prompts",
     )
     prepared, n_dropped = filter_long_prompts(prepared, max_prompt_length)
     return (prepared, n_dropped) if return_dropped else prepared
+
+
+def parse_rows(dataset: Dataset, parse_row: RowParser) -> Dataset:
+    """``dataset`` with ``question`` and ``ground_truth`` set from ``parse_row(row, index)`` (which
+    raises ``ValueError`` on a bad row); every other column kept."""
+    columns = list(dataset.column_names)
+
+    def parse(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        rows = [{key: batch[key][i] for key in columns} for i in range(len(indices))]
+        parsed = [parse_row(row, index) for row, index in zip(rows, indices)]
+        return {"question": [q for q, _ in parsed], "ground_truth": [truth for _, truth in parsed]}
+
+    from datasets.fingerprint import generate_random_fingerprint
+
+    return dataset.map(parse, batched=True, with_indices=True, keep_in_memory=True,
+                       new_fingerprint=generate_random_fingerprint(), desc="Reading questions and answers")
 
 
 def filter_long_prompts(dataset: Dataset, max_prompt_length: int | None) -> tuple[Dataset, int]:
@@ -239,16 +298,17 @@ def prepare_gsm8k(
     use_chat_template: bool = True,
     return_dropped: bool = False,
 ) -> Dataset | tuple[Dataset, int]:
-    """GSM8K rows (``question``, ``answer``) -> :data:`PROMPT_COLUMNS`; see :func:`prepare_prompts`.
+    """GSM8K rows (``question``, ``answer``) -> :func:`prepare_prompts` rows from ``question``, plus
+    ``ground_truth``; every column kept.
 
     ``ground_truth`` is the text after the final ``####`` with thousands separators removed
     (``"1,080"`` -> ``"1080"``). A row without ``question``/``answer`` or without ``####``
     raises ``ValueError`` naming its index and the fields it has.
     """
     return prepare_prompts(
-        dataset,
+        parse_rows(dataset, gsm8k_row),
         tokenizer,
-        gsm8k_row,
+        "question",
         max_prompt_length=max_prompt_length,
         instruction=instruction,
         system_prompt=system_prompt,
@@ -266,15 +326,14 @@ def prepare_math500(
     use_chat_template: bool = True,
     return_dropped: bool = False,
 ) -> Dataset | tuple[Dataset, int]:
-    """MATH-500 rows (``problem``, ``answer``) -> :data:`PROMPT_COLUMNS`; see :func:`prepare_prompts`.
-
-    ``question`` is the ``problem`` text and ``ground_truth`` the ``answer`` column, for
-    :func:`rltrainer.rewards.math_reward`.
+    """MATH-500 rows (``problem``, ``answer``) -> :func:`prepare_prompts` rows, plus ``question``
+    (the ``problem`` text) and ``ground_truth`` (the ``answer`` column, for
+    :func:`rltrainer.rewards.math_reward`); every column kept.
     """
     return prepare_prompts(
-        dataset,
+        parse_rows(dataset, math500_row),
         tokenizer,
-        math500_row,
+        "question",
         max_prompt_length=max_prompt_length,
         instruction=instruction,
         system_prompt=system_prompt,

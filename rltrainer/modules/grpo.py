@@ -26,6 +26,7 @@ from rltrainer.module import RLModule
 from rltrainer.rewards import RewardManager, resolve_reward
 from rltrainer.rewards.model import RewardModel, build_reward_model, sequence_scores
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
+from rltrainer.schedulers import build_lr_scheduler, check_lr_scheduler
 
 #: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
 ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason", "baseline_response_text"})
@@ -72,10 +73,10 @@ def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values:
 RewardSpec = str | Callable[..., list[float]] | RewardModel  # str first: a config file's name stays a name
 
 
-def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weights: Sequence[float] | None
-                  ) -> tuple[RewardManager | None, RewardModel | None, float]:
-    """The rule rewards (a :class:`RewardManager`, or ``None`` if there are none), the reward model
-    among ``reward_funcs`` (at most one) and its weight; ``weights`` has one entry per element."""
+def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weights: Sequence[float] | None,
+                  **options: Any) -> tuple[RewardManager | None, RewardModel | None, float]:
+    """The rule rewards (a :class:`RewardManager` with ``options``, or ``None`` if there are none), the
+    reward model among ``reward_funcs`` (at most one) and its weight; ``weights`` has one entry per element."""
     entries = [] if reward_funcs is None else (
         list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
     weights = [1.0] * len(entries) if weights is None else [float(w) for w in weights]
@@ -87,7 +88,7 @@ def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weight
         raise ValueError(f"reward_funcs holds {len(models)} RewardModel entries; one reward model is supported "
                          "(its stage 'reward_model'). Keep one, or combine them in a model of your own.")
     rules = [(resolve_reward(e), w) for e, w in zip(entries, weights) if not isinstance(e, RewardModel)]
-    manager = RewardManager([f for f, _ in rules], [w for _, w in rules]) if rules else None
+    manager = RewardManager([f for f, _ in rules], [w for _, w in rules], **options) if rules else None
     return manager, (models[0][0] if models else None), (models[0][1] if models else 0.0)
 
 
@@ -104,9 +105,23 @@ class GRPO(RLModule):
             the training ranks, at most one), or a list of those. ``None`` or ``[]``: no reward,
             which needs a ``teacher`` (distillation alone).
         reward_weights: one weight per entry of ``reward_funcs`` (default 1.0 each).
+        reward_num_workers: run the synchronous reward functions in this many processes (``0``: one
+            after another on the controller); ``async def`` ones are always awaited concurrently.
+        reward_timeout: seconds a sample's reward may take (async, or with ``reward_num_workers``);
+            past it the sample scores 0 and counts in ``reward/errors``. A reward function may also
+            return a list per completion (one value per response token, i.e. per entry of the
+            ``completion_ids`` field every reward function receives): ``token_level_scores [N, T]``,
+            which the token-level estimators (``reinforce_plus_plus``, ``gae``) use, while outcome
+            estimators use its sum.
         num_generations: group size ``G``: samples per prompt.
         max_new_tokens, temperature, top_p, top_k: rollout sampling (``top_k=0`` is off).
-        lr, weight_decay, warmup_steps: AdamW with linear warm-up, then constant.
+        lr, weight_decay, warmup_steps: AdamW, with a linear warm-up over ``warmup_steps`` optimizer
+            steps (transformers' schedules: from 0).
+        lr_scheduler_type: the LR schedule after the warm-up, a name of transformers'
+            ``get_scheduler`` (as TRL's ``lr_scheduler_type``): ``"constant"`` (default),
+            ``"linear"`` or ``"cosine"`` decay to 0 over the run (the Trainer's estimate of its
+            optimizer steps), ``"cosine_with_min_lr"``, ...
+        lr_scheduler_kwargs: that schedule's own arguments (e.g. ``{"min_lr_rate": 0.1}``).
         policy_loss: an entry of :data:`~rltrainer.algorithms.POLICY_LOSSES`: ``"ppo_clip"``
             (default), ``"gspo"``, ``"cispo"``, ``"sapo"``, ``"dppo_tv"``, ``"dppo_kl"``,
             ``"clip_cov"``, ``"kl_cov"``, or one registered by the user.
@@ -187,6 +202,8 @@ class GRPO(RLModule):
         tokenizer: Any,
         reward_funcs: RewardSpec | Sequence[RewardSpec] | None,
         reward_weights: Sequence[float] | None = None,
+        reward_num_workers: int = 0,
+        reward_timeout: float | None = None,
         num_generations: int = 8,
         max_new_tokens: int = 512,
         temperature: float = 1.0,
@@ -195,6 +212,8 @@ class GRPO(RLModule):
         lr: float = 1e-6,
         weight_decay: float = 0.01,
         warmup_steps: int = 0,
+        lr_scheduler_type: str = "constant",
+        lr_scheduler_kwargs: dict[str, Any] | None = None,
         clip_ratio_low: float = 0.2,
         clip_ratio_high: float = 0.2,
         clip_ratio_c: float | None = 3.0,
@@ -249,14 +268,17 @@ class GRPO(RLModule):
             check_rollout_correction(rollout_correction, dict(rollout_correction_kwargs or {}))
         if tokenizer is None or getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError("GRPO needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
-        self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(reward_funcs, reward_weights)
+        self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(
+            reward_funcs, reward_weights, num_workers=reward_num_workers, timeout=reward_timeout)
         self.distill = self._checked_teacher(teacher, tokenizer)
         self.model_spec = model
         self.model_seed = model_seed
         self.tokenizer = tokenizer
         self.sampling = SamplingParams(n=num_generations, max_new_tokens=max_new_tokens, temperature=temperature,
                                        top_p=top_p, top_k=top_k)
+        check_lr_scheduler(lr_scheduler_type, warmup_steps)
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
+        self.lr_scheduler_type, self.lr_scheduler_kwargs = lr_scheduler_type, dict(lr_scheduler_kwargs or {})
         self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c = clip_ratio_low, clip_ratio_high, clip_ratio_c
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
         self.loss_agg_mode, self.norm_adv_by_std = loss_agg_mode, norm_adv_by_std
@@ -304,8 +326,8 @@ class GRPO(RLModule):
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
-        warmup = max(self.warmup_steps, 0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        sched = build_lr_scheduler(opt, self.lr_scheduler_type, self.warmup_steps, self.estimated_optimizer_steps,
+                                   self.lr_scheduler_kwargs)
         return {"optimizer": opt, "lr_scheduler": sched}
 
     # -- control flow ---------------------------------------------------------------------------
@@ -327,8 +349,15 @@ class GRPO(RLModule):
             batch["scores"] = torch.zeros(len(batch), dtype=torch.float32)  # [N]
         else:
             fields = {k: list(v) for k, v in batch.non_tensors.items() if k not in ROLLOUT_FIELDS}
-            result = self.rewards(list(batch["response_text"]), fields)
+            if "responses" in batch:  # the completions' token ids, TRL's name
+                with_ids = {**fields, "completion_ids": [row[mask.bool()].tolist() for row, mask in
+                                                        zip(batch["responses"], batch["response_mask"])]}
+            else:  # a batch made by hand, without token ids
+                with_ids = fields
+            result = self.rewards(list(batch["response_text"]), with_ids)
             batch["scores"] = result.scores  # [N]
+            if result.token_scores is not None:  # per-token rewards; their rows sum to the scores
+                batch["token_level_scores"] = result.token_level_scores(batch["response_mask"])  # [N, T]
             if "baseline_response_text" in batch:
                 batch["reward_baselines"] = self.baseline_scores(batch, fields)  # [N]
                 self.log("critic/reward_baseline/mean", batch["reward_baselines"].mean().item())
@@ -448,7 +477,8 @@ class GRPO(RLModule):
         if missing:
             raise KeyError(f"advantage_estimator={self.advantage_estimator!r} needs {missing} in the batch (the "
                            f"stages of compute_stages and GRPO's rollout/reward steps add them); it has {batch.keys()}")
-        ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields})
+        ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields},
+                               token_level_scores=batch.get("token_level_scores"))
         advantages, returns = self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], ctx,
                                                  **self.advantage_kwargs)
         advantages = self.distill_advantages(batch, advantages)

@@ -12,6 +12,15 @@ field is passed as a list aligned with ``completions`` (TRL's convention)::
 A function that raises on the whole batch is retried sample by sample; each sample that still
 raises scores 0, is counted in ``errors``, and the first failure of each function is logged once.
 A function that returns the wrong number of scores, or ``None``, is a bug and raises.
+
+Slow rewards run in parallel (:mod:`rltrainer.rewards.parallel`): ``async def`` functions are
+awaited sample by sample, ``max_concurrency`` at once; with ``num_workers > 0`` synchronous ones run
+sample by sample in a pool of that many processes, all functions' samples queued at once. Under a
+``timeout`` (seconds per sample) a sample that runs past it scores 0 and counts as an error.
+
+Per-token rewards: a function may return, for a completion, a list of numbers (one per response
+token) instead of one number; ``per_func`` and ``scores`` hold their sums and ``token_scores`` the
+weighted lists (see :class:`RewardResult`).
 """
 
 from __future__ import annotations
@@ -25,9 +34,12 @@ from typing import Any
 
 import torch
 
+from rltrainer.rewards.parallel import RewardPool, RewardTimeout, is_async, run_async, sample_fields
+
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[..., Sequence[float]]
+RewardFn = Callable[..., Sequence[Any]]
+Value = float | list[float]  # one completion's reward: a number, or one number per response token
 
 
 def reward_name(fn: Callable[..., Any]) -> str:
@@ -58,14 +70,36 @@ class RewardResult:
     Attributes:
         scores: ``[N]`` float32, ``sum_i weights[i] * per_func[name_i]``.
         per_func: unweighted ``[N]`` float32 scores of each function, keyed by its unique name.
-        errors: number of (function, sample) evaluations that raised and were scored 0.
+        errors: number of (function, sample) evaluations that raised (or timed out) and were scored 0.
         errors_per_func: the same count for each function.
+        token_scores: with per-token rewards, each completion's weighted per-token list (the sum
+            of the functions that returned a list for it; ``None`` for a completion none did),
+            whose sum is part of ``scores``; ``None`` when no function returned lists.
     """
 
     scores: torch.Tensor
     per_func: dict[str, torch.Tensor]
     errors: int = 0
     errors_per_func: dict[str, int] = field(default_factory=dict)
+    token_scores: list[list[float] | None] | None = None
+
+    def token_level_scores(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """``[N, T]`` rewards on the response tokens whose row sums are ``scores``: a completion's
+        per-token list on its first tokens (it must have one value per token of ``response_mask``),
+        the rest of its score (the functions that returned one number) on its last token."""
+        rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+        lengths = response_mask.sum(-1).long().tolist()
+        for i, (length, tokens) in enumerate(zip(lengths, self.token_scores or [None] * len(lengths))):
+            rest = float(self.scores[i])
+            if tokens is not None:
+                if len(tokens) != length:
+                    raise ValueError(f"A per-token reward gave completion {i} {len(tokens)} values; its response has "
+                                     f"{length} tokens (response_mask). Return one value per response token.")
+                rewards[i, :length] = torch.tensor(tokens, dtype=torch.float32)
+                rest -= float(sum(tokens))
+            if length:
+                rewards[i, length - 1] += rest
+        return rewards * response_mask.to(rewards.dtype)
 
     def metrics(self) -> dict[str, float]:
         """Flat scalars for a logger: ``reward/mean``, ``reward/<name>/mean``, ``reward/errors``..."""
@@ -88,11 +122,18 @@ class RewardManager:
     """Evaluates ``reward_funcs`` on a batch and combines them with ``weights`` (default all 1).
 
     Args:
-        reward_funcs: callables ``fn(completions: list[str], **fields) -> list[float]``.
+        reward_funcs: callables ``fn(completions: list[str], **fields) -> list[float]`` (or a list
+            of per-token lists), plain or ``async def``.
         weights: one weight per function; ``None`` means 1.0 each.
+        num_workers: run synchronous functions in a pool of this many processes (``0``: in this
+            process, one function after another). Functions travel to the pool by value.
+        timeout: seconds a sample may take (async functions, or with ``num_workers > 0``); past it
+            the sample scores 0 and counts in ``errors``. ``None``: no limit.
+        max_concurrency: async functions: samples awaited at once.
     """
 
-    def __init__(self, reward_funcs: Sequence[RewardFn], weights: Sequence[float] | None = None) -> None:
+    def __init__(self, reward_funcs: Sequence[RewardFn], weights: Sequence[float] | None = None,
+                 num_workers: int = 0, timeout: float | None = None, max_concurrency: int = 64) -> None:
         if callable(reward_funcs):
             reward_funcs = [reward_funcs]
         reward_funcs = list(reward_funcs)
@@ -111,10 +152,28 @@ class RewardManager:
                 f"Got {len(weights)} reward weights for {len(reward_funcs)} reward functions; "
                 "pass one weight per function, or weights=None for all 1.0."
             )
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0 (reward processes; 0: in this process), got {num_workers!r}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds per sample or None, got {timeout!r}")
+        if not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        untimed = [reward_name(fn) for fn in reward_funcs if not is_async(fn)]
+        if timeout is not None and num_workers == 0 and untimed:
+            raise ValueError(f"timeout={timeout} needs num_workers > 0 for the synchronous reward functions {untimed}: "
+                             "a call in this process cannot be interrupted. Set num_workers (a process pool), make "
+                             "them async def, or leave timeout=None.")
         self.reward_funcs = reward_funcs
         self.weights = [float(w) for w in weights]
         self.names = _unique_names(reward_funcs)
+        self.timeout, self.max_concurrency = timeout, max_concurrency
+        self.pool = RewardPool(num_workers, timeout) if num_workers else None
         self._logged: set[str] = set()
+
+    def close(self) -> None:
+        """Stop the reward processes (if any)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def __call__(self, completions: Sequence[str], fields: Mapping[str, Sequence[Any]] | None = None) -> RewardResult:
         """Score ``completions``; each value of ``fields`` is a sequence aligned with them."""
@@ -127,63 +186,87 @@ class RewardManager:
                     f"Reward field {key!r} has {len(values)} values for {n} completions; "
                     "every field must be aligned with the completions."
                 )
+        for fn, name in zip(self.reward_funcs, self.names):
+            self._check_signature(fn, name, columns)
+        pending, queued = {}, 0
+        if self.pool is not None:  # every synchronous function's samples queued at once
+            for fn, name in zip(self.reward_funcs, self.names):
+                if not is_async(fn):
+                    pending[name] = (self.pool.submit(fn, completions, columns), queued)
+                    queued += n
         total = torch.zeros(n, dtype=torch.float32)
         per_func: dict[str, torch.Tensor] = {}
         errors_per_func: dict[str, int] = {}
+        tokens: list[list[float] | None] = [None] * n
         for fn, name, weight in zip(self.reward_funcs, self.names, self.weights):
-            self._check_signature(fn, name, columns)
-            values, errors = self._evaluate(fn, name, completions, columns)
-            per_func[name] = values  # [N]
+            if is_async(fn):
+                outcomes = run_async(fn, completions, columns, self.timeout, self.max_concurrency)
+            elif name in pending:
+                outcomes = self.pool.collect(*pending[name])
+            else:
+                outcomes = self._evaluate(fn, name, completions, columns)
+            values, errors = self._collect(name, outcomes)
+            per_func[name] = torch.tensor([_total(v) for v in values], dtype=torch.float32)  # [N]
             errors_per_func[name] = errors
-            total += weight * values
-        return RewardResult(total, per_func, sum(errors_per_func.values()), errors_per_func)
+            total += weight * per_func[name]
+            _add_tokens(tokens, values, weight, name)
+        token_scores = tokens if any(t is not None for t in tokens) else None
+        return RewardResult(total, per_func, sum(errors_per_func.values()), errors_per_func, token_scores)
 
-    def _evaluate(
-        self, fn: RewardFn, name: str, completions: list[str], columns: dict[str, list[Any]]
-    ) -> tuple[torch.Tensor, int]:
-        """Scores of one function on the batch, falling back to one call per sample if it raises."""
+    def _evaluate(self, fn: RewardFn, name: str, completions: list[str], columns: dict[str, list[Any]]) -> list[Any]:
+        """In this process: one call on the batch (a list per sample, each in a one-element list),
+        or, if it raises, one call per sample (the outcome is then the sample's result or error)."""
         try:
             result = fn(completions, **columns)
         except Exception:  # noqa: BLE001 - user code: find the failing samples below
             pass
         else:
-            return self._checked(name, result, len(completions)), 0
-        scores = torch.zeros(len(completions), dtype=torch.float32)
-        errors = 0
+            return [[value] for value in self._checked(name, result, len(completions))]
+        outcomes: list[Any] = []
         for i, completion in enumerate(completions):
             try:
-                result = fn([completion], **{key: [values[i]] for key, values in columns.items()})
+                outcomes.append(fn([completion], **sample_fields(columns, i)))
             except Exception as error:  # noqa: BLE001 - user code; the sample scores 0
+                outcomes.append(error)
+        return outcomes
+
+    def _collect(self, name: str, outcomes: list[Any]) -> tuple[list[Value], int]:
+        """Per-sample values from per-sample outcomes (a one-element result, or the exception): an
+        error scores 0, is counted, and the function's first one is logged."""
+        values: list[Value] = []
+        errors = 0
+        for i, outcome in enumerate(outcomes):
+            if isinstance(outcome, BaseException):
                 errors += 1
+                values.append(0.0)
                 if name not in self._logged:
                     self._logged.add(name)
+                    what = "timed out" if isinstance(outcome, RewardTimeout) else "raised"
                     logger.warning(
-                        "Reward function %r raised on sample %d (scored 0; later failures of this "
-                        "function are counted in RewardResult.errors but not logged): %r",
-                        name, i, error, exc_info=error,
-                    )
+                        "Reward function %r %s on sample %d (scored 0; later failures of this function are "
+                        "counted in RewardResult.errors but not logged): %r", name, what, i, outcome, exc_info=outcome)
                 continue
-            scores[i] = self._checked(name, result, 1)[0]
-        return scores, errors
+            values.append(self._checked(name, outcome, 1)[0])
+        return values, errors
 
     @staticmethod
-    def _checked(name: str, result: Any, expected: int) -> torch.Tensor:
-        """``result`` as a ``[expected]`` float32 tensor; raise if it is ``None`` or the wrong length."""
+    def _checked(name: str, result: Any, expected: int) -> list[Value]:
+        """``result`` as ``expected`` values (a number, or a list of numbers per token, each); raise
+        if it is ``None``, not numbers, or the wrong length."""
         if result is None:
             raise _RewardTypeError(
                 f"Reward function {name!r} returned None; it must return a list of {expected} floats."
             )
         try:
-            values = torch.as_tensor(
-                result if isinstance(result, torch.Tensor) else [float(x) for x in result], dtype=torch.float32
-            ).flatten()
+            values = [_value(x) for x in _as_list(result, expected)]
         except (TypeError, ValueError) as error:
             raise _RewardTypeError(
-                f"Reward function {name!r} returned {_preview(result)}, which is not a list of numbers: {error}"
+                f"Reward function {name!r} returned {_preview(result)}, which is not a list of numbers (or of "
+                f"per-token lists of numbers): {error}"
             ) from error
-        if values.numel() != expected:
+        if len(values) != expected:
             raise _RewardLengthError(
-                f"Reward function {name!r} returned {values.numel()} scores ({_preview(result)}) for "
+                f"Reward function {name!r} returned {len(values)} scores ({_preview(result)}) for "
                 f"{expected} completions; it must return exactly one score per completion."
             )
         return values
@@ -203,6 +286,44 @@ class RewardManager:
                 f"{sorted(columns)}: {error}. Reward functions take dataset columns as keyword "
                 "arguments and must accept **kwargs for the ones they do not use."
             ) from error
+
+
+def _as_list(result: Any, expected: int) -> list[Any]:
+    """A function's result as a list of per-completion entries (a tensor of ``expected`` rows too)."""
+    if isinstance(result, torch.Tensor):
+        return list(result.flatten()) if result.dim() <= 1 else list(result)
+    if isinstance(result, (str, bytes)) or not hasattr(result, "__len__"):
+        raise _RewardTypeError(f"expected a list of {expected} scores, got {type(result).__name__} {_preview(result)}")
+    return list(result)
+
+
+def _value(x: Any) -> Value:
+    """One completion's reward: a float, or a list of floats (per token)."""
+    if isinstance(x, torch.Tensor):
+        return float(x) if x.dim() == 0 else [float(v) for v in x.flatten()]
+    if isinstance(x, (list, tuple)):
+        return [float(v) for v in x]
+    return float(x)
+
+
+def _total(value: Value) -> float:
+    return float(sum(value)) if isinstance(value, list) else value
+
+
+def _add_tokens(tokens: list[list[float] | None], values: list[Value], weight: float, name: str) -> None:
+    """Add ``weight x`` each per-token list of ``values`` into ``tokens`` (lists of one completion
+    must have one length)."""
+    for i, value in enumerate(values):
+        if not isinstance(value, list):
+            continue
+        if tokens[i] is None:
+            tokens[i] = [weight * v for v in value]
+        elif len(tokens[i]) != len(value):
+            raise _RewardLengthError(f"Reward function {name!r} returned {len(value)} per-token rewards for completion "
+                                     f"{i}, another function {len(tokens[i])}; per-token lists need one value per "
+                                     "response token.")
+        else:
+            tokens[i] = [t + weight * v for t, v in zip(tokens[i], value)]
 
 
 class _RewardContractError(Exception):

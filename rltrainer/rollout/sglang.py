@@ -104,6 +104,8 @@ class SGLangEngine(RolloutEngine):
     """Args:
         tp_size: GPUs per SGLang engine.
         mem_fraction_static: share of GPU memory for weights + KV cache.
+        context_length: longest prompt + response (``ServerArgs.context_length``; default: the
+            model config's), vLLM's ``max_model_len``.
         dtype: the inference weights' dtype (``"bfloat16"`` by default).
         enable_memory_saver: allow ``sleep`` / ``wake_up`` (release / resume memory).
         bucket_bytes: size of each ``update_weights_from_tensor`` call.
@@ -112,13 +114,21 @@ class SGLangEngine(RolloutEngine):
 
     def __init__(self, tp_size: int = 1, mem_fraction_static: float = 0.5, dtype: torch.dtype | str = torch.bfloat16,
                  enable_memory_saver: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 engine_kwargs: dict[str, Any] | None = None) -> None:
+                 engine_kwargs: dict[str, Any] | None = None, context_length: int | None = None) -> None:
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"SGLangEngine(tp_size={tp_size!r}): need an int >= 1 (GPUs per SGLang engine)")
         self.tp_size, self.mem_fraction_static = tp_size, mem_fraction_static
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.enable_memory_saver, self.bucket_bytes = enable_memory_saver, bucket_bytes
         self.engine_kwargs = dict(engine_kwargs or {})
+        if context_length is not None:
+            if not isinstance(context_length, int) or context_length < 1:
+                raise ValueError(f"SGLangEngine(context_length={context_length!r}): need a positive int (tokens of "
+                                 "prompt + response) or None (the model config's)")
+            if self.engine_kwargs.get("context_length", context_length) != context_length:
+                raise ValueError(f"SGLangEngine: context_length={context_length} and engine_kwargs['context_length']="
+                                 f"{self.engine_kwargs['context_length']}; set it once (the argument)")
+            self.engine_kwargs["context_length"] = context_length
         self.engine: Any = None
         self._released: set[str] = set()  # memory tags released by sleep and not resumed yet
         self._warned: set[str] = set()  # warnings given once

@@ -301,8 +301,10 @@ def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: 
 
     Rows go to ranks balanced by token count (longest first, to the least loaded rank with room;
     at most ``ceil(N / world_size)`` rows each). Every rank gets the same number of micro-batches;
-    a rank with fewer pads with one-row micro-batches whose ``response_mask`` is all zero (they add
-    nothing to a masked loss, and their outputs are dropped).
+    a rank with fewer pads with one-row micro-batches (``meta["padding"]``) whose ``response_mask``
+    and ``advantages`` are all zero. The hooks run on them (the collectives must match), and their
+    contribution is removed by the strategy: :func:`~rltrainer.strategies.strategy.zero_padding`
+    multiplies the loss by 0 and drops the metrics, and compute outputs are dropped.
     """
     n = len(batch)
     tokens = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [1] * n
@@ -325,8 +327,9 @@ def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: 
     count = max(len(p) for p in parts)
     if any(len(p) < count for p in parts):
         pad = batch[[0]].copy()
-        if "response_mask" in pad:
-            pad["response_mask"] = torch.zeros_like(pad["response_mask"])
+        for key in ("response_mask", "advantages"):
+            if key in pad:
+                pad[key] = torch.zeros_like(pad[key])
         pad.meta["padding"] = True
         for p in parts:
             p.extend(pad for _ in range(count - len(p)))

@@ -53,8 +53,15 @@ class Strategy(abc.ABC):
 
     def __init__(self, micro_batch_size: int = 8, max_tokens_per_micro_batch: int | None = None,
                  gradient_clip_val: float | None = 1.0, precision: str = "32-true") -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be an int >= 1 (rows per forward/backward), got {micro_batch_size!r}")
+        if max_tokens_per_micro_batch is not None and (not isinstance(max_tokens_per_micro_batch, int)
+                                                       or max_tokens_per_micro_batch < 1):
+            raise ValueError(f"max_tokens_per_micro_batch must be a positive int (tokens per forward/backward) or "
+                             f"None (micro_batch_size rows), got {max_tokens_per_micro_batch!r}")
+        if gradient_clip_val is not None and not gradient_clip_val > 0:
+            raise ValueError(f"gradient_clip_val must be > 0 (the max global gradient norm) or None (no clipping), "
+                             f"got {gradient_clip_val!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Available: {', '.join(PRECISIONS)}")
         self.micro_batch_size = micro_batch_size
@@ -227,7 +234,8 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
 
     def step(mb: RolloutBatch) -> Any:
         with autocast_factory():
-            return module.policy_step(mb)
+            out = module.policy_step(mb)
+        return zero_padding(mb, out)
 
     totals = combine_metrics({k: v.detach().float() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
                              for _, metrics in runner(step, micro_batches, True))
@@ -246,6 +254,16 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
     else:
         log.warning("Non-finite gradient norm (%s): optimizer step skipped", grad_norm)
     return out, stepped
+
+
+def zero_padding(micro_batch: RolloutBatch, out: tuple[torch.Tensor, dict[str, Any]]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A padding micro-batch's ``policy_step`` output with its contribution removed: the loss times 0
+    (the backward still runs, so a rank short of rows joins every collective, but adds no gradient,
+    even from a loss that ignores ``response_mask``) and no metrics. Other micro-batches as they are."""
+    if not micro_batch.meta.get("padding"):
+        return out
+    loss, _ = out
+    return loss * 0.0, {}
 
 
 def combine_metrics(parts: Any) -> dict[str, Any]:

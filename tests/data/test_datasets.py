@@ -13,6 +13,7 @@ from rltrainer.data.datasets import (
     load_rows,
     prepare_gsm8k,
     prepare_math500,
+    prepare_prompts,
 )
 
 SHARED = DATA_DIR  # the offline copies shipped in recipes/data
@@ -73,7 +74,7 @@ def test_load_rows_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 def test_prepare_gsm8k(gsm8k_file: Path, small_tokenizer: Any) -> None:
     raw = load_rows(str(gsm8k_file))
     ds = prepare_gsm8k(raw, small_tokenizer, max_prompt_length=None)
-    assert set(ds.column_names) == {"prompt", "prompt_ids", "ground_truth", "question"}
+    assert set(ds.column_names) == {"prompt", "prompt_ids", "ground_truth", "question", "answer"}  # all kept
     assert len(ds) == 6
     row = ds[0]
     assert row["question"] == raw[0]["question"]
@@ -150,3 +151,51 @@ def test_whole_gsm8k_test_split_with_qwen_tokenizer() -> None:
     assert all(int(t) == float(t) for t in truths)  # every gold answer is an integer
     assert sum(int(t) < 0 for t in truths) == 2
     assert ds[0]["prompt_ids"][:3] == [151644, 8948, 198]  # <|im_start|>system\n (Qwen default system prompt)
+
+
+def test_prepare_prompts_keeps_every_column_from_a_prompt_column(tmp_path: Path, small_tokenizer: Any) -> None:
+    rows = [{"problem": "What is 2 + 3?", "answer": "5", "source": "mine", "meta": {"level": 1}},
+            {"problem": "What is 4 + 4?", "answer": "8", "source": "mine", "meta": {"level": 2}}]
+    ds = prepare_prompts(load_rows(str(_write_jsonl(tmp_path / "mine.jsonl", rows))), small_tokenizer,
+                         prompt_column="problem", max_prompt_length=None)
+    assert set(ds.column_names) == {"problem", "answer", "source", "meta", "prompt", "prompt_ids"}
+    assert ds[1]["answer"] == "8" and ds[1]["meta"] == {"level": 2} and ds[1]["problem"] == "What is 4 + 4?"
+    expected = small_tokenizer.apply_chat_template([{"role": "user", "content": "What is 4 + 4?"}],
+                                                   tokenize=False, add_generation_prompt=True)
+    assert ds[1]["prompt"] == expected
+    assert ds[1]["prompt_ids"] == small_tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_prepare_prompts_from_chat_messages(tmp_path: Path, small_tokenizer: Any) -> None:
+    conversation = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2 + 3?"}]
+    rows = [{"messages": conversation, "answer": "5"}, {"messages": conversation[1:], "answer": "5"}]
+    ds = prepare_prompts(load_rows(str(_write_jsonl(tmp_path / "chat.jsonl", rows))), small_tokenizer,
+                         prompt_column="messages", system_prompt="Default system.")
+    assert ds[0]["prompt"] == small_tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                                  add_generation_prompt=True)
+    assert ds[1]["prompt"].startswith("<|im_start|>system\nDefault system.<|im_end|>")  # added: it had none
+    assert ds[0]["messages"] == conversation and ds["answer"] == ["5", "5"]
+
+
+def test_prepare_prompts_rows_reach_the_reward_functions(tmp_path: Path, small_tokenizer: Any) -> None:
+    from rltrainer.data import prompt_dataloader
+    from rltrainer.modules.grpo import ROLLOUT_FIELDS
+
+    rows = [{"problem": f"{i} + 1?", "answer": str(i + 1), "difficulty": i} for i in range(4)]
+    ds = prepare_prompts(load_rows(str(_write_jsonl(tmp_path / "r.jsonl", rows))), small_tokenizer,
+                         prompt_column="problem")
+    batch = next(iter(prompt_dataloader(ds, batch_size=4, shuffle=False)))
+    fields = {k for k in batch.keys() if k not in ROLLOUT_FIELDS}
+    assert fields == {"problem", "answer", "difficulty", "prompt"}
+    assert list(batch["difficulty"]) == [0, 1, 2, 3]
+
+
+def test_prepare_prompts_bad_input(tmp_path: Path, small_tokenizer: Any) -> None:
+    raw = load_rows(str(_write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "n": 1}])))
+    with pytest.raises(ValueError, match=r"prompt_column='prompt'.*no such column.*\['question', 'n'\]"):
+        prepare_prompts(raw, small_tokenizer)
+    with pytest.raises(ValueError, match=r"Row 0: column 'n' must hold a string or a non-empty list.*int 1"):
+        prepare_prompts(raw, small_tokenizer, prompt_column="n")
+    chat = load_rows(str(_write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"text": "hi"}]}])))
+    with pytest.raises(ValueError, match=r"Row 0: every chat message needs 'role' and 'content'"):
+        prepare_prompts(chat, small_tokenizer, prompt_column="messages")

@@ -107,7 +107,7 @@ def test_dp2_lr_schedule_and_clipping_match_one_device(distributed, overlap, con
             assert m_meg["actor/lr"] == pytest.approx(m_single["actor/lr"], rel=1e-12)
             assert m_meg["actor/grad_norm"] == pytest.approx(m_single["actor/grad_norm"], rel=1e-4)
             assert m_single["actor/grad_norm"] > 10 * 1e-3  # clipped
-        assert lrs == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3], rel=1e-12)  # lr 1e-3, 3 warm-up steps
+        assert lrs == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3], rel=1e-12)  # lr 1e-3, 3 warm-up steps from 0
         after = dict(strategy.export_weights())
         for name, p in single_module.policy.named_parameters():
             torch.testing.assert_close(after[name], p.detach(), rtol=0, atol=1e-5, msg=name)

@@ -1,0 +1,115 @@
+"""Slow rewards in parallel: async functions awaited concurrently, synchronous ones in a process
+pool, a per-sample timeout counted as a reward error; per-token rewards as a list per completion."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import torch
+
+from rltrainer.rewards import RewardManager
+
+
+async def judge(completions, delay, **kwargs):
+    await asyncio.sleep(delay[0])
+    return [float(len(completions[0]))]
+
+
+def slow_cpu(completions, delay, **kwargs):
+    time.sleep(delay[0])
+    return [float(len(completions[0]))]
+
+
+def worker_pid(completions, **kwargs):
+    time.sleep(0.3)
+    return [float(os.getpid())]
+
+
+def per_token(completions, completion_ids, **kwargs):
+    return [[0.5] * len(ids) for ids in completion_ids]
+
+
+def test_async_rewards_run_concurrently_and_time_out_per_sample():
+    manager = RewardManager([judge], timeout=1.0, max_concurrency=16)
+    completions = ["a" * i for i in range(1, 9)]
+    delays = [0.3] * 7 + [30.0]  # the last sample hangs
+    start = time.perf_counter()
+    result = manager(completions, {"delay": delays})
+    elapsed = time.perf_counter() - start
+    assert result.per_func["judge"].tolist() == [1, 2, 3, 4, 5, 6, 7, 0]
+    assert result.errors == 1 and result.errors_per_func == {"judge": 1}
+    assert elapsed < 8 * 0.3 + 1.0  # one after another would take 2.4 s plus the timeout
+
+
+def test_process_pool_scores_in_other_processes_and_times_out(caplog):
+    manager = RewardManager([slow_cpu, worker_pid], num_workers=2, timeout=2.0)
+    try:
+        result = manager(["ab", "abc", "abcd", "x"], {"delay": [0.0, 0.0, 0.0, 60.0]})
+        assert result.per_func["slow_cpu"].tolist() == [2, 3, 4, 0]  # the hanging sample scored 0
+        assert result.errors_per_func == {"slow_cpu": 1, "worker_pid": 0}
+        pids = set(result.per_func["worker_pid"].tolist())
+        assert os.getpid() not in pids and len(pids) >= 1
+        assert "timed out" in caplog.text
+        again = manager(["ab"], {"delay": [0.0]})  # the pool still works
+        assert again.per_func["slow_cpu"].tolist() == [2.0] and again.errors == 0
+    finally:
+        manager.close()
+
+
+def test_timeout_needs_a_pool_for_synchronous_functions():
+    with pytest.raises(ValueError, match=r"timeout=1.0 needs num_workers > 0 for the synchronous reward functions "
+                                         r"\['slow_cpu'\]"):
+        RewardManager([slow_cpu, judge], timeout=1.0)
+    with pytest.raises(ValueError, match="num_workers must be an int >= 0"):
+        RewardManager([slow_cpu], num_workers=-1)
+
+
+def test_per_token_rewards_sum_into_scores_and_lay_out_on_the_tokens():
+    def outcome(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    manager = RewardManager([per_token, outcome], weights=[2.0, 1.0])
+    result = manager(["abc", "de"], {"completion_ids": [[5, 6, 7], [8, 9]]})
+    assert result.token_scores == [[1.0, 1.0, 1.0], [1.0, 1.0]]
+    assert result.scores.tolist() == [3.0 * 2 * 0.5 + 1.0, 2.0 * 2 * 0.5 + 1.0]
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    tokens = result.token_level_scores(mask)
+    assert tokens.tolist() == [[1.0, 1.0, 2.0, 0.0], [1.0, 2.0, 0.0, 0.0]]  # the outcome on the last token
+    torch.testing.assert_close(tokens.sum(-1), result.scores)
+    with pytest.raises(ValueError, match="gave completion 0 3 values; its response has 2 tokens"):
+        result.token_level_scores(torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0]]))
+
+
+def test_grpo_passes_completion_ids_and_uses_per_token_rewards(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    from rltrainer import GRPO, Trainer, prompt_dataloader
+
+    seen = {}
+
+    def first_token_bonus(completions, completion_ids, **kwargs):
+        seen["ids"] = completion_ids
+        return [[1.0] + [0.0] * (len(ids) - 1) if ids else [] for ids in completion_ids]
+
+    module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=first_token_bonus, num_generations=2, max_new_tokens=5,
+                  advantage_estimator="reinforce_plus_plus")
+    captured = {}
+    original = module.advantage_step
+    module.advantage_step = lambda batch: (captured.setdefault("batch", batch), original(batch))[1]
+    Trainer(max_steps=1, logger=False, enable_progress_bar=False).fit(module, prompt_dataloader(gsm8k_prompts, 2))
+    batch = captured["batch"]
+    mask = batch["response_mask"]
+    assert [len(ids) for ids in seen["ids"]] == mask.sum(-1).tolist()
+    assert torch.equal(batch["token_level_scores"][:, 0], torch.ones(len(batch)))
+    torch.testing.assert_close(batch["token_level_scores"].sum(-1), batch["scores"])
+
+
+def test_token_rewards_keep_what_the_scores_gained_since_on_the_last_token():
+    from rltrainer.algorithms.advantages import AdvantageContext, outcome_token_rewards
+
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    tokens = torch.tensor([[0.5, 0.0, 0.5, 0.0]])
+    scores = torch.tensor([1.0 - 0.25])  # an overlong penalty added after the reward step
+    rewards = outcome_token_rewards(scores, mask, AdvantageContext(token_level_scores=tokens), 0.0, "k1", "test")
+    assert rewards.tolist() == [[0.5, 0.0, 0.25, 0.0]]
