@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rltrainer.envs.adapters import GymText, GymTextEnvironment, ReasoningGym, ReasoningGymEnvironment
 from rltrainer.envs.chat import ChatFormat
 from rltrainer.envs.environment import Environment, StepResult, tool_methods, tool_schemas
 from rltrainer.envs.rollout import MultiTurn
@@ -28,5 +29,6 @@ def as_multi_turn(environment: Any) -> MultiTurn | None:
     return MultiTurn(environment)
 
 
-__all__ = ["TOOL_PARSERS", "ChatFormat", "Environment", "HermesToolParser", "MultiTurn", "StepResult", "ToolCall",
-           "as_multi_turn", "env_reward", "tool_methods", "tool_schemas"]
+__all__ = ["TOOL_PARSERS", "ChatFormat", "Environment", "GymText", "GymTextEnvironment", "HermesToolParser", "MultiTurn",
+           "ReasoningGym", "ReasoningGymEnvironment", "StepResult", "ToolCall", "as_multi_turn", "env_reward",
+           "tool_methods", "tool_schemas"]

@@ -67,7 +67,13 @@ class ChatFormat:
 
     def prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """The first messages (and the tools' schemas) with the generation prompt, as token ids."""
-        return self._encode(self._render(messages, generation_prompt=True, tools=self.tools))
+        key = json.dumps(["prompt", messages], sort_keys=True, default=str)
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = self._encode(self._render(messages, generation_prompt=True, tools=self.tools))
+            if len(self._cache) < 4096:
+                self._cache[key] = cached
+        return list(cached)
 
     def observation(self, messages: list[dict[str, Any]], stopped: bool) -> list[int]:
         """Token ids to append after a model turn: the end of the turn (``stopped``: the model's

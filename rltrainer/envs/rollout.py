@@ -80,7 +80,9 @@ class MultiTurn:
         tool_parser: a name in :data:`~rltrainer.envs.TOOL_PARSERS`; ``None``: the chat template's own
             format (Hermes ``<tool_call>`` for Qwen2.5 / Qwen3). Only read if the environment has tools.
         template_kwargs: extra chat-template variables (``{"enable_thinking": False}`` for Qwen3).
-        max_workers: threads running environment calls (at most one per episode).
+        max_workers: threads running environment calls (kept between batches); ``0``: the calls run
+            in the controller thread, one after another (fastest for environments that only compute
+            a little, as thread hand-offs then cost more than the calls).
         batch_wait_s: how long episodes ready for the model wait for others to join their request.
         env_timeout_s: an environment call (``reset``, ``step``, a tool) running longer ends its
             episode as an error (``None``: no limit). The call's thread is left to finish.
@@ -100,8 +102,10 @@ class MultiTurn:
                  max_workers: int = 32, batch_wait_s: float = 0.02, env_timeout_s: float | None = None) -> None:
         check_environment(environment)
         problems = [f"{name}={value!r} (need an int >= 1)" for name, value in
-                    (("max_turns", max_turns), ("max_episode_tokens", max_episode_tokens), ("max_workers", max_workers))
+                    (("max_turns", max_turns), ("max_episode_tokens", max_episode_tokens))
                     if not isinstance(value, int) or value < 1]
+        if not isinstance(max_workers, int) or max_workers < 0:
+            problems.append(f"max_workers={max_workers!r} (need an int >= 0; 0 runs them in the controller thread)")
         if batch_wait_s < 0 or (env_timeout_s is not None and env_timeout_s <= 0):
             problems.append(f"batch_wait_s={batch_wait_s!r}, env_timeout_s={env_timeout_s!r} (need >= 0 and > 0)")
         if problems:
@@ -110,6 +114,20 @@ class MultiTurn:
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.tool_parser, self.template_kwargs = tool_parser, dict(template_kwargs or {})
         self.max_workers, self.batch_wait_s, self.env_timeout_s = max_workers, batch_wait_s, env_timeout_s
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pool"] = None  # threads stay in the process that made them
+        return state
+
+    def executor(self) -> Any:
+        """The threads for environment calls (made once), or an inline stand-in (``max_workers=0``)."""
+        if self.max_workers == 0:
+            return _Inline()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="rltrainer-env")
+        return self._pool
 
     # -- one batch -----------------------------------------------------------------------------
     def rollout(self, batch: RolloutBatch, engine: RolloutEngine, sampling: SamplingParams,
@@ -187,6 +205,18 @@ def episode_metrics(episodes: list[Episode], runner: _Runner, elapsed: float) ->
     return metrics
 
 
+class _Inline:
+    """``ThreadPoolExecutor.submit`` run at once in the calling thread."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+
 class SetupError(ValueError):
     """A multi-turn rollout cannot start (no chat template, a tool without a schema, ...)."""
 
@@ -203,8 +233,7 @@ class _Runner:
 
     # -- the scheduler (controller thread) -------------------------------------------------------
     def run(self, episodes: list[Episode]) -> None:
-        pool = ThreadPoolExecutor(max_workers=min(self.spec.max_workers, len(episodes)),
-                                  thread_name_prefix="rltrainer-env")
+        pool = self.spec.executor()
         env_calls: dict[Future, tuple[Episode, float]] = {}
         requests: dict[Future, list[Episode]] = {}
         ready: list[Episode] = []
@@ -232,7 +261,8 @@ class _Runner:
                             ready.append(e)
                 self._expire(env_calls, episodes)
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for future in env_calls:
+                future.cancel()
             for e in episodes:
                 if e.env is not None and not e.abandoned and callable(getattr(e.env, "close", None)):
                     self._guard(e, "close", e.env.close)
