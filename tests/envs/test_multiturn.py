@@ -291,3 +291,40 @@ def test_episodes_run_concurrently_in_threads():
     MultiTurn(Recorder, max_workers=8).rollout(prompt_rows(8), engine, SamplingParams(n=1, max_new_tokens=4),
                                                tokenizer)
     assert len(seen) > 1 and time.perf_counter() - start < 0.35  # 8 x 0.05 s one after another is 0.4 s
+
+
+class Countdown(Environment):
+    """Two turns, then done; reward 1 on the second turn."""
+
+    def reset(self, row):
+        self.turn = 0
+        return "Count."
+
+    def step(self, text):
+        self.turn += 1
+        return StepResult("Again.", reward=float(self.turn == 2), done=self.turn == 2)
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "one_step_off"])
+def test_episodes_on_split_engines_and_pipelines(pipeline, ray_session):
+    """The same episodes through a RemoteEngine (an ``hf`` replica in a Ray process of its own), in
+    sync and one_step_off: the rows are whole episodes, on-policy log-probs match the trainer's."""
+    import rltrainer
+    from rltrainer.strategies import FSDP2Strategy
+
+    tokenizer = load_tokenizer("gsm8k-bpe4k")
+    module = rltrainer.GRPO(tiny_qwen2_config(len(tokenizer), hidden_size=32), tokenizer, None, num_generations=2,
+                            max_new_tokens=4, environment=MultiTurn(Countdown, max_turns=3))
+    seen = []
+
+    class Record(rltrainer.Callback):
+        def on_step_end(self, trainer, module, metrics):
+            seen.append(metrics)
+
+    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=1, micro_batch_size=4)
+    rows = [{"prompt_ids": [1], "k": i} for i in range(6)]
+    with rltrainer.Trainer(strategy=strategy, rollout="hf", pipeline=pipeline, max_steps=3, logger=False,
+                           enable_progress_bar=False, callbacks=[Record()]) as trainer:
+        trainer.fit(module, rltrainer.prompt_dataloader(rows, batch_size=2))
+    assert len(seen) == 3
+    assert all(m["env/turns_mean"] == 2 and m["env/finish_done"] == 4 and m["critic/score/mean"] == 1 for m in seen)
