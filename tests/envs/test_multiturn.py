@@ -328,3 +328,18 @@ def test_episodes_on_split_engines_and_pipelines(pipeline, ray_session):
         trainer.fit(module, rltrainer.prompt_dataloader(rows, batch_size=2))
     assert len(seen) == 3
     assert all(m["env/turns_mean"] == 2 and m["env/finish_done"] == 4 and m["critic/score/mean"] == 1 for m in seen)
+
+
+def test_an_environment_call_past_its_timeout_ends_the_episode():
+    class Hangs(SlowFirst):
+        def step(self, text):
+            time.sleep(1.0 if self.slow else 0.0)
+            return StepResult("again", done=True)
+
+    tokenizer = load_tokenizer("gsm8k-bpe4k")
+    engine = ScriptedEngine(tokenizer, lambda p: [5, tokenizer.eos_token_id])
+    start = time.perf_counter()
+    out = MultiTurn(Hangs, env_timeout_s=0.3).rollout(prompt_rows(3), engine, SamplingParams(n=1, max_new_tokens=4),
+                                                      tokenizer)
+    assert time.perf_counter() - start < 0.9
+    assert out["env_finish"].tolist() == ["error", "done", "done"] and "TimeoutError" in out["env_error"][0]
