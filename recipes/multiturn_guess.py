@@ -12,8 +12,11 @@ the replies).
 Status (2026-12-01, a 2-core machine shared by ~8 jobs, load average ~26): it does not learn yet.
 Seed 0, 100 steps, ``--lr 1e-3 --mini-batch-size 32``: greedy success 10 % -> 20 % with the hint,
 10 % -> 10 % without feedback; success while sampling ended at 0.22 (hint) and 0.21 (control),
-the hint run first falling to 0.00 (steps 11-20) and recovering. ``higher_lower`` (4 turns, 150
-steps, ``--lr 1e-3``): 10 % -> 10 %, sampling success flat at 0.32-0.34.
+the hint run first falling to 0.00 (steps 11-20) and recovering. ``--lr 3e-4 --mini-batch-size 16``,
+60 steps, hint: 10 % -> 0 %, sampling success 0.17 until step 30, then 0.00 (every episode failed,
+so its guesses left the digits). ``higher_lower`` (4 turns, 150 steps, ``--lr 1e-3``): 10 % -> 10 %,
+sampling success flat at 0.32-0.34. The collapse with informative replies, and not in the control,
+is not understood yet.
 
 1. Warm-up: a tiny Qwen2 made from scratch learns the *format* only, by supervised learning on
    episodes whose guesses are uniformly random digits, independent of the replies (random symbols

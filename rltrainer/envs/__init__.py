@@ -29,6 +29,6 @@ def as_multi_turn(environment: Any) -> MultiTurn | None:
     return MultiTurn(environment)
 
 
-__all__ = ["TOOL_PARSERS", "ChatFormat", "Environment", "GymText", "GymTextEnvironment", "HermesToolParser", "MultiTurn",
-           "ReasoningGym", "ReasoningGymEnvironment", "StepResult", "ToolCall", "as_multi_turn", "env_reward",
-           "tool_methods", "tool_schemas"]
+__all__ = ["TOOL_PARSERS", "ChatFormat", "Environment", "GymText", "GymTextEnvironment", "HermesToolParser",
+           "MultiTurn", "ReasoningGym", "ReasoningGymEnvironment", "StepResult", "ToolCall", "as_multi_turn",
+           "env_reward", "tool_methods", "tool_schemas"]

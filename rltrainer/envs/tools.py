@@ -71,8 +71,9 @@ def parser_for(tokenizer: Any, name: str | None) -> Any:
     template = getattr(tokenizer, "chat_template", None) or ""
     if "<tool_call>" in template:
         return HermesToolParser()
-    raise ValueError(f"The environment has tools, but the tokenizer's chat template ({type(tokenizer).__name__}) renders "
-                     f"no tool-call format rltrainer knows (Hermes/Qwen '<tool_call>'). Pass MultiTurn(tool_parser=...) "
+    raise ValueError(f"The environment has tools, but the tokenizer's chat template ({type(tokenizer).__name__}) "
+                     f"renders no tool-call format rltrainer knows (Hermes/Qwen '<tool_call>'). Pass "
+                     f"MultiTurn(tool_parser=...) "
                      f"with one of {TOOL_PARSERS.names()} (or register one on rltrainer.envs.TOOL_PARSERS), or use a "
                      "tokenizer whose template supports tools (Qwen2.5, Qwen3).")
 

@@ -31,7 +31,8 @@ class CountDown:
 
 def script_for(tokenizer, answer):
     def script(prompt):
-        return tokenizer(answer(tokenizer.decode(prompt)), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        ids = tokenizer(answer(tokenizer.decode(prompt)), add_special_tokens=False).input_ids
+        return ids + [tokenizer.eos_token_id]
     return script
 
 
