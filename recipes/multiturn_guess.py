@@ -13,8 +13,8 @@ Status (2026-12-01, a 2-core machine shared by ~8 jobs, load average ~26): it do
 Seed 0, 100 steps, ``--lr 1e-3 --mini-batch-size 32``: greedy success 10 % -> 20 % with the hint,
 10 % -> 10 % without feedback; success while sampling ended at 0.22 (hint) and 0.21 (control),
 the hint run first falling to 0.00 (steps 11-20) and recovering. ``--lr 3e-4 --mini-batch-size 16``,
-60 steps, hint: 10 % -> 0 %, sampling success 0.17 until step 30, then 0.00 (every episode failed,
-so its guesses left the digits). ``higher_lower`` (4 turns, 150 steps, ``--lr 1e-3``): 10 % -> 10 %,
+60 steps, hint: 10 % -> 0 %, sampling success 0.17 until step 30, then 0.00-0.01 (what the policy
+then samples was not inspected). ``higher_lower`` (4 turns, 150 steps, ``--lr 1e-3``): 10 % -> 10 %,
 sampling success flat at 0.32-0.34. The collapse with informative replies, and not in the control,
 is not understood yet.
 
