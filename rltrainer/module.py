@@ -67,6 +67,9 @@ class RLModule(torch.nn.Module):
     #: the others before setup, with ``pipeline_reason`` in the message.
     supported_pipelines: tuple[str, ...] | None = None
     pipeline_reason: str = ""
+    #: multi-turn episodes (:class:`rltrainer.envs.MultiTurn`) that the default ``rollout_step`` and
+    #: ``validation_step`` run instead of single-turn sampling; ``None``: single turn.
+    environment: Any = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -147,9 +150,22 @@ class RLModule(torch.nn.Module):
         it then returns rows of any of the prompts it was given or drew, ``G`` per prompt, with
         their ``prompt_position`` carried over.
 
-        The default samples with ``self.sampling``; override it for multi-turn or tool use.
+        The default samples with ``self.sampling``, or, with ``self.environment`` set, runs ``G``
+        multi-turn episodes per prompt (:class:`rltrainer.envs.MultiTurn`; its ``env/*`` metrics are
+        logged); override it for other rollouts.
         """
-        return generate_rollouts(batch, engine, self.sampling, self.tokenizer.pad_token_id)
+        return self.sample(batch, engine, self.sampling, log_metrics=True)
+
+    def sample(self, batch: RolloutBatch, engine: RolloutEngine, sampling: SamplingParams,
+               log_metrics: bool = False) -> RolloutBatch:
+        """Rows for ``batch`` under ``sampling``: single-turn, or ``self.environment``'s episodes."""
+        if self.environment is None:
+            return generate_rollouts(batch, engine, sampling, self.tokenizer.pad_token_id)
+        out = self.environment.rollout(batch, engine, sampling, self.tokenizer)
+        for name, value in out.meta.pop("env_metrics", {}).items():
+            if log_metrics:
+                self.log(name, value)
+        return out
 
     def reward_step(self, batch: RolloutBatch) -> RolloutBatch:
         """Score the responses. Required. Runs on the controller, every step.
@@ -235,7 +251,7 @@ class RLModule(torch.nn.Module):
         """
         sampling = SamplingParams(n=1, max_new_tokens=self.sampling.max_new_tokens, temperature=0.0,
                                   stop_token_ids=self.sampling.stop_token_ids)
-        rollouts = self.reward_step(generate_rollouts(batch, engine, sampling, self.tokenizer.pad_token_id))
+        rollouts = self.reward_step(self.sample(batch, engine, sampling))
         scores = rollouts["scores"].float()
         return {"val/score": scores.mean().item(), "val/accuracy": (scores > 0).float().mean().item(),
                 "val/rows": float(len(scores))}

@@ -21,6 +21,7 @@ from rltrainer.algorithms.distill import Teacher, check_same_vocabulary, check_t
 from rltrainer.algorithms.rollout_corr import (ROLLOUT_CORRECTIONS, check_rollout_correction, mismatch_metrics,
                                                rejects, share_of_batch)
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.envs import as_multi_turn, env_reward
 from rltrainer.models import ModelSpec, build_causal_lm, freeze, frozen_copy, response_log_probs
 from rltrainer.module import RLModule
 from rltrainer.rewards import RewardManager, resolve_reward
@@ -29,7 +30,8 @@ from rltrainer.rollout.engine import RolloutEngine, SamplingParams
 from rltrainer.schedulers import build_lr_scheduler, check_lr_scheduler
 
 #: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
-ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason", "baseline_response_text"})
+ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason", "baseline_response_text",
+                            "turn_rewards", "env_turns", "env_finish", "env_error"})
 
 #: GRPO's own arguments that set a policy loss's / an estimator's parameter, with their defaults.
 LOSS_ARGUMENTS = {"clip_ratio_low": ("clip_ratio_low", 0.2), "clip_ratio_high": ("clip_ratio_high", 0.2),
@@ -161,6 +163,11 @@ class GRPO(RLModule):
             ``teacher``, ``teacher_log_probs [N, T]``); ``advantage_step`` subtracts
             ``teacher.coef * (old_log_probs - teacher_log_probs)`` from the estimator's advantages,
             per token (the stage ``old_log_prob`` runs for it). ``None``: no distillation.
+        environment: multi-turn episodes instead of single responses: a
+            :class:`~rltrainer.envs.MultiTurn` (its limits, tool parser, ...), or an environment class
+            (:class:`~rltrainer.envs.Environment`), wrapped in ``MultiTurn`` with its defaults. Each row
+            is one episode (``G`` per prompt); ``reward_funcs=None`` then scores each with its summed
+            environment reward (:func:`~rltrainer.envs.env_reward`). ``max_new_tokens`` is per turn.
 
     Where the scores come from, in the loop's order: ``reward_step`` (controller) sums the rule
     rewards (``scores [N]``, zeros if there are none); the compute stages then run on the training
@@ -232,8 +239,12 @@ class GRPO(RLModule):
         rollout_correction_kwargs: dict[str, Any] | None = None,
         model_seed: int | None = 0,
         teacher: Teacher | None = None,
+        environment: Any = None,
     ) -> None:
         super().__init__()
+        self.environment = as_multi_turn(environment)
+        if self.environment is not None and reward_funcs is None:
+            reward_funcs = env_reward  # the episodes' summed environment reward
         AGGREGATIONS.get(loss_agg_mode), KL_ESTIMATORS.get(kl_estimator)  # unknown names raise here
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
@@ -270,6 +281,10 @@ class GRPO(RLModule):
             raise ValueError("GRPO needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
         self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(
             reward_funcs, reward_weights, num_workers=reward_num_workers, timeout=reward_timeout)
+        if self.environment is not None and "reward_baselines" in self._advantage_fields:
+            raise ValueError(f"advantage_estimator={advantage_estimator!r} scores one greedy single-turn response per "
+                             "prompt as its baseline, which an environment's episodes do not have. Use another "
+                             "estimator with environment=..., e.g. 'grpo' or 'rloo'.")
         self.distill = self._checked_teacher(teacher, tokenizer)
         self.model_spec = model
         self.model_seed = model_seed
