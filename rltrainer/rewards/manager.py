@@ -11,7 +11,10 @@ field is passed as a list aligned with ``completions`` (TRL's convention)::
 
 A function that raises on the whole batch is retried sample by sample; each sample that still
 raises scores 0, is counted in ``errors``, and the first failure of each function is logged once.
-A function that returns the wrong number of scores, or ``None``, is a bug and raises.
+A non-finite score (NaN, inf) is caught where it enters: it counts in ``errors``, the rows are
+logged with the function's name, and they are marked in ``invalid`` (GRPO leaves them out of the
+advantages and the loss). A function that returns the wrong number of scores, or ``None``, is a
+bug and raises.
 """
 
 from __future__ import annotations
@@ -60,12 +63,15 @@ class RewardResult:
         per_func: unweighted ``[N]`` float32 scores of each function, keyed by its unique name.
         errors: number of (function, sample) evaluations that raised and were scored 0.
         errors_per_func: the same count for each function.
+        invalid: ``[N]`` bool, rows that some function scored NaN or inf (their scores are 0 here);
+            ``None`` when there are none.
     """
 
     scores: torch.Tensor
     per_func: dict[str, torch.Tensor]
     errors: int = 0
     errors_per_func: dict[str, int] = field(default_factory=dict)
+    invalid: torch.Tensor | None = None
 
     def metrics(self) -> dict[str, float]:
         """Flat scalars for a logger: ``reward/mean``, ``reward/<name>/mean``, ``reward/errors``..."""
@@ -73,6 +79,7 @@ class RewardResult:
         for name, values in self.per_func.items():
             out[f"reward/{name}/mean"] = _mean(values)
         out["reward/errors"] = float(self.errors)
+        out["reward/non_finite_share"] = float(self.invalid.float().mean()) if self.invalid is not None else 0.0
         return out
 
 
@@ -130,13 +137,31 @@ class RewardManager:
         total = torch.zeros(n, dtype=torch.float32)
         per_func: dict[str, torch.Tensor] = {}
         errors_per_func: dict[str, int] = {}
+        invalid = torch.zeros(n, dtype=torch.bool)
         for fn, name, weight in zip(self.reward_funcs, self.names, self.weights):
             self._check_signature(fn, name, columns)
             values, errors = self._evaluate(fn, name, completions, columns)
+            bad = self._non_finite(name, values)  # [N] bool
+            values = values.masked_fill(bad, 0.0)
             per_func[name] = values  # [N]
-            errors_per_func[name] = errors
+            errors_per_func[name] = errors + int(bad.sum())
+            invalid |= bad
             total += weight * values
-        return RewardResult(total, per_func, sum(errors_per_func.values()), errors_per_func)
+        return RewardResult(total, per_func, sum(errors_per_func.values()), errors_per_func,
+                            invalid if invalid.any() else None)
+
+    def _non_finite(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """``[N]`` bool: the scores of ``name`` that are NaN or inf, logged with their rows (every
+        call: a reward that returns NaN is a bug to fix, not noise)."""
+        bad = ~torch.isfinite(values)
+        if bad.any():
+            rows = bad.nonzero().flatten().tolist()
+            logger.warning(
+                "Reward function %r returned %d non-finite score(s) (%s) for rows %s of %d; they count in "
+                "reward/errors, score 0, and are left out of the advantages. Make the function return a finite "
+                "float for every completion (e.g. 0.0 when it cannot score one).",
+                name, len(rows), sorted({str(values[i].item()) for i in rows}), rows[:20], len(values))
+        return bad
 
     def _evaluate(
         self, fn: RewardFn, name: str, completions: list[str], columns: dict[str, list[Any]]

@@ -150,3 +150,15 @@ def test_whole_gsm8k_test_split_with_qwen_tokenizer() -> None:
     assert all(int(t) == float(t) for t in truths)  # every gold answer is an integer
     assert sum(int(t) < 0 for t in truths) == 2
     assert ds[0]["prompt_ids"][:3] == [151644, 8948, 198]  # <|im_start|>system\n (Qwen default system prompt)
+
+
+def test_broken_json_line_names_file_and_line(tmp_path: Path, gsm8k_file: Path) -> None:
+    lines = gsm8k_file.read_text().splitlines()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(lines[:3] + ['{"question": "How many?", "answer": '] + lines[3:]) + "\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl', line 4: not valid JSON .*fix or delete that line"):
+        load_rows(str(broken))
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text(lines[0] + "\n[1, 2]\n")
+    with pytest.raises(ValueError, match=r"listed.jsonl', line 2: a JSON list, not an object"):
+        load_rows(str(listed))
