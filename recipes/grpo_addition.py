@@ -306,8 +306,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default)
+    import logging
+
     import transformers
 
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("rltrainer.plan").setLevel(logging.INFO)  # show the run plan at the start of fit
     transformers.utils.logging.disable_progress_bar()  # no bars for saving and loading the tiny model
     return run(Config(**vars(parser.parse_args(argv))))
 

@@ -404,7 +404,11 @@ class Trainer:
         call_hooks(self, "on_validation_start")
         self.engine.wake_up()
         self._generations["val"] = []
-        metrics = validation_loop(self, loader, self.limit_val_batches)
+        step_metrics, self.step_metrics = self.step_metrics, {}  # what validation hooks log is not the step's
+        try:
+            metrics = validation_loop(self, loader, self.limit_val_batches)
+        finally:
+            self.step_metrics = step_metrics
         self._write_generations("val")
         call_hooks(self, "on_validation_end", metrics)
         self._validated_this_step = True
