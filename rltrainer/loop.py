@@ -87,14 +87,15 @@ def update_policy(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
 def check_skipped_steps(history: list[bool], metrics: dict[str, float], step: int, last: bool) -> None:
     """Raise once ``MAX_SKIPPED_STEPS`` training steps in a row skipped every optimizer step (a
     non-finite gradient norm) or had no row with a finite reward, or the run ends with all its
-    steps skipped so. ``history`` holds, per
-    step of this ``fit``, whether it was skipped entirely; this step's entry is appended here."""
+    steps skipped so. ``history`` holds, per step of this ``fit``, whether it trained nothing;
+    this step's entry is appended here."""
     total = metrics.get("training/optimizer_steps", 0.0)
     no_rewards = metrics.get("reward/non_finite_share", 0.0) >= 1.0  # every row left out of the advantages
     history.append(no_rewards or (total > 0 and metrics.get("training/skipped_optimizer_steps", 0.0) == total))
     run = len(history) - next((i + 1 for i in range(len(history) - 1, -1, -1) if not history[i]), 0)
     if run >= MAX_SKIPPED_STEPS or (last and run and run == len(history)):
-        nan_rewards = {k: v for k, v in metrics.items() if k.startswith(("reward/", "critic/")) and not math.isfinite(v)}
+        nan_rewards = {k: v for k, v in metrics.items()
+                       if k.startswith(("reward/", "critic/")) and not math.isfinite(v)}
         raise RuntimeError(
             f"The last {run} training steps (up to step {step}) trained nothing: every optimizer step was skipped "
             f"(actor/grad_norm={metrics.get('actor/grad_norm')}: not finite) or every row's reward was NaN/inf "

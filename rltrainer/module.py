@@ -83,7 +83,7 @@ class RLModule(torch.nn.Module):
         target = self._trainer.step_metrics if self._trainer is not None else self.__dict__.setdefault("logged_metrics", {})
         target[name] = float(value)
 
-    def vocab_size(self) -> int | None:
+    def prompt_vocab_size(self) -> int | None:
         """The policy's vocabulary size (its config's ``vocab_size``, read by the Trainer at setup),
         or ``len(tokenizer)`` outside a Trainer; prompt token ids must be below it."""
         size = getattr(self._trainer, "vocab_size", None) if self._trainer is not None else None
@@ -153,7 +153,7 @@ class RLModule(torch.nn.Module):
 
         The default samples with ``self.sampling``; override it for multi-turn or tool use.
         """
-        return generate_rollouts(batch, engine, self.sampling, self.tokenizer.pad_token_id, self.vocab_size())
+        return generate_rollouts(batch, engine, self.sampling, self.tokenizer.pad_token_id, self.prompt_vocab_size())
 
     def reward_step(self, batch: RolloutBatch) -> RolloutBatch:
         """Score the responses. Required. Runs on the controller, every step.
@@ -233,7 +233,7 @@ class RLModule(torch.nn.Module):
         sampling = SamplingParams(n=1, max_new_tokens=self.sampling.max_new_tokens, temperature=0.0,
                                   stop_token_ids=self.sampling.stop_token_ids)
         rollouts = self.reward_step(generate_rollouts(batch, engine, sampling, self.tokenizer.pad_token_id,
-                                                      self.vocab_size()))
+                                                      self.prompt_vocab_size()))
         if self._trainer is not None:
             self._trainer.record_generations(rollouts, "val")
         scores = rollouts["scores"].float()

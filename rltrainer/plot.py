@@ -35,8 +35,8 @@ def find_metrics_csv(log_dir: str | Path) -> Path:
     if path.is_file() and path.name.endswith(".csv"):
         return path
     if not path.is_dir():
-        raise FileNotFoundError(f"Log directory {str(path)!r} does not exist. Pass the directory of a CSV log "
-                                "(Trainer(logger='csv') writes <default_root_dir>/lightning_logs/version_N/metrics.csv).")
+        raise FileNotFoundError(f"Log directory {str(path)!r} does not exist. Pass the directory of a CSV log (Trainer("
+                                "logger='csv') writes <default_root_dir>/lightning_logs/version_N/metrics.csv).")
     if (path / "metrics.csv").is_file():
         return path / "metrics.csv"
     found = sorted(path.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)

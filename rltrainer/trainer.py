@@ -141,7 +141,8 @@ class Trainer:
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
         self.loggers = build_loggers(logger, self.default_root_dir)
-        self.log_generations_every_n_steps, self.log_generations_rows = log_generations_every_n_steps, log_generations_rows
+        self.log_generations_every_n_steps = log_generations_every_n_steps
+        self.log_generations_rows = log_generations_rows
         self._generations: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}  # rows to log, per split
         self.module: RLModule | None = None
         self.global_step = 0
@@ -355,10 +356,10 @@ class Trainer:
         for batch in pipeline:  # generated rows; the pipeline decides with which weights
             metrics = training_step(self, batch)
             self.global_step += 1
-            check_skipped_steps(skipped, metrics, self.global_step, last=self._done())
             self._write_generations("train")
             self.strategy.weight_versions.policy = self.global_step
             self.current_epoch, self.batches_seen_in_epoch = pipeline.position(batch)
+            check_skipped_steps(skipped, metrics, self.global_step, last=self._done())
             metrics.update(pipeline.metrics())
             metrics.update(batch_metrics(batch, metrics["timing_s/step"]))
             metrics["training/epoch"] = float(self.current_epoch)

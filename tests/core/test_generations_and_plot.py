@@ -28,9 +28,9 @@ def logged_run(tmp_path_factory, tiny_config, bpe_tokenizer, gsm8k_prompts):
     root = tmp_path_factory.mktemp("run")
     module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=[odd_length, short], num_generations=2, max_new_tokens=6,
                   lr=1e-3)
-    trainer = Trainer(max_steps=3, max_epochs=100, val_check_interval=2, limit_val_batches=1, logger=["csv", "tensorboard"],
-                      default_root_dir=root, enable_progress_bar=False, log_generations_every_n_steps=2,
-                      log_generations_rows=3)
+    trainer = Trainer(max_steps=3, max_epochs=100, val_check_interval=2, limit_val_batches=1,
+                      logger=["csv", "tensorboard"], default_root_dir=root, enable_progress_bar=False,
+                      log_generations_every_n_steps=2, log_generations_rows=3)
     trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=4),
                 val_dataloaders=prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False))
     return trainer
@@ -90,7 +90,8 @@ def test_wandb_and_mlflow_get_a_table_and_an_artifact():
     rows = [{"prompt": "1+1=", "response": "2", "reward": 1.0}]
     write_generations([WandbLogger(), MLFlowLogger()], rows, step=7, split="train")
     assert calls[0] == ("wandb", "generations/train", ["prompt", "response", "reward"], [["1+1=", "2", 1.0]], 7)
-    assert calls[1] == ("mlflow", "run-1", {"step": 7, "split": "train", "rows": rows}, "generations/train_step000007.json")
+    assert calls[1] == ("mlflow", "run-1", {"step": 7, "split": "train", "rows": rows},
+                        "generations/train_step000007.json")
 
 
 def test_plot_draws_one_png_from_the_csv_log(logged_run, tmp_path):
