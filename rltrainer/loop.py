@@ -5,6 +5,7 @@ Strategy call or an engine call."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,9 @@ from rltrainer.strategies.strategy import combine_metrics, is_extreme
 
 if TYPE_CHECKING:
     from rltrainer.trainer import Trainer
+
+#: Training steps in a row that skipped every optimizer step before the run stops with an error.
+MAX_SKIPPED_STEPS = 3
 
 
 @contextmanager
@@ -40,6 +44,7 @@ def training_step(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
             batch = batch.union(strategy.compute(batch, stage))
     with timer(metrics, "adv"):
         batch = call_module_hook(trainer, "advantage_step", batch)  # + advantages [N, T]
+    trainer.record_generations(batch, "train")  # sample rows for the loggers, on the steps that log them
     with timer(metrics, "update_actor"):
         metrics.update(update_policy(trainer, batch))
     with timer(metrics, "update_weights"):
@@ -72,7 +77,32 @@ def update_policy(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
                                    global_rows=float(len(mini_batch)))
             parts.append(trainer.strategy.train_step(mini_batch))
     combined = combine_metrics(parts)
-    return {k: v if is_extreme(k) else v / len(parts) for k, v in combined.items()}
+    out = {k: v if is_extreme(k) else v / len(parts) for k, v in combined.items()}
+    out["training/optimizer_steps"] = float(len(parts))
+    out["training/skipped_optimizer_steps"] = float(sum(not math.isfinite(p.get("actor/grad_norm", 0.0))
+                                                        for p in parts))
+    return out
+
+
+def check_skipped_steps(history: list[bool], metrics: dict[str, float], step: int, last: bool) -> None:
+    """Raise once ``MAX_SKIPPED_STEPS`` training steps in a row skipped every optimizer step (a
+    non-finite gradient norm) or had no row with a finite reward, or the run ends with all its
+    steps skipped so. ``history`` holds, per step of this ``fit``, whether it trained nothing;
+    this step's entry is appended here."""
+    total = metrics.get("training/optimizer_steps", 0.0)
+    no_rewards = metrics.get("reward/non_finite_share", 0.0) >= 1.0  # every row left out of the advantages
+    history.append(no_rewards or (total > 0 and metrics.get("training/skipped_optimizer_steps", 0.0) == total))
+    run = len(history) - next((i + 1 for i in range(len(history) - 1, -1, -1) if not history[i]), 0)
+    if run >= MAX_SKIPPED_STEPS or (last and run and run == len(history)):
+        nan_rewards = {k: v for k, v in metrics.items()
+                       if k.startswith(("reward/", "critic/")) and not math.isfinite(v)}
+        raise RuntimeError(
+            f"The last {run} training steps (up to step {step}) trained nothing: every optimizer step was skipped "
+            f"(actor/grad_norm={metrics.get('actor/grad_norm')}: not finite) or every row's reward was NaN/inf "
+            f"(reward/non_finite_share={metrics.get('reward/non_finite_share', 0.0)}). "
+            + (f"Non-finite metrics: {nan_rewards}. " if nan_rewards else "")
+            + "Check the reward functions (a NaN score), the learning rate, and precision (try '32-true' or "
+            "'bf16-mixed' instead of '16-mixed').")
 
 
 def batch_metrics(batch: RolloutBatch, step_time: float) -> dict[str, float]:

@@ -90,6 +90,14 @@ class RLModule(torch.nn.Module):
         target = self._trainer.step_metrics if self._trainer is not None else self.__dict__.setdefault("logged_metrics", {})
         target[name] = float(value)
 
+    def prompt_vocab_size(self) -> int | None:
+        """The policy's vocabulary size (its config's ``vocab_size``, read by the Trainer at setup),
+        or ``len(tokenizer)`` outside a Trainer; prompt token ids must be below it."""
+        size = getattr(self._trainer, "vocab_size", None) if self._trainer is not None else None
+        if size is None and self.tokenizer is not None and hasattr(self.tokenizer, "__len__"):
+            size = len(self.tokenizer)
+        return size
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_trainer"] = None  # the controller's trainer never travels to workers
@@ -160,7 +168,7 @@ class RLModule(torch.nn.Module):
                log_metrics: bool = False) -> RolloutBatch:
         """Rows for ``batch`` under ``sampling``: single-turn, or ``self.environment``'s episodes."""
         if self.environment is None:
-            return generate_rollouts(batch, engine, sampling, self.tokenizer.pad_token_id)
+            return generate_rollouts(batch, engine, sampling, self.tokenizer.pad_token_id, self.prompt_vocab_size())
         out = self.environment.rollout(batch, engine, sampling, self.tokenizer)
         for name, value in out.meta.pop("env_metrics", {}).items():
             if log_metrics:
@@ -252,6 +260,8 @@ class RLModule(torch.nn.Module):
         sampling = SamplingParams(n=1, max_new_tokens=self.sampling.max_new_tokens, temperature=0.0,
                                   stop_token_ids=self.sampling.stop_token_ids)
         rollouts = self.reward_step(self.sample(batch, engine, sampling))
+        if self._trainer is not None:
+            self._trainer.record_generations(rollouts, "val")
         scores = rollouts["scores"].float()
         return {"val/score": scores.mean().item(), "val/accuracy": (scores > 0).float().mean().item(),
                 "val/rows": float(len(scores))}
@@ -277,10 +287,13 @@ class RLModule(torch.nn.Module):
 
 
 def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: SamplingParams,
-                      pad_token_id: int) -> RolloutBatch:
-    """Sample ``sampling.n`` responses per prompt row and lay them out as the batch fields."""
+                      pad_token_id: int, vocab_size: int | None = None) -> RolloutBatch:
+    """Sample ``sampling.n`` responses per prompt row and lay them out as the batch fields; with
+    ``vocab_size``, first check every prompt token id is in ``[0, vocab_size)``."""
     if "prompt_ids" not in batch:
         raise KeyError(f"The prompt batch needs a 'prompt_ids' field (token ids per row); it has {batch.keys()}")
+    if vocab_size is not None:
+        check_prompt_ids(batch, vocab_size)
     gen = engine.generate(list(batch["prompt_ids"]), sampling)
     n = sampling.n
     uids = [uuid.uuid4().hex for _ in range(len(batch))]
@@ -308,3 +321,18 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["finish_reason"] = gen.finish_reason
     out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})
     return out
+
+
+def check_prompt_ids(batch: RolloutBatch, vocab_size: int) -> None:
+    """Raise before generation if a prompt token id is outside ``[0, vocab_size)`` (the embedding
+    would fail with ``IndexError: index out of range in self``), naming the row and the id."""
+    for row, ids in enumerate(batch["prompt_ids"]):
+        bad = [i for i in ids if not 0 <= int(i) < vocab_size]
+        if bad:
+            position = batch["prompt_position"][row].tolist() if "prompt_position" in batch else None
+            where = f" (epoch, loader batch, row: {position})" if position is not None else ""
+            raise ValueError(
+                f"Prompt row {row}{where} has token id {bad[0]}"
+                f"{f' (and {len(bad) - 1} more out of range)' if len(bad) > 1 else ''}, outside the model's "
+                f"vocabulary of {vocab_size} ids [0, {vocab_size - 1}]. Tokenize the prompts with the model's own "
+                f"tokenizer, or build the model with a vocab_size of at least {max(bad) + 1}.")

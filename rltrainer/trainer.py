@@ -20,10 +20,12 @@ from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, ProgressBar
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.generations import generation_rows, spread, write_generations
 from rltrainer.loggers import build_loggers, hyperparameters, log_hyperparameters
-from rltrainer.loop import batch_metrics, training_step, validation_loop
+from rltrainer.loop import batch_metrics, check_skipped_steps, training_step, validation_loop
 from rltrainer.module import REQUIRED_HOOKS, RLModule
 from rltrainer.pipelines import Pipeline, build_pipeline, check_module_pipeline, check_pipeline
+from rltrainer.plan import RunPlan, build_plan, log_plan
 from rltrainer.rollout.engine import RolloutEngine, build_engine
 from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, build_strategy
@@ -88,6 +90,10 @@ class Trainer:
             number for every stage, a dict by stage or method name (``{"train_step": 900}``; the
             others: the default), or ``None``: 10x the stage's running median, at least 300 s
             (1800 s before the stage has completed once). ``float("inf")``: no limit.
+        log_generations_every_n_steps: send ``log_generations_rows`` sample generations (prompt,
+            response, reward, advantage, finish reason, per-function rewards) to the loggers every
+            N steps, and at every validation (``None``: never); see :mod:`rltrainer.generations`.
+        log_generations_rows: how many rows each time.
     """
 
     def __init__(
@@ -119,6 +125,8 @@ class Trainer:
         max_staleness: int = 1,
         staleness_policy: str = "wait",
         stage_timeout_s: float | dict[str, float] | None = None,
+        log_generations_every_n_steps: int | None = 50,
+        log_generations_rows: int = 4,
     ) -> None:
         for name, value in (("max_steps", max_steps), ("log_every_n_steps", log_every_n_steps)):
             if not isinstance(value, int) or (value < 1 and not (name == "max_steps" and value == -1)):
@@ -127,6 +135,10 @@ class Trainer:
             raise ValueError(f"max_epochs must be >= 1 or None, got {max_epochs}")
         if val_check_interval is not None and val_check_interval < 1:
             raise ValueError(f"val_check_interval must be a positive number of steps or None, got {val_check_interval}")
+        for name, value in (("log_generations_every_n_steps", log_generations_every_n_steps),
+                            ("log_generations_rows", log_generations_rows)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int{' or None' if 'every' in name else ''}, got {value!r}")
         if weight_sync not in ("sync", "async"):
             raise ValueError(f"weight_sync must be 'sync' or 'async', got {weight_sync!r}")
         self.strategy = resolve_strategy(strategy, devices=devices, num_nodes=num_nodes, precision=precision,
@@ -158,6 +170,9 @@ class Trainer:
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
         self.loggers = build_loggers(logger, self.default_root_dir, project, run_name, run_id)
+        self.log_generations_every_n_steps = log_generations_every_n_steps
+        self.log_generations_rows = log_generations_rows
+        self._generations: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}  # rows to log, per split
         self.module: RLModule | None = None
         self.global_step = 0
         self.current_epoch = 0
@@ -165,6 +180,8 @@ class Trainer:
         self.step_metrics: dict[str, float] = {}
         self.callback_metrics: dict[str, float] = {}
         self.estimated_total_steps: int | None = None
+        self.plan: RunPlan | None = None  # during and after fit: what a step does, in rows
+        self.vocab_size: int | None = None  # after setup: the policy's, for checking prompt ids
         self._is_setup = False
         self._validated_this_step = False
 
@@ -176,6 +193,8 @@ class Trainer:
         check_hooks(module)
         check_module_pipeline(module, self.pipeline)  # before setup: nothing is built for a refused pairing
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
+        self.plan = build_plan(module, self.strategy, train_loader, self._estimate_total_steps(train_loader))
+        log_plan(self.plan, self.loggers)  # checked and shown before any model is built
         self._seed_everything()
         self.estimated_total_steps = self._estimate_total_steps(train_loader)
         module.estimated_optimizer_steps = estimate_optimizer_steps(  # before setup: LR schedules read it
@@ -229,6 +248,24 @@ class Trainer:
         if self._pipeline is None:
             raise RuntimeError("Trainer.draw_prompts() is only available inside fit(), from rollout_step")
         return self._pipeline.draw_prompts()
+
+    def record_generations(self, batch: RolloutBatch, split: str) -> None:
+        """Keep sample rows of a scored batch for the loggers (see :mod:`rltrainer.generations`):
+        ``split="train"`` on the steps that log them, ``"val"`` until ``log_generations_rows`` are
+        kept. The loop and the default ``validation_step`` call it; a custom ``validation_step``
+        may too."""
+        every, kept = self.log_generations_every_n_steps, self._generations[split]
+        if not self.loggers or every is None or len(kept) >= self.log_generations_rows:
+            return
+        if split == "train" and (self.global_step + 1) % every:
+            return
+        want = self.log_generations_rows - len(kept)
+        indices = spread(len(batch), want) if split == "train" else list(range(min(want, len(batch))))
+        kept.extend(generation_rows(batch, self.module.tokenizer, indices))
+
+    def _write_generations(self, split: str) -> None:
+        rows, self._generations[split] = self._generations[split], []
+        write_generations(self.loggers, rows, self.global_step, split)
 
     @property
     def off_policy(self) -> bool:
@@ -305,6 +342,7 @@ class Trainer:
         module._trainer = self
         self.strategy.setup(module, seed=self.seed)
         self._is_setup = True
+        self.vocab_size = getattr(self.strategy.model_config(), "vocab_size", None)  # prompt ids are checked
         self.engine = self.strategy.connect_engine(self._engine_spec, module.tokenizer)
         self.sync_weights()
 
@@ -347,11 +385,14 @@ class Trainer:
             pipeline.load_state_dict(self._pipeline_state)
             self._pipeline_state = None
         self.step_metrics = {}
+        skipped: list[bool] = []  # per step of this fit: was every optimizer step skipped
         for batch in pipeline:  # generated rows; the pipeline decides with which weights
             metrics = training_step(self, batch)
             self.global_step += 1
+            self._write_generations("train")
             self.strategy.weight_versions.policy = self.global_step
             self.current_epoch, self.batches_seen_in_epoch = pipeline.position(batch)
+            check_skipped_steps(skipped, metrics, self.global_step, last=self._done())
             metrics.update(pipeline.metrics())
             metrics.update(batch_metrics(batch, metrics["timing_s/step"]))
             metrics["training/epoch"] = float(self.current_epoch)
@@ -396,7 +437,13 @@ class Trainer:
         self._await_weights()
         call_hooks(self, "on_validation_start")
         self.engine.wake_up()
-        metrics = validation_loop(self, loader, self.limit_val_batches)
+        self._generations["val"] = []
+        step_metrics, self.step_metrics = self.step_metrics, {}  # what validation hooks log is not the step's
+        try:
+            metrics = validation_loop(self, loader, self.limit_val_batches)
+        finally:
+            self.step_metrics = step_metrics
+        self._write_generations("val")
         call_hooks(self, "on_validation_end", metrics)
         self._validated_this_step = True
         if log:

@@ -30,6 +30,8 @@ field                     shape        meaning
 ``ref_log_probs``         [N, T]       log-probs of the frozen reference model
 ``values``                [N, T]       critic values (PPO)
 ``scores``                [N]          total reward per sequence
+``reward_components``     [N, F]       each reward function's unweighted score (names: ``meta``)
+``reward_invalid``        [N]          bool, a reward function scored the row NaN/inf (GRPO)
 ``advantages``            [N, T]       per-token advantages (0 on padding)
 ``returns``               [N, T]       value targets (PPO)
 ``uid``                   str          non-tensor group id: rows with one prompt share it

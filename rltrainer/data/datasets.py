@@ -100,7 +100,46 @@ def _load_local(paths: Sequence[Path]) -> Dataset:
             f"Cannot read {[str(p) for p in paths]}: all files must share one of the formats "
             f"{sorted(LOCAL_FORMATS)}."
         )
-    return datasets.load_dataset(formats.pop(), data_files=[str(p) for p in paths], split="train")
+    kind = formats.pop()
+    try:
+        return datasets.load_dataset(kind, data_files=[str(p) for p in paths], split="train")
+    except Exception:
+        if kind == "json":
+            for p in paths:  # name the file and line instead of "An error occurred while generating the dataset"
+                check_json_lines(p)
+        raise
+
+
+def check_json_lines(path: Path) -> None:
+    """Raise ``ValueError`` naming ``path`` and the first line of a ``.jsonl`` file that is not one
+    JSON object (a ``.json`` file must parse as a whole). Called when ``datasets`` fails to read it."""
+    import json
+
+    with path.open(encoding="utf-8", errors="replace") as f:
+        if path.suffix == ".json":
+            text = f.read()
+            try:
+                json.loads(text)
+                return
+            except json.JSONDecodeError as error:
+                if text.lstrip().startswith("["):
+                    raise ValueError(f"{str(path)!r}, line {error.lineno}, column {error.colno}: not valid JSON "
+                                     f"({error.msg}). Fix that line, or delete it.") from None
+            f.seek(0)  # a .json file may hold JSON lines too
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.strip())
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{str(path)!r}, line {number}: not valid JSON ({error.msg} at column {error.colno}): "
+                    f"{line.strip()[:80]!r}. Each line of a JSON Lines file must be one JSON object; fix or "
+                    "delete that line.") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{str(path)!r}, line {number}: a JSON {type(row).__name__}, not an object "
+                                 f"({line.strip()[:80]!r}); each line must be one JSON object like "
+                                 '{"question": ..., "answer": ...}.')
 
 
 def gsm8k_row(row: Mapping[str, Any], index: int) -> tuple[str, str]:

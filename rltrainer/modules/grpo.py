@@ -373,6 +373,10 @@ class GRPO(RLModule):
             batch["scores"] = result.scores  # [N]
             if result.token_scores is not None:  # per-token rewards; their rows sum to the scores
                 batch["token_level_scores"] = result.token_level_scores(batch["response_mask"])  # [N, T]
+            batch["reward_components"] = torch.stack(list(result.per_func.values()), dim=-1)  # [N, F], unweighted
+            batch.meta["reward_components"] = list(result.per_func)  # the F names
+            if result.invalid is not None:  # NaN/inf from a reward function: out of the advantages
+                batch["reward_invalid"] = result.invalid  # [N] bool
             if "baseline_response_text" in batch:
                 batch["reward_baselines"] = self.baseline_scores(batch, fields)  # [N]
                 self.log("critic/reward_baseline/mean", batch["reward_baselines"].mean().item())
@@ -492,10 +496,7 @@ class GRPO(RLModule):
         if missing:
             raise KeyError(f"advantage_estimator={self.advantage_estimator!r} needs {missing} in the batch (the "
                            f"stages of compute_stages and GRPO's rollout/reward steps add them); it has {batch.keys()}")
-        ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields},
-                               token_level_scores=batch.get("token_level_scores"))
-        advantages, returns = self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], ctx,
-                                                 **self.advantage_kwargs)
+        advantages, returns = self.estimate_advantages(batch)
         advantages = self.distill_advantages(batch, advantages)
         batch["advantages"] = advantages  # [N, T]
         batch["returns"] = returns  # [N, T]
@@ -514,6 +515,29 @@ class GRPO(RLModule):
         for name, value in signal.items():  # a stalled run shows here: all groups zero-std
             self.log(name, value)
         return batch
+
+    def estimate_advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimator's ``(advantages, returns)`` ``[N, T]``. Rows in ``reward_invalid [N]`` (a
+        reward function scored them NaN or inf) are left out: the estimator runs on the other rows
+        (so they do not move a group's mean or std), and these get advantage 0 and leave
+        ``response_mask`` (no loss term, no token in any count)."""
+        invalid = batch["reward_invalid"] if "reward_invalid" in batch else None
+        if invalid is None or not invalid.any():
+            return self._run_estimator(batch)
+        keep = (~invalid).nonzero().flatten()  # [N'] rows with finite rewards
+        mask = batch["response_mask"]
+        advantages = torch.zeros(mask.shape, dtype=torch.float32)  # [N, T]
+        returns = torch.zeros(mask.shape, dtype=torch.float32)  # [N, T]
+        if len(keep):
+            kept_advantages, kept_returns = self._run_estimator(batch[keep])
+            advantages[keep], returns[keep] = kept_advantages.float(), kept_returns.float()
+        batch["response_mask"] = mask * (~invalid).to(mask.dtype).unsqueeze(-1)  # [N, T]
+        return advantages, returns
+
+    def _run_estimator(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = AdvantageContext(**{f: batch[f] for f in self._advantage_fields},
+                               token_level_scores=batch.get("token_level_scores"))
+        return self._advantage_fn(batch["scores"], batch["response_mask"], batch["uid"], ctx, **self.advantage_kwargs)
 
     def distill_advantages(self, batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor:
         """``advantages [N, T] - coef * (old_log_probs - teacher_log_probs)`` with a teacher (logs

@@ -21,6 +21,10 @@ sample by sample in a pool of that many processes, all functions' samples queued
 Per-token rewards: a function may return, for a completion, a list of numbers (one per response
 token) instead of one number; ``per_func`` and ``scores`` hold their sums and ``token_scores`` the
 weighted lists (see :class:`RewardResult`).
+
+A non-finite score (NaN, inf) is caught where it enters: it counts in ``errors``, the rows are
+logged with the function's name, and they are marked in ``invalid`` (GRPO leaves them out of the
+advantages and the loss).
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class RewardResult:
         token_scores: with per-token rewards, each completion's weighted per-token list (the sum
             of the functions that returned a list for it; ``None`` for a completion none did),
             whose sum is part of ``scores``; ``None`` when no function returned lists.
+        invalid: ``[N]`` bool, rows that some function scored NaN or inf (their scores are 0 here);
+            ``None`` when there are none.
     """
 
     scores: torch.Tensor
@@ -82,6 +88,7 @@ class RewardResult:
     errors: int = 0
     errors_per_func: dict[str, int] = field(default_factory=dict)
     token_scores: list[list[float] | None] | None = None
+    invalid: torch.Tensor | None = None
 
     def token_level_scores(self, response_mask: torch.Tensor) -> torch.Tensor:
         """``[N, T]`` rewards on the response tokens whose row sums are ``scores``: a completion's
@@ -107,6 +114,7 @@ class RewardResult:
         for name, values in self.per_func.items():
             out[f"reward/{name}/mean"] = _mean(values)
         out["reward/errors"] = float(self.errors)
+        out["reward/non_finite_share"] = float(self.invalid.float().mean()) if self.invalid is not None else 0.0
         return out
 
 
@@ -198,6 +206,7 @@ class RewardManager:
         per_func: dict[str, torch.Tensor] = {}
         errors_per_func: dict[str, int] = {}
         tokens: list[list[float] | None] = [None] * n
+        invalid = torch.zeros(n, dtype=torch.bool)
         for fn, name, weight in zip(self.reward_funcs, self.names, self.weights):
             if is_async(fn):
                 outcomes = run_async(fn, completions, columns, self.timeout, self.max_concurrency)
@@ -206,12 +215,29 @@ class RewardManager:
             else:
                 outcomes = self._evaluate(fn, name, completions, columns)
             values, errors = self._collect(name, outcomes)
-            per_func[name] = torch.tensor([_total(v) for v in values], dtype=torch.float32)  # [N]
-            errors_per_func[name] = errors
+            scores = torch.tensor([_total(v) for v in values], dtype=torch.float32)  # [N]
+            bad = self._non_finite(name, scores)  # [N] bool
+            per_func[name] = scores.masked_fill(bad, 0.0)
+            errors_per_func[name] = errors + int(bad.sum())
+            invalid |= bad
             total += weight * per_func[name]
             _add_tokens(tokens, values, weight, name)
         token_scores = tokens if any(t is not None for t in tokens) else None
-        return RewardResult(total, per_func, sum(errors_per_func.values()), errors_per_func, token_scores)
+        return RewardResult(total, per_func, sum(errors_per_func.values()), errors_per_func, token_scores,
+                            invalid if invalid.any() else None)
+
+    def _non_finite(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """``[N]`` bool: the scores of ``name`` that are NaN or inf, logged with their rows (every
+        call: a reward that returns NaN is a bug to fix, not noise)."""
+        bad = ~torch.isfinite(values)
+        if bad.any():
+            rows = bad.nonzero().flatten().tolist()
+            logger.warning(
+                "Reward function %r returned %d non-finite score(s) (%s) for rows %s of %d; they count in "
+                "reward/errors, score 0, and are left out of the advantages. Make the function return a finite "
+                "float for every completion (e.g. 0.0 when it cannot score one).",
+                name, len(rows), sorted({str(values[i].item()) for i in rows}), rows[:20], len(values))
+        return bad
 
     def _evaluate(self, fn: RewardFn, name: str, completions: list[str], columns: dict[str, list[Any]]) -> list[Any]:
         """In this process: one call on the batch (a list per sample, each in a one-element list),

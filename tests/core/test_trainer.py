@@ -224,3 +224,101 @@ def test_logger_names():
         build_loggers("neptune", ".")
     with pytest.raises(TypeError, match="log_metrics"):
         build_loggers(object(), ".")
+
+
+def test_nan_reward_is_caught_where_it_enters(tiny_config, bpe_tokenizer, gsm8k_prompts, caplog):
+    bad_question = gsm8k_prompts[0]["question"]
+
+    def sometimes_nan(completions, question, **kwargs):
+        return [float("nan") if q == bad_question else 1.0 for q in question]
+
+    module = make_module(tiny_config, bpe_tokenizer, reward_funcs=[sometimes_nan])
+    trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False)
+    with caplog.at_level("WARNING"):
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False))
+    metrics = trainer.callback_metrics
+    assert metrics["reward/errors"] == 2 and metrics["reward/non_finite_share"] == 0.5  # rows 0, 1: the first prompt
+    assert all(math.isfinite(metrics[k]) for k in ("reward/mean", "critic/advantages/mean", "actor/grad_norm"))
+    assert metrics["training/skipped_optimizer_steps"] == 0
+    message = next(r.getMessage() for r in caplog.records if "non-finite" in r.getMessage())
+    assert "'sometimes_nan'" in message and "rows [0, 1]" in message
+
+
+def test_nan_rewards_only_stop_the_run(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    def always_nan(completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    trainer = Trainer(max_steps=10, max_epochs=100, logger=False, enable_progress_bar=False)
+    with pytest.raises(RuntimeError, match=r"last 3 training steps \(up to step 3\) trained nothing.*NaN"):
+        trainer.fit(make_module(tiny_config, bpe_tokenizer, reward_funcs=[always_nan]),
+                    prompt_dataloader(gsm8k_prompts, batch_size=2))
+    assert trainer.global_step == 3
+
+
+def test_every_optimizer_step_skipped_stops_with_an_error():
+    from rltrainer.loop import check_skipped_steps
+
+    skipped = {"training/optimizer_steps": 2.0, "training/skipped_optimizer_steps": 2.0, "actor/grad_norm": math.nan}
+    partly = {**skipped, "training/skipped_optimizer_steps": 1.0}
+    history: list[bool] = []
+    check_skipped_steps(history, skipped, 1, last=False)
+    check_skipped_steps(history, partly, 2, last=False)  # one optimizer step went through: the run trains
+    check_skipped_steps(history, skipped, 3, last=False)
+    check_skipped_steps(history, skipped, 4, last=False)
+    with pytest.raises(RuntimeError, match=r"last 3 training steps \(up to step 5\).*grad_norm=nan"):
+        check_skipped_steps(history, skipped, 5, last=False)
+    with pytest.raises(RuntimeError, match=r"last 1 training steps"):  # a run too short for 3: at its end
+        check_skipped_steps([], skipped, 1, last=True)
+
+
+def test_out_of_vocabulary_prompt_id_is_named_before_generation(tiny_config, bpe_tokenizer):
+    rows = [{"prompt_ids": [1, 2, 3]}, {"prompt_ids": [4, len(bpe_tokenizer) + 7, 5]}]
+    trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False)
+    vocab = tiny_config.vocab_size
+    with pytest.raises(ValueError, match=rf"Prompt row 1 .*token id {vocab + 7}, outside the model's vocabulary of "
+                                         rf"{vocab} ids"):
+        trainer.fit(make_module(tiny_config, bpe_tokenizer), prompt_dataloader(rows, batch_size=2, shuffle=False))
+
+
+def test_run_plan_is_checked_before_any_model_is_built(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    built = []
+
+    class Watched(GRPO):
+        def configure_model(self):
+            built.append(True)
+            super().configure_model()
+
+    loader = prompt_dataloader(gsm8k_prompts, batch_size=3)  # 3 prompts x 2 samples = 6 rows
+    for mini, message in ((4, r"mini_batch_size=4 rows does not divide the 6 rows of a step \(3 prompts x 2"),
+                          (12, r"mini_batch_size=12 rows is larger than the batch: 3 prompts x 2 samples = 6")):
+        module = Watched(tiny_config, bpe_tokenizer, reward_funcs=zero_reward, num_generations=2,
+                         max_new_tokens=4, mini_batch_size=mini)
+        with pytest.raises(ValueError, match=message):
+            Trainer(max_steps=1, logger=False, enable_progress_bar=False).fit(module, loader)
+    assert built == []
+
+
+def test_run_plan_is_logged_and_sent_to_the_loggers(tiny_config, bpe_tokenizer, gsm8k_prompts, caplog):
+    class Hparams:
+        def __init__(self):
+            self.hparams = {}
+
+        def log_metrics(self, metrics, step):
+            pass
+
+        def log_hyperparams(self, params):
+            self.hparams.update(params)
+
+        def save(self):
+            pass
+
+    logger = Hparams()
+    module = make_module(tiny_config, bpe_tokenizer, mini_batch_size=4, update_epochs=2)
+    trainer = Trainer(max_steps=2, max_epochs=100, logger=logger, enable_progress_bar=False)
+    with caplog.at_level("INFO", logger="rltrainer.plan"):
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=4))
+    assert logger.hparams["plan/rows_per_step"] == 8 and logger.hparams["plan/optimizer_steps_per_training_step"] == 4
+    assert logger.hparams["plan/total_samples"] == 16 and logger.hparams["plan/max_generated_tokens_per_step"] == 64
+    assert logger.hparams["plan/micro_batch"] == "8 rows" and logger.hparams["plan/engine_replicas"] == 1
+    table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Run plan"))
+    assert "rows per step (N = B*G)" in table and "optimizer steps per training step" in table

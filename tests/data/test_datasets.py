@@ -199,3 +199,13 @@ def test_prepare_prompts_bad_input(tmp_path: Path, small_tokenizer: Any) -> None
     chat = load_rows(str(_write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"text": "hi"}]}])))
     with pytest.raises(ValueError, match=r"Row 0: every chat message needs 'role' and 'content'"):
         prepare_prompts(chat, small_tokenizer, prompt_column="messages")
+def test_broken_json_line_names_file_and_line(tmp_path: Path, gsm8k_file: Path) -> None:
+    lines = gsm8k_file.read_text().splitlines()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(lines[:3] + ['{"question": "How many?", "answer": '] + lines[3:]) + "\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl', line 4: not valid JSON .*fix or delete that line"):
+        load_rows(str(broken))
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text(lines[0] + "\n[1, 2]\n")
+    with pytest.raises(ValueError, match=r"listed.jsonl', line 2: a JSON list, not an object"):
+        load_rows(str(listed))

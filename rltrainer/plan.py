@@ -1,0 +1,113 @@
+"""The run plan: what one training step does, in rows, computed and checked at the start of
+``fit`` before any model is built, then logged once (a table) and sent to every logger as
+hyperparameters.
+
+One unit throughout: a *row* is one sampled response (``N = B * G`` rows per step)::
+
+    prompts per step (B)                    32
+    samples per prompt (G)                   8
+    rows per step (N = B*G)                256
+    rows per optimizer step                 64
+    optimizer steps per training step        4
+    micro-batch                        64 rows
+    ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rltrainer.module import RLModule
+    from rltrainer.strategies.strategy import Strategy
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """The shape of a run. ``None`` where the loader or the settings do not say (a loader without
+    ``batch_size`` or ``len``, ``max_steps=-1`` with an endless loader)."""
+
+    prompts_per_step: int | None
+    samples_per_prompt: int
+    rows_per_step: int | None
+    rows_per_optimizer_step: int | None
+    optimizer_steps_per_training_step: int | None
+    micro_batch: str
+    training_ranks: int
+    engine_replicas: int
+    total_training_steps: int | None
+    total_samples: int | None
+    max_new_tokens: int | None
+    max_generated_tokens_per_step: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """``plan/<field>``: the plan as flat hyperparameters (``None`` fields left out)."""
+        return {f"plan/{k}": v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def table(self) -> str:
+        """The plan as an aligned two-column text table, one line per field."""
+        labels = {"prompts_per_step": "prompts per step (B)", "samples_per_prompt": "samples per prompt (G)",
+                  "rows_per_step": "rows per step (N = B*G)"}
+        lines = [(labels.get(k, k.replace("_", " ")), "?" if v is None else f"{v:,}" if isinstance(v, int) else v)
+                 for k, v in dataclasses.asdict(self).items()]
+        width = max(len(label) for label, _ in lines)
+        return "\n".join(f"  {label:<{width}}  {value:>12}" for label, value in lines)
+
+
+def build_plan(module: RLModule, strategy: Strategy, loader: Any, total_steps: int | None) -> RunPlan:
+    """The plan of ``fit(module, loader)`` under ``strategy``; raises :class:`ValueError` with the
+    numbers if the batch cannot be split into mini-batches evenly (see :func:`check_plan`)."""
+    B = getattr(loader, "batch_size", None)
+    G = module.sampling.n
+    N = B * G if isinstance(B, int) else None
+    mini = module.mini_batch_size or N
+    check_plan(B, G, module.mini_batch_size, module.update_epochs)
+    max_new = module.sampling.max_new_tokens
+    budget = getattr(strategy, "max_tokens_per_micro_batch", None)
+    rows = getattr(strategy, "micro_batch_size", None)
+    micro = f"{budget:,} tokens" if budget else f"{rows} rows" if rows else "?"
+    ranks = strategy.world_size
+    placement = getattr(strategy, "rollout_placement", "colocated")
+    replicas = getattr(strategy, "rollout_replicas", 1) if placement == "split" else ranks
+    return RunPlan(
+        prompts_per_step=B, samples_per_prompt=G, rows_per_step=N, rows_per_optimizer_step=mini,
+        optimizer_steps_per_training_step=module.update_epochs * (N // mini) if N and mini else None,
+        micro_batch=micro, training_ranks=ranks, engine_replicas=replicas, total_training_steps=total_steps,
+        total_samples=total_steps * N if total_steps is not None and N else None, max_new_tokens=max_new,
+        max_generated_tokens_per_step=N * max_new if N and max_new else None)
+
+
+def check_plan(B: int | None, G: int, mini_batch_size: int | None, update_epochs: int) -> None:
+    """Raise if the rows of a step cannot be split into equal mini-batches."""
+    if not isinstance(update_epochs, int) or update_epochs < 1:
+        raise ValueError(f"update_epochs must be a positive int, got {update_epochs!r}")
+    if mini_batch_size is None:
+        return
+    if not isinstance(mini_batch_size, int) or mini_batch_size < 1:
+        raise ValueError(f"mini_batch_size must be a positive number of rows or None, got {mini_batch_size!r}")
+    if not isinstance(B, int):
+        return
+    N = B * G
+    if mini_batch_size > N:
+        raise ValueError(
+            f"mini_batch_size={mini_batch_size} rows is larger than the batch: {B} prompts x {G} samples = {N} rows "
+            f"per step. Set mini_batch_size to a divisor of {N} (e.g. {N} for one optimizer step), or raise the "
+            f"loader's batch_size to at least {-(-mini_batch_size // G)} prompts.")
+    if N % mini_batch_size:
+        divisors = [d for d in range(1, N + 1) if N % d == 0][-8:]
+        raise ValueError(
+            f"mini_batch_size={mini_batch_size} rows does not divide the {N} rows of a step ({B} prompts x {G} "
+            f"samples): the last optimizer step would get {N % mini_batch_size} rows. Use a divisor of {N}, e.g. "
+            f"one of {divisors}, or change the loader's batch_size.")
+
+
+def log_plan(plan: RunPlan, loggers: list[Any]) -> None:
+    """Log the plan once (rank zero: the controller) and send it to every logger's hyperparameters."""
+    log.info("Run plan (a row is one sampled response):\n%s", plan.table())
+    for logger in loggers:
+        if hasattr(logger, "log_hyperparams"):
+            logger.log_hyperparams(plan.as_dict())

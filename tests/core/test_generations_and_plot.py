@@ -1,0 +1,107 @@
+"""Sample generations reach each logger in its own form, and the CSV log plots into one PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer.generations import write_generations
+
+ROW_KEYS = {"step", "split", "prompt", "response", "reward", "advantage", "finish_reason", "reward/odd_length",
+            "reward/short"}
+
+
+def odd_length(completions, **kwargs):
+    return [float(len(c) % 2) for c in completions]
+
+
+def short(completions, **kwargs):
+    return [float(len(c) < 10) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory, tiny_config, bpe_tokenizer, gsm8k_prompts):
+    """3 steps with CSV and TensorBoard loggers: generations every 2 steps (3 rows), validation at step 2."""
+    root = tmp_path_factory.mktemp("run")
+    module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=[odd_length, short], num_generations=2, max_new_tokens=6,
+                  lr=1e-3)
+    trainer = Trainer(max_steps=3, max_epochs=100, val_check_interval=2, limit_val_batches=1,
+                      logger=["csv", "tensorboard"], default_root_dir=root, enable_progress_bar=False,
+                      log_generations_every_n_steps=2, log_generations_rows=3)
+    trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=4),
+                val_dataloaders=prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False))
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def tiny_config(bpe_tokenizer):
+    from rltrainer.testing import tiny_qwen2_config
+
+    return tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
+
+
+def test_csv_logger_writes_generations_jsonl_beside_metrics_csv(logged_run):
+    log_dir = Path(logged_run.loggers[0].log_dir)
+    assert (log_dir / "metrics.csv").is_file()
+    rows = [json.loads(line) for line in (log_dir / "generations.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["split"] == "train"]
+    val = [r for r in rows if r["split"] == "val"]
+    assert [r["step"] for r in train] == [2, 2, 2] and len(val) == 4  # 3 rows at step 2; 2 validations x 2 prompts
+    assert {r["step"] for r in val} == {2, 3}  # the val_check_interval one and the final one
+    assert all(set(r) == ROW_KEYS for r in rows)
+    for r in rows:
+        assert "<|im_start|>user" in r["prompt"] and isinstance(r["response"], str)
+        assert r["reward"] == pytest.approx(r["reward/odd_length"] + r["reward/short"])
+        assert r["finish_reason"] in ("stop", "length")
+    assert all(isinstance(r["advantage"], float) for r in train) and all(r["advantage"] is None for r in val)
+
+
+def test_tensorboard_logger_gets_a_text_table(logged_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = logged_run.loggers[1]
+    events = EventAccumulator(tb.log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    tags = events.Tags()["tensors"]
+    assert "generations/train/text_summary" in tags and "generations/val/text_summary" in tags
+    (train,) = events.Tensors("generations/train/text_summary")
+    table = train.tensor_proto.string_val[0].decode()
+    assert train.step == 2 and table.startswith("| prompt | response | reward | advantage | finish_reason |")
+    assert len(table.splitlines()) == 2 + 3
+
+
+def test_wandb_and_mlflow_get_a_table_and_an_artifact():
+    calls = []
+
+    class WandbLogger:  # the calls the real loggers' APIs take (lightning's WandbLogger, MlflowClient)
+        def log_table(self, key, columns, data, step):
+            calls.append(("wandb", key, columns, data, step))
+
+    class Client:
+        def log_dict(self, run_id, dictionary, artifact_file):
+            calls.append(("mlflow", run_id, dictionary, artifact_file))
+
+    class MLFlowLogger:
+        run_id, experiment = "run-1", Client()
+
+    rows = [{"prompt": "1+1=", "response": "2", "reward": 1.0}]
+    write_generations([WandbLogger(), MLFlowLogger()], rows, step=7, split="train")
+    assert calls[0] == ("wandb", "generations/train", ["prompt", "response", "reward"], [["1+1=", "2", 1.0]], 7)
+    assert calls[1] == ("mlflow", "run-1", {"step": 7, "split": "train", "rows": rows},
+                        "generations/train_step000007.json")
+
+
+def test_plot_draws_one_png_from_the_csv_log(logged_run, tmp_path):
+    from rltrainer.plot import PANELS, main, read_series
+
+    root = Path(logged_run.default_root_dir)
+    out = main([str(root), "-o", str(tmp_path / "run.png")])  # finds the newest metrics.csv below root
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
+    series = read_series(Path(logged_run.loggers[0].log_dir) / "metrics.csv")
+    assert series["critic/score/mean"][0] == [1.0, 2.0, 3.0] and series["val/score"][0] == [2.0, 3.0]
+    assert sum(any(n in series for n in names) for names in PANELS.values()) == 5  # KL: kl_coef=0, not logged
+    with pytest.raises(FileNotFoundError, match="No metrics.csv in or below"):
+        main([str(tmp_path)])
