@@ -327,7 +327,7 @@ NEXT = """next:
   python recipes/grpo_addition.py                    # the full proof: 800 steps, about 6 minutes
   python recipes/grpo_gsm8k.py --preset cpu          # the GSM8K pipeline on CPU (a random tiny model: reward ~0)
   python recipes/grpo_gsm8k.py --preset gpu          # the real GSM8K run: Qwen2.5-0.5B-Instruct on a GPU
-  jupyter notebook notebooks/quickstart.ipynb        # write your own RLModule and reward"""
+  notebooks/quickstart.ipynb (open in Jupyter)      # write an RLModule with your own reward"""
 
 
 def describe_outputs(log_dir: str | None) -> str:
