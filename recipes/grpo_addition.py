@@ -33,7 +33,9 @@ line ``held-out accuracy X% -> Y%``, where the metrics went (``--output-dir``, d
 2-core AMD EPYC shared with about 8 other jobs (load average 20-27, so about 7 s a step instead of
 0.4), seed 0 with 1 thread: warm-up 260 steps (232 s), held-out 12.3% -> 56.3% (+44.0, as in the
 table), training reward (means of 20 steps) 0.087, 0.106, 0.127, 0.163, 0.185, 0.199, 0.224, 0.273,
-0.321, 0.342; 1681 s in all under that load.
+0.321, 0.342; 1681 s in all under that load. Seed 1 with ``--threads 2`` under the same load was
+still in the warm-up after 26 minutes (two OpenMP threads stall when other jobs hold the cores, as
+``tests/conftest.py`` notes; unloaded, 2 threads ran as fast as 1), which is why one is the default.
 
 Seeds 0, 1, 2 of the full proof (2026-12-01, 2-core AMD EPYC, one thread each): held-out 10.8% -> 92.2%,
 24.2% -> 97.4%, 15.4% -> 85.2%, in 360-372 s (the first two sharing the machine). The CI test's
