@@ -33,7 +33,9 @@ line ``held-out accuracy X% -> Y%``, where the metrics went (``--output-dir``, d
 2-core AMD EPYC shared with about 8 other jobs (load average 20-27, so about 7 s a step instead of
 0.4), seed 0 with 1 thread: warm-up 260 steps (232 s), held-out 12.3% -> 56.3% (+44.0, as in the
 table), training reward (means of 20 steps) 0.087, 0.106, 0.127, 0.163, 0.185, 0.199, 0.224, 0.273,
-0.321, 0.342; 1681 s in all under that load. Seed 1 with ``--threads 2`` under the same load was
+0.321, 0.342; 1681 s in all under that load. Seed 1, 1 thread: warm-up 216 steps, 13.0% -> 79.0%
+(+66.0, as in the table), training reward 0.088, 0.102, 0.142, 0.186, 0.216, 0.248, 0.306, 0.357,
+0.456, 0.496; 822 s in all (load average about 40). Peak memory 0.54 GB each. Seed 1 with ``--threads 2`` under the same load was
 still in the warm-up after 26 minutes (two OpenMP threads stall when other jobs hold the cores, as
 ``tests/conftest.py`` notes; unloaded, 2 threads ran as fast as 1), which is why one is the default.
 
