@@ -35,7 +35,9 @@ line ``held-out accuracy X% -> Y%``, where the metrics went (``--output-dir``, d
 table), training reward (means of 20 steps) 0.087, 0.106, 0.127, 0.163, 0.185, 0.199, 0.224, 0.273,
 0.321, 0.342; 1681 s in all under that load. Seed 1, 1 thread: warm-up 216 steps, 13.0% -> 79.0%
 (+66.0, as in the table), training reward 0.088, 0.102, 0.142, 0.186, 0.216, 0.248, 0.306, 0.357,
-0.456, 0.496; 822 s in all (load average about 40). Peak memory 0.54 GB each. Seed 1 with ``--threads 2`` under the same load was
+0.456, 0.496; 822 s in all (load average about 40). Seed 2, 1 thread: warm-up 196 steps,
+18.3% -> 44.3% (+26.0, as in the table, its smallest gain), training reward 0.065, 0.077, 0.081,
+0.102, 0.109, 0.115, 0.119, 0.122, 0.138, 0.148; 513 s in all. Peak memory 0.54 GB each. Seed 1 with ``--threads 2`` under the same load was
 still in the warm-up after 26 minutes (two OpenMP threads stall when other jobs hold the cores, as
 ``tests/conftest.py`` notes; unloaded, 2 threads ran as fast as 1), which is why one is the default.
 
