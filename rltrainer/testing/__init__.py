@@ -8,19 +8,52 @@ from typing import Any
 
 from rltrainer.modules.grpo import GRPO
 
-#: The data shipped with the repository (``recipes/data``); ``RLTRAINER_DATA`` overrides it.
-DATA_DIR = Path(os.environ.get("RLTRAINER_DATA", Path(__file__).resolve().parents[2] / "recipes" / "data"))
+#: Where the offline data is looked for, in order: ``RLTRAINER_DATA`` alone when it is set; else
+#: ``recipes/data`` of the source tree this package was imported from (a clone, or an editable
+#: install of one), then ``recipes/data`` under the working directory. A plain ``pip install .``
+#: copies only the package, so there only the last two can apply.
+CLONE_DATA_DIR = Path(__file__).resolve().parents[2] / "recipes" / "data"
+
+
+def data_dirs() -> list[Path]:
+    """The folders :func:`data_path` looks in, in order (read each call: ``RLTRAINER_DATA`` may change)."""
+    if os.environ.get("RLTRAINER_DATA"):
+        return [Path(os.environ["RLTRAINER_DATA"])]
+    return [CLONE_DATA_DIR, Path.cwd() / "recipes" / "data"]
+
+
+def _data_dir() -> Path:
+    return next((folder for folder in data_dirs() if folder.is_dir()), data_dirs()[0])
+
+
+#: The offline data folder found when the package was imported (see :func:`data_dirs`).
+DATA_DIR = _data_dir()
 
 
 def data_path(*parts: str) -> Path:
-    """A path under the offline data folder; raises with what is there if it is missing."""
-    path = DATA_DIR.joinpath(*parts)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} does not exist. rltrainer's offline data lives in recipes/data of the repository "
-            f"(set RLTRAINER_DATA to another folder with the same layout)."
-        )
-    return path
+    """A path under the offline data folder (``recipes/data`` of the repository, or
+    ``RLTRAINER_DATA``); raises, saying where it looked and how to get the data, if it is missing."""
+    folders = data_dirs()
+    for folder in folders:
+        if folder.is_dir():
+            path = folder.joinpath(*parts)
+            if path.exists():
+                return path
+            raise FileNotFoundError(
+                f"{path} does not exist. The offline data folder {folder} holds: "
+                f"{', '.join(sorted(p.name for p in folder.iterdir())) or 'nothing'}; "
+                f"expected the layout of recipes/data in the rltrainer repository (see its README.md)."
+            )
+    looked = ", ".join(str(folder) for folder in folders)
+    if os.environ.get("RLTRAINER_DATA"):
+        looked += " (RLTRAINER_DATA, which is not a folder)"
+    raise FileNotFoundError(
+        f"rltrainer's offline data ({'/'.join(parts) or 'the folder'}) was not found: looked in {looked}. "
+        f"It ships in recipes/data of the rltrainer repository, which `pip install .` does not copy into "
+        f"the installed package. Get it by running from a clone of the repository (or installing one with "
+        f"`pip install -e .`), or set RLTRAINER_DATA to a copy of that folder: "
+        f"`export RLTRAINER_DATA=/path/to/rltrainer/recipes/data`."
+    )
 
 
 def load_tokenizer(name: str = "gsm8k-bpe4k") -> Any:

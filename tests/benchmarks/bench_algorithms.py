@@ -28,21 +28,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "grpo_addition.py"
 ALGORITHMS = "grpo,dr_grpo,dapo,gspo,cispo,rloo,reinforce_pp,remax,ppo"
-RESULT = re.compile(r"held-out accuracy after GRPO: ([\d.]+)%, ([+-][\d.]+) points \(before: ([\d.]+)%\); (\d+) steps")
+RESULT = re.compile(r"held-out accuracy ([\d.]+)% -> ([\d.]+)% \(([+-][\d.]+) points;.*?\); (\d+) GRPO steps")
 
 
 def run_one(algorithm: str, seed: int, steps: int) -> dict[str, float | str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(RECIPE), "--algorithm", algorithm, "--seed", str(seed),
-                           "--steps", str(steps), "--print-every", str(steps)],
+                           "--steps", str(steps), "--print-every", str(steps), "--output-dir", ""],
                           capture_output=True, text=True, env=env, cwd=ROOT)
     seconds = time.perf_counter() - start
     found = RESULT.search(proc.stdout)
     if proc.returncode or not found:
         raise RuntimeError(f"{algorithm} seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {"algorithm": algorithm, "seed": seed, "after": float(found[1]), "gain": float(found[2]),
-            "before": float(found[3]), "seconds": seconds, "steps": int(found[4])}
+    return {"algorithm": algorithm, "seed": seed, "before": float(found[1]), "after": float(found[2]),
+            "gain": float(found[3]), "seconds": seconds, "steps": int(found[4])}
 
 
 def main() -> None:

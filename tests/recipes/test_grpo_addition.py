@@ -70,9 +70,40 @@ def test_grpo_module_with_the_recipe_reward_pickles(recipe):
     assert clone.rewards(["9590", "1"], {"answer": ["9590", "2"]}).scores.tolist() == [1.0, 0.0]
 
 
+def test_presets_and_flags(recipe):
+    full, quick = recipe.parse_args([]), recipe.parse_args(["--preset", "quick"])
+    assert (full.steps, full.num_val, full.progress_bar) == (800, 500, False)
+    assert (quick.steps, quick.num_val, quick.progress_bar, quick.print_every) == (200, 300, True, 0)
+    assert full.output_dir == quick.output_dir == "outputs/grpo_addition"
+    assert recipe.parse_args(["--preset", "quick", "--steps", "5", "--output-dir", ""]).steps == 5
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--preset", "fast"])
+
+
+def test_quick_preset_is_the_learning_proofs_configuration(recipe):
+    """The README's first command is what the slow test below and bench_learning_proof.py measure:
+    only how progress is shown and where metrics go may differ."""
+    shown = {"print_every", "progress_bar", "output_dir"}
+    quick = {k: v for k, v in vars(recipe.parse_args(["--preset", "quick"])).items() if k not in shown}
+    proof = {k: v for k, v in vars(recipe.Config(seed=0, num_val=300, steps=200)).items() if k not in shown}
+    assert quick == proof
+
+
+def test_describe_outputs_names_what_the_run_wrote(recipe, tmp_path):
+    (tmp_path / "metrics.csv").write_text("step\n")
+    (tmp_path / "generations.jsonl").write_text("{}\n")
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "reward.png").write_bytes(b"")
+    text = recipe.describe_outputs(str(tmp_path))
+    for label, name in [("metrics", "metrics.csv"), ("generations", "generations.jsonl"), ("plot", "reward.png")]:
+        assert any(label in line and name in line for line in text.splitlines()), text
+    assert "none written" in recipe.describe_outputs(None)
+
+
 @pytest.mark.slow
-def test_grpo_raises_held_out_accuracy(recipe):
-    """A shortened run (80-115 s on 2 cores): GRPO must add at least 15 points of held-out accuracy.
+def test_grpo_raises_held_out_accuracy(recipe, tmp_path):
+    """The README's first command, ``--preset quick``, without the bar (80-115 s on 2 cores): GRPO
+    must add at least 15 points of held-out accuracy, and the metrics land where it says.
 
     Held on all 20 runs of 5 seeds x 4 numerics settings (1 and 2 torch threads, and MKL's and
     ATen's portable kernels, which round differently): +26.0 to +76.0 points, seed 0 +30.0 to +61.3.
@@ -80,7 +111,9 @@ def test_grpo_raises_held_out_accuracy(recipe):
     (+0.3 points): the warm-up stopped on a model that knew the units digit and guessed the others.
     It now stops only when every digit is partly learned, which is what gives the trajectory the
     same shape on every CPU (``warm_up``'s docstring)."""
-    config = recipe.Config(seed=0, num_val=300, steps=200, print_every=50)
+    config = recipe.parse_args(["--preset", "quick", "--print-every", "50", "--no-progress-bar",
+                                "--output-dir", str(tmp_path)])
     result = recipe.run(config)
     gain = result["acc_after"] - result["acc_before"]
     assert gain >= 0.15, f"GRPO raised held-out accuracy by only {gain:+.1%}: {result}"
+    assert "metrics.csv" in recipe.describe_outputs(result["log_dir"])

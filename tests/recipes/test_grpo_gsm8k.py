@@ -1,4 +1,4 @@
-"""The README's main job, shortened: the GSM8K recipe's CPU preset (tiny Qwen2 + the real Qwen2.5
+"""The README's GSM8K pipeline check, shortened: the GSM8K recipe's CPU preset (tiny Qwen2 + the real Qwen2.5
 tokenizer + the shipped GSM8K copy) runs end to end offline."""
 
 import importlib.util
