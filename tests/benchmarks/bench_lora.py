@@ -1,10 +1,10 @@
 """LoRA rank 16 against full fine-tuning: peak memory and the bytes of each weight sync.
 
     python tests/benchmarks/bench_lora.py                 # 3 steps each, single strategy, hf engine
-    python tests/benchmarks/bench_lora.py --steps 4 --new-tokens 128
+    python tests/benchmarks/bench_lora.py --steps 2 --new-tokens 32 --prompts 4   # a short run
 
 The workload is ``bench_vs_trl.py``'s (a Qwen2-architecture model, hidden 256, 4 layers, MLP 1024,
-tied embeddings, random init saved with ``save_pretrained``; 16 GSM8K prompts x 8 samples; KL 0.001
+tied embeddings, random init saved with ``save_pretrained``; 16 GSM8K prompts (``--prompts``) x 8 samples; KL 0.001
 to the reference; lr 1e-6, 2 threads), with ``--new-tokens`` (default 64) new tokens. LoRA: ``r=16,
 lora_alpha=32`` on every attention and MLP projection (``target_modules="all-linear"``, the LM head
 excepted by peft). Each mode runs in a subprocess of its own (peak RSS is that process's).
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_trl import G, PROMPTS, dataset, make_model  # noqa: E402
 
 
-def run(mode: str, model_path: str, steps: int, new_tokens: int) -> dict:
+def run(mode: str, model_path: str, steps: int, new_tokens: int, prompts: int) -> dict:
     import peft
     import torch
     from transformers import AutoTokenizer
@@ -50,7 +50,8 @@ def run(mode: str, model_path: str, steps: int, new_tokens: int) -> dict:
                   lr=1e-6, kl_coef=0.001, lora=lora)
     trainer = Trainer(strategy=SingleDeviceStrategy(device="cpu", micro_batch_size=8), max_steps=steps, logger=False,
                       enable_progress_bar=False, callbacks=[Record()])
-    trainer.fit(module, prompt_dataloader(dataset(tokenizer, steps), batch_size=PROMPTS, shuffle=False))
+    data = dataset(tokenizer, steps).select(range(prompts * steps))
+    trainer.fit(module, prompt_dataloader(data, batch_size=prompts, shuffle=False))
     params = list(module.policy.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     return {"mode": mode, "trainable_params": trainable, "total_params": sum(p.numel() for p in params),
@@ -64,18 +65,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step (x 8 samples)")
     p.add_argument("--child", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_lora.json"),
+                   help="where the JSON of the results goes")
     args = p.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run(args.child[0], args.child[1], args.steps, args.new_tokens)))
+        print("RESULT " + json.dumps(run(args.child[0], args.child[1], args.steps, args.new_tokens, args.prompts)))
         return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp))
         for mode in ("full", "lora"):
             proc = subprocess.run([sys.executable, __file__, "--child", mode, tmp, "--steps", str(args.steps),
-                                   "--new-tokens", str(args.new_tokens)], capture_output=True, text=True, check=True)
+                                   "--new-tokens", str(args.new_tokens), "--prompts", str(args.prompts)],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(f"the {mode} run failed:\n{proc.stderr[-4000:]}")
             line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
             results[mode] = json.loads(line[len("RESULT "):])
     print(f"{'':28}{'full':>16}{'lora r=16':>16}")
@@ -87,8 +93,8 @@ def main() -> None:
     for key, label in (("sync_bytes", "bytes per step's sync"), ("sync_tensors", "tensors per step's sync")):
         f, lo = results["full"][key], results["lora"][key]
         print(f"{label:28}{int(statistics.median(f)):>16,}{int(statistics.median(lo)):>16,}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
