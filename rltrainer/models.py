@@ -238,9 +238,11 @@ def share_rng_state() -> None:
 def parameter_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     """Each parameter's name -> all its names (a tied weight has several), first the one
     ``named_parameters()`` gives."""
+    from rltrainer.lora import base_name  # a LoRA policy's base weights load from the plain names
+
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+        names.setdefault(id(param), []).extend(dict.fromkeys([name, base_name(name)]))
     return {name: names[id(param)] for name, param in model.named_parameters()}
 
 

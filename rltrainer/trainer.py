@@ -294,6 +294,18 @@ class Trainer:
         call_callback_hooks(self, "on_save_checkpoint", checkpoint)
         torch.save(checkpoint, path)
 
+    def save_hf(self, path: str | Path, dtype: torch.dtype | None = None, lora: str = "merged",
+                max_shard_bytes: int | None = None) -> Path:
+        """Export the policy as a Hugging Face model directory (safetensors shards, config,
+        generation config, tokenizer) that ``AutoModelForCausalLM.from_pretrained(path)`` loads,
+        from any strategy, gathering one bucket at a time (:mod:`rltrainer.export`). ``dtype``:
+        cast the weights (default: as trained). A LoRA policy: ``lora="merged"`` (default) merges
+        the adapter in; ``lora="adapter"`` writes the adapter alone (peft's format). ``path`` must
+        be new or empty; it appears only once complete."""
+        from rltrainer.export import save_hf
+
+        return save_hf(self, path, dtype=dtype, lora=lora, max_shard_bytes=max_shard_bytes)
+
     def teardown(self) -> None:
         """Release the engine and the strategy's processes (Ray workers) and memory; requests still
         in flight end with them."""

@@ -98,8 +98,11 @@ class Worker:
         self._own_process_group = False
 
     # -- rollout role ----------------------------------------------------------------------------
-    def setup_engine(self, engine: RolloutEngine, model_config: Any, tokenizer: Any) -> None:
+    def setup_engine(self, engine: RolloutEngine, model_config: Any, tokenizer: Any, lora_config: Any = None) -> None:
+        """Set up ``engine`` here; with ``lora_config``, also ready it for that adapter (``enable_adapters``)."""
         engine.setup(model_config, tokenizer, device=self.device)
+        if lora_config is not None:
+            engine.enable_adapters(lora_config)
         self.engine = engine
 
     def _require_engine(self) -> RolloutEngine:

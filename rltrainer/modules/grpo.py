@@ -168,6 +168,11 @@ class GRPO(RLModule):
             (:class:`~rltrainer.envs.Environment`), wrapped in ``MultiTurn`` with its defaults. Each row
             is one episode (``G`` per prompt); ``reward_funcs=None`` then scores each with its summed
             environment reward (:func:`~rltrainer.envs.env_reward`). ``max_new_tokens`` is per turn.
+        lora: a ``peft.LoraConfig``: train a LoRA adapter on the policy (``peft.get_peft_model``;
+            linear layers, default init, the adapter's ``A`` drawn from ``model_seed``), on the
+            ``single`` and ``fsdp2`` strategies. The reference model is the policy with its
+            adapter disabled (no second copy). Engines that load adapters (``hf``) receive only
+            the adapter after the first sync; others receive the merged weights.
 
     Where the scores come from, in the loop's order: ``reward_step`` (controller) sums the rule
     rewards (``scores [N]``, zeros if there are none); the compute stages then run on the training
@@ -240,11 +245,17 @@ class GRPO(RLModule):
         model_seed: int | None = 0,
         teacher: Teacher | None = None,
         environment: Any = None,
+        lora: Any = None,
     ) -> None:
         super().__init__()
         self.environment = as_multi_turn(environment)
         if self.environment is not None and reward_funcs is None:
             reward_funcs = env_reward  # the episodes' summed environment reward
+        if lora is not None:
+            from rltrainer.lora import check_lora_config
+
+            check_lora_config(lora)
+        self.lora = lora
         AGGREGATIONS.get(loss_agg_mode), KL_ESTIMATORS.get(kl_estimator)  # unknown names raise here
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
@@ -324,7 +335,11 @@ class GRPO(RLModule):
         """The policy; a frozen copy as reference if :meth:`needs_ref`; the frozen ``teacher`` and
         ``reward_model`` if given (built like the policy, so strategies place them alike)."""
         self.policy = build_causal_lm(self.model_spec, seed=self.model_seed)
-        self.ref_policy = frozen_copy(self.policy) if self.needs_ref() else None
+        if self.lora is not None:  # the reference is the policy with its adapter disabled: no copy
+            from rltrainer.lora import apply_lora
+
+            self.policy = apply_lora(self.policy, self.lora, seed=self.model_seed or 0)
+        self.ref_policy = frozen_copy(self.policy) if self.needs_ref() and self.lora is None else None
         self.teacher = None
         if self.distill is not None:
             self.teacher = freeze(build_causal_lm(self.distill.model, seed=self.distill.seed))
@@ -440,6 +455,12 @@ class GRPO(RLModule):
             return {"teacher_log_probs": response_log_probs(self.teacher, micro_batch, temperature)[0]}
         if stage == "reward_model":
             return {"rm_scores": sequence_scores(self.reward_model, micro_batch)}
+        if stage == "ref" and self.lora is not None:
+            from rltrainer.lora import adapter_disabled
+
+            with adapter_disabled(self.policy):
+                temperature = micro_batch.meta.get("temperature") or 1.0
+                return {"ref_log_probs": response_log_probs(self.policy, micro_batch, temperature)[0]}
         return super().compute_step(micro_batch, stage)
 
     def _loss_prepare(self) -> Callable[..., dict[str, torch.Tensor]] | None:

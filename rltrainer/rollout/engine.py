@@ -120,6 +120,17 @@ class RolloutEngine(abc.ABC):
         """Load ``(hf_name, full_tensor)`` pairs into the inference model; return stats
         (``tensors``, ``bytes``). Tensors may be reused by the caller afterwards: copy them."""
 
+    # -- LoRA: an engine that loads adapters (optional) --------------------------------------------
+    #: True: for a LoRA policy the strategy calls :meth:`enable_adapters` after ``setup`` and syncs
+    #: the base weights once (HF names), then only the adapter, in peft's saved names
+    #: (``base_model.model.<module>.lora_A.weight``, see :mod:`rltrainer.lora`). False: it gets
+    #: the merged weights, as any policy's.
+    loads_adapters: bool = False
+
+    def enable_adapters(self, lora_config: Any) -> None:
+        """Prepare to serve a LoRA adapter of ``lora_config`` (a ``peft.LoraConfig``) on the base model."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters (loads_adapters=False)")
+
     # -- split placement, broadcast transport: an engine's own receiving path (optional) --------
     native_weight_broadcast: bool = False  # True: the hooks below receive; else rltrainer.weights does
 

@@ -115,6 +115,33 @@ class HFEngine(RolloutEngine):
         return self.model
 
     # -- weights -------------------------------------------------------------------------------
+    loads_adapters = True
+
+    def enable_adapters(self, lora_config: Any) -> None:
+        """Inject ``lora_config``'s adapter into the model in place (``peft.inject_adapter_in_model``):
+        the base weights keep their HF names (an adapted ``X.weight`` lives at
+        ``X.base_layer.weight``), the adapter arrives as ``base_model.model.X.lora_A.weight``."""
+        from rltrainer.lora import require_peft
+
+        peft = require_peft()
+        model = self._require_model()
+        with torch.random.fork_rng(devices=[]):  # its random init is replaced by the first sync
+            peft.inject_adapter_in_model(copy.deepcopy(lora_config), model)
+        model.requires_grad_(False)
+        self._forward = torch.compile(model, dynamic=True) if self.compile else model
+
+    def _weight_target(self, name: str, targets: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The parameter a synced name loads into, adapters included (see :meth:`enable_adapters`)."""
+        target = targets.get(name)
+        if target is None and name.startswith("base_model.model."):  # an adapter, as peft saves it
+            owner, _, leaf = name.removeprefix("base_model.model.").rpartition(".")
+            target = targets.get(f"{owner}.default.{leaf}")
+        if target is None and name.endswith(".weight"):  # an adapted layer's base weight
+            target = targets.get(name.removesuffix("weight") + "base_layer.weight")
+        if target is None and name.endswith(".bias"):
+            target = targets.get(name.removesuffix("bias") + "base_layer.bias")
+        return target
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Copy each ``(hf_name, tensor)`` into the parameter or buffer of that name (cast to the
         engine's dtype and device). Tied weights may be sent under either name."""
@@ -125,7 +152,7 @@ class HFEngine(RolloutEngine):
         count, nbytes = 0, 0
         with torch.no_grad():
             for name, tensor in weights:
-                target = targets.get(name)
+                target = self._weight_target(name, targets)
                 if target is None:
                     state = state if state is not None else model.state_dict(keep_vars=True)
                     target = state.get(name)

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from rltrainer.rollout.adapters import AdapterFiles
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       free_cached_blocks, gpu_engine_files, missing_engine, stop_token_ids)
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, bucketed, entry_nbytes
@@ -109,11 +110,20 @@ class SGLangEngine(RolloutEngine):
         dtype: the inference weights' dtype (``"bfloat16"`` by default).
         enable_memory_saver: allow ``sleep`` / ``wake_up`` (release / resume memory).
         bucket_bytes: size of each ``update_weights_from_tensor`` call.
+        enable_lora: serve a LoRA policy's adapter with SGLang's LoRA support (``enable_lora``,
+            ``max_lora_rank``, ``lora_target_modules``): the base weights are synced once, then each
+            sync brings only the adapter, written to a local directory and loaded with
+            ``Engine.load_lora_adapter`` before the next generation (the previous one unloaded);
+            requests name it in ``lora_path``. Colocated only (the broadcast of split placement
+            carries base weights). Off: a LoRA policy arrives merged, like any policy.
+        max_lora_rank, lora_target_modules: SGLang's (the rank must be at least the policy's ``r``;
+            ``"all"``: every linear layer SGLang supports).
         engine_kwargs: anything else for ``sglang.Engine`` (``ServerArgs`` fields).
     """
 
     def __init__(self, tp_size: int = 1, mem_fraction_static: float = 0.5, dtype: torch.dtype | str = torch.bfloat16,
                  enable_memory_saver: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 enable_lora: bool = False, max_lora_rank: int = 64, lora_target_modules: str | list[str] = "all",
                  engine_kwargs: dict[str, Any] | None = None, context_length: int | None = None) -> None:
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"SGLangEngine(tp_size={tp_size!r}): need an int >= 1 (GPUs per SGLang engine)")
@@ -129,6 +139,9 @@ class SGLangEngine(RolloutEngine):
                 raise ValueError(f"SGLangEngine: context_length={context_length} and engine_kwargs['context_length']="
                                  f"{self.engine_kwargs['context_length']}; set it once (the argument)")
             self.engine_kwargs["context_length"] = context_length
+        self.enable_lora, self.max_lora_rank, self.lora_target_modules = enable_lora, max_lora_rank, lora_target_modules
+        self._adapter: AdapterFiles | None = None
+        self._adapter_name: str | None = None  # the adapter requests name (loaded with load_lora_adapter)
         self.engine: Any = None
         self._released: set[str] = set()  # memory tags released by sleep and not resumed yet
         self._warned: set[str] = set()  # warnings given once
@@ -149,6 +162,10 @@ class SGLangEngine(RolloutEngine):
         kwargs = {"model_path": self._model_dir.name, "load_format": "dummy", "tp_size": self.tp_size,
                   "mem_fraction_static": self.mem_fraction_static, "dtype": str(self.dtype).removeprefix("torch."),
                   "enable_memory_saver": self.enable_memory_saver, "base_gpu_id": index}
+        if self.enable_lora:
+            targets = self.lora_target_modules
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras_per_batch=1,
+                          lora_target_modules=[targets] if isinstance(targets, str) else list(targets))
         kwargs.update(self.engine_kwargs)
         self.engine = sglang.Engine(**kwargs)
 
@@ -171,7 +188,9 @@ class SGLangEngine(RolloutEngine):
         stop = stop_token_ids(sampling, self.tokenizer)
         self._warn_about(sampling, stop)
         input_ids, params = sglang_requests(prompts, sampling, stop)
-        outputs = self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+        adapter = self._current_adapter()
+        lora = {"lora_path": [adapter] * len(input_ids)} if adapter else {}  # requests name the loaded adapter
+        outputs = self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True, **lora)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return generation_from_sglang(outputs, pad)
 
@@ -191,7 +210,38 @@ class SGLangEngine(RolloutEngine):
                         "make these samples reproducible. Pass SGLangEngine(engine_kwargs={'enable_deterministic_"
                         "inference': True}) for seeded sampling (batch-invariant kernels, slower).", sampling.seed)
 
+    # -- LoRA: Engine.load_lora_adapter / unload_lora_adapter (sglang/srt/entrypoints/engine.py) -----
+    @property
+    def loads_adapters(self) -> bool:  # type: ignore[override]
+        return self.enable_lora
+
+    def enable_adapters(self, lora_config: Any) -> None:
+        if not self.enable_lora:
+            super().enable_adapters(lora_config)
+        self._adapter = AdapterFiles(lora_config, self.max_lora_rank)
+
+    def _current_adapter(self) -> str | None:
+        """The adapter's name for requests: after a sync changed it, load it under a new name and
+        unload the previous one."""
+        if self._adapter is None or not (self._adapter.dirty or self._adapter_name is None):
+            return self._adapter_name
+        previous, version = self._adapter_name, self._adapter.version
+        name, _, path = self._adapter.write()
+        _checked(self.engine.load_lora_adapter(name, path), "load_lora_adapter")
+        self._adapter_name = name
+        if previous is not None:
+            _checked(self.engine.unload_lora_adapter(previous), "unload_lora_adapter")
+            self._adapter.forget(version)
+        return name
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        if self._adapter is not None:  # the adapter's tensors are kept for _current_adapter
+            stats = {"tensors": 0, "bytes": 0}
+            self._update_base(self._adapter.split(_counted(weights, stats)))
+            return stats
+        return self._update_base(weights)
+
+    def _update_base(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         self._begin_update()
         count = nbytes = 0
         try:
@@ -229,6 +279,10 @@ class SGLangEngine(RolloutEngine):
         self._group_name = group_name
 
     def receive_weights(self, entries: Sequence[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
+        if self._adapter is not None:
+            raise NotImplementedError("SGLangEngine(enable_lora=True) loads the adapter colocated only; split placement "
+                                      "broadcasts into SGLang's weights. Use rollout_placement='colocated', or "
+                                      "enable_lora=False (the merged weights are broadcast).")
         if self._group_name is None:
             raise RuntimeError("SGLangEngine.receive_weights before init_weight_group")
         self._begin_update()
@@ -293,6 +347,17 @@ class SGLangEngine(RolloutEngine):
         if self._model_dir is not None:
             self._model_dir.cleanup()
             self._model_dir = None
+        if self._adapter is not None:
+            self._adapter.cleanup()
+            self._adapter = self._adapter_name = None
+
+
+def _counted(weights: Iterable[tuple[str, torch.Tensor]], stats: dict[str, float]) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights``, counted into ``stats`` (``tensors``, ``bytes``) on the way."""
+    for name, tensor in weights:
+        stats["tensors"] += 1
+        stats["bytes"] += tensor.numel() * tensor.element_size()
+        yield name, tensor
 
 
 def _checked(result: Any, call: str) -> Any:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from rltrainer.rollout.adapters import AdapterFiles
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       gpu_engine_files, missing_engine, stop_token_ids)
 
@@ -96,13 +97,19 @@ class VLLMEngine(RolloutEngine):
         enable_sleep_mode: free weights and KV cache while training (needs vLLM's sleep mode).
         max_model_len: longest prompt + response (default: the model config's).
         enforce_eager: no CUDA graphs (faster start, slower decode).
+        enable_lora: serve a LoRA policy's adapter with vLLM's LoRA support (``enable_lora``,
+            ``max_loras=1``): the base weights are synced once, then each sync brings only the
+            adapter, which is written to a local directory and loaded as a new
+            ``LoRARequest`` before the next generation (the previous one removed). Off: a LoRA
+            policy arrives merged, like any policy.
+        max_lora_rank: vLLM's ``max_lora_rank`` (at least the policy's ``r``).
         llm_kwargs: anything else for ``vllm.LLM``.
     """
 
     def __init__(self, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  dtype: torch.dtype | str = torch.bfloat16, enable_sleep_mode: bool = True,
-                 max_model_len: int | None = None, enforce_eager: bool = False,
-                 llm_kwargs: dict[str, Any] | None = None) -> None:
+                 max_model_len: int | None = None, enforce_eager: bool = False, enable_lora: bool = False,
+                 max_lora_rank: int = 64, llm_kwargs: dict[str, Any] | None = None) -> None:
         self.tensor_parallel_size = tensor_parallel_size
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -110,6 +117,9 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = max_model_len
         self.enforce_eager = enforce_eager
         self.llm_kwargs = dict(llm_kwargs or {})
+        self.enable_lora, self.max_lora_rank = enable_lora, max_lora_rank
+        self._adapter: AdapterFiles | None = None
+        self._lora_request: Any = None  # the LoRARequest generation uses
         self.llm: Any = None
         self._asleep = 0
         self._model_dir: tempfile.TemporaryDirectory | None = None
@@ -128,6 +138,8 @@ class VLLMEngine(RolloutEngine):
             "enable_sleep_mode": self.enable_sleep_mode, "enforce_eager": self.enforce_eager,
             "logprobs_mode": "processed_logprobs", "max_model_len": self.max_model_len,
         }
+        if self.enable_lora:
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["seed"] = torch.distributed.get_rank() // self.tensor_parallel_size
@@ -148,10 +160,38 @@ class VLLMEngine(RolloutEngine):
             return repeat_samples(self.generate(prompts, dataclasses.replace(sampling, n=1)), sampling.n)
         self.wake_up()
         stop = stop_token_ids(sampling, self.tokenizer)
+        adapter = self._current_adapter()
+        lora = {"lora_request": adapter} if adapter is not None else {}
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                                    vllm_sampling_params(sampling, stop, len(prompts)), use_tqdm=False)
+                                    vllm_sampling_params(sampling, stop, len(prompts)), use_tqdm=False, **lora)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return generation_from_outputs(outputs, pad, self.tokenizer)
+
+    # -- LoRA: the adapter as a LoRARequest (vllm/lora/request.py; LLMEngine.add_lora / remove_lora) --
+    @property
+    def loads_adapters(self) -> bool:  # type: ignore[override]
+        return self.enable_lora
+
+    def enable_adapters(self, lora_config: Any) -> None:
+        if not self.enable_lora:
+            super().enable_adapters(lora_config)
+        self._adapter = AdapterFiles(lora_config, self.max_lora_rank)
+
+    def _current_adapter(self) -> Any:
+        """The adapter to generate with: after a sync changed it, load it as a new ``LoRARequest``
+        (a new ``lora_int_id``: vLLM caches adapters by id) and remove the previous one."""
+        if self._adapter is None or not (self._adapter.dirty or self._lora_request is None):
+            return self._lora_request
+        from vllm.lora.request import LoRARequest
+
+        previous = self._lora_request
+        name, int_id, path = self._adapter.write()
+        self._lora_request = LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+        self.llm.llm_engine.add_lora(self._lora_request)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            self._adapter.forget(previous.lora_int_id)
+        return self._lora_request
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         if self._asleep:
@@ -165,7 +205,8 @@ class VLLMEngine(RolloutEngine):
                 nbytes += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
-        self._model().load_weights(counted())
+        base = self._adapter.split(counted()) if self._adapter is not None else counted()
+        self._model().load_weights(base)  # the adapter's tensors stay in self._adapter
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         return {"tensors": count, "bytes": nbytes}
 
@@ -184,6 +225,9 @@ class VLLMEngine(RolloutEngine):
 
     def teardown(self) -> None:
         self.llm = None
+        if self._adapter is not None:
+            self._adapter.cleanup()
+            self._adapter = self._lora_request = None
         if self._model_dir is not None:
             self._model_dir.cleanup()
             self._model_dir = None

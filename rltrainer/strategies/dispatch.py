@@ -21,6 +21,7 @@ from rltrainer.controller.worker import Worker
 from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
                                                get_together)
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.lora import engine_view
 from rltrainer.rollout.remote import RemoteEngine
 from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import Strategy, combine_metrics
@@ -41,6 +42,7 @@ class WorkerGroupStrategy(Strategy):
 
     name = "distributed"
     worker_cls: type[TrainingWorker] = TrainingWorker
+    trains_lora = False  # whether its ranks export a LoRA policy (rltrainer.lora.LoraView)
 
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, rollout_placement: str = "colocated",
                  rollout_replicas: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, cpus_per_worker: float = 1.0,
@@ -94,6 +96,10 @@ class WorkerGroupStrategy(Strategy):
                               **init_kwargs)
 
     def setup(self, module: RLModule, seed: int) -> None:
+        self.lora_config = getattr(module, "lora", None)
+        if self.lora_config is not None and not self.trains_lora:
+            raise ValueError(f"strategy={self.name!r} does not train LoRA policies (the module has lora=...). Use "
+                             "strategy='fsdp2' or 'single', or train the full model (lora=None).")
         if self.world_size == 1:
             self.group = InProcessWorkerGroup(self.worker_cls, name="actor", bucket_bytes=self.bucket_bytes)
             payload: Any = module
@@ -139,7 +145,10 @@ class WorkerGroupStrategy(Strategy):
         elif self.world_size % k:
             raise ValueError(f"A {type(engine).__name__} replica spans {k} processes; colocated, that must divide "
                              f"the {self.world_size} training ranks")
-        group.execute_all("setup_engine", engine, self._config, tokenizer)
+        view = engine_view(self.lora_config, engine)
+        group.execute_all("setup_engine", engine, self._config, tokenizer,
+                          self.lora_config if view == "adapter" else None)
+        self.set_weight_view(view)
         self.group.execute_all("forget_synced")
         dtype = getattr(engine, "dtype", None)
         if self.rollout_placement == "split":
@@ -215,6 +224,15 @@ class WorkerGroupStrategy(Strategy):
 
     def weight_names(self) -> list[str]:
         return list(self._weight_names)
+
+    def set_weight_view(self, mode: str | None) -> None:
+        """Every rank exports its LoRA policy as ``mode`` (see :mod:`rltrainer.lora`)."""
+        if mode is None and self.weight_view is None:
+            return
+        group = self._require_group()
+        group.execute_all("set_weight_view", mode)
+        self._weight_names = group.execute_rank_zero("weight_names")
+        self.weight_view = mode
 
     def forget_synced(self) -> None:
         self._require_group().execute_all("forget_synced")  # every rank: the next sync sends every weight

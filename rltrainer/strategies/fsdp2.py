@@ -119,6 +119,8 @@ class FSDP2Worker(TrainingWorker):
         return self.loaded
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if self.view is not None:
+            return dict(self.view.specs)
         return {n: (tuple(p.shape), p.dtype) for n, p in self.module.policy.named_parameters()}
 
     def use_shared_memory(self, directory: str, tag: str) -> None:
@@ -133,13 +135,21 @@ class FSDP2Worker(TrainingWorker):
     # -- weights -----------------------------------------------------------------------------------
     def gather_weights(self, names: list[str], dtype: torch.dtype | None, index: int) -> list[tuple[str, torch.Tensor]]:
         """Full tensors of ``names`` (bucket ``index``): through shared memory on one CPU node,
-        else one async all-gather per DTensor with the whole bucket in flight."""
+        else one async all-gather per DTensor with the whole bucket in flight. A LoRA policy's
+        outputs (merged weights, adapters) are computed from their gathered sources."""
+        if self.view is None:
+            return self._gather_params(names, dtype, index, shared=True)
+        full = dict(self._gather_params(self.view.sources(names), None, index, shared=False))
+        return [(n, _local(self.view.tensor(n, full), dtype)) for n in names]
+
+    def _gather_params(self, names: list[str], dtype: torch.dtype | None, index: int,
+                       shared: bool) -> list[tuple[str, torch.Tensor]]:
         from torch.distributed.tensor import DTensor
 
         params = {n: p.detach() for n, p in self.module.policy.named_parameters()}
         if self.world_size == 1 or not any(isinstance(params[n], DTensor) for n in names):
             return [(n, _local(params[n], dtype)) for n in names]
-        if self.shared is not None:
+        if self.shared is not None and shared:
             return self._gather_shared(names, params, dtype, index)
         gathered, handles = [], []
         for name in names:
@@ -172,7 +182,7 @@ class FSDP2Worker(TrainingWorker):
                             out: torch.Tensor) -> bool:
         """With the shared-memory gather (one CPU node), every rank writes its rows straight into the
         transport's slot: the bucket is on the wire without another copy."""
-        if self.shared is None or self.world_size == 1:
+        if self.shared is None or self.world_size == 1 or self.view is not None:
             return False
         self._write_rows({n: p.detach() for n, p in self.module.policy.named_parameters()}, entries, out)
         return True
@@ -413,6 +423,7 @@ class FSDP2Strategy(WorkerGroupStrategy):
 
     name = "fsdp2"
     worker_cls = FSDP2Worker
+    trains_lora = True
     supported_model_types = frozenset({"llama", "qwen2", "qwen3"})
 
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, cpu_offload: bool = False,

@@ -40,6 +40,7 @@ class TrainingWorker(Worker):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
         self.options: dict[str, Any] = {}
+        self.view: Any = None  # a LoRA policy's rltrainer.lora.LoraView (what the export names)
 
     # -- what a subclass provides ------------------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -74,8 +75,15 @@ class TrainingWorker(Worker):
         return self.sender.versions
 
     def mark_stepped(self, stepped: list[str]) -> None:
-        """The optimizer step changed these policy parameters: bump their HF names' versions."""
-        self.versions.bump(stepped)
+        """The optimizer step changed these policy parameters: bump their HF names' versions
+        (a LoRA policy: the outputs of its view they make up)."""
+        self.versions.bump(self.view.outputs_of(stepped) if self.view is not None else stepped)
+
+    def set_weight_view(self, mode: str | None) -> None:
+        """Export the LoRA policy as ``mode`` (:class:`rltrainer.lora.LoraView`; ``None``: as it is)."""
+        from rltrainer.lora import LoraView
+
+        self.view = LoraView(self.module.policy, mode) if mode is not None else None
 
     # -- compute (every rank, on its share of the batch) ---------------------------------------------
     def compute(self, micro_batches: list[RolloutBatch], stage: str) -> dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ class SingleDeviceStrategy(Strategy):
         self.module: RLModule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
+        self._view: Any = None  # a LoRA policy's rltrainer.lora.LoraView
 
     @property
     def device(self) -> torch.device:
@@ -58,6 +59,20 @@ class SingleDeviceStrategy(Strategy):
         module.to(device=self.device, dtype=param_dtype(self.precision))
         self.module = module
         self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
+        self.lora_config = getattr(module, "lora", None)
+        self._view: Any = None
+
+    def set_weight_view(self, mode: str | None) -> None:
+        """A LoRA policy exports as ``mode`` (:class:`rltrainer.lora.LoraView`)."""
+        if mode is not None and self.lora_config is None:
+            raise ValueError(f"weight view {mode!r} needs a LoRA policy (the module's lora=peft.LoraConfig(...))")
+        if mode is not None:
+            from rltrainer.lora import LoraView
+
+            self._view = LoraView(self.module.policy, mode)
+        else:
+            self._view = None
+        self.weight_view = mode
 
     def _models(self) -> list[torch.nn.Module]:
         return list(self.module.trainable_models().values())
@@ -72,20 +87,24 @@ class SingleDeviceStrategy(Strategy):
         metrics, stepped = run_train_step(self.module, micro_batches, self._models(), self.optimizers, self.schedulers,
                                           self.gradient_clip_val,
                                           lambda: autocast_context(self.precision, self.device))
-        self.versions.bump(stepped)
+        self.versions.bump(self._view.outputs_of(stepped) if self._view is not None else stepped)
         return metrics
 
     def export_weights(self, dtype: torch.dtype | None = None,
                        only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        params = dict(self.module.policy.named_parameters())
-        names = self.versions.changed(params) if only_changed else list(params)
+        params = {n: p.detach() for n, p in self.module.policy.named_parameters()}
+        view = self._view
+        names = list(view.specs) if view is not None else list(params)
+        names = self.versions.changed(names) if only_changed else names
         for name in names:
-            tensor = params[name].detach()
+            tensor = view.tensor(name, params) if view is not None else params[name]
             yield name, tensor.to(dtype) if dtype else tensor
         if only_changed:
             self.versions.mark_synced(names)
 
     def weight_names(self) -> list[str]:
+        if self._view is not None:
+            return list(self._view.specs)
         return [n for n, _ in self.module.policy.named_parameters()]
 
     def model_config(self) -> Any:

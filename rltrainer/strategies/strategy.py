@@ -70,6 +70,8 @@ class Strategy(abc.ABC):
         self.precision = precision
         self.versions = ParamVersions()  # per parameter: what an in-process export still has to send
         self.weight_versions = WeightVersions()  # policy / started / loaded
+        self.lora_config: Any = None  # the module's peft.LoraConfig, if its policy is a LoRA one (set up)
+        self.weight_view: str | None = None  # a LoRA policy's export names (rltrainer.lora.LORA_VIEWS)
 
     @property
     def policy_version(self) -> int:
@@ -116,8 +118,17 @@ class Strategy(abc.ABC):
         """Set up ``engine`` where this strategy places rollout (here: this process, this device)
         and return the engine the controller calls. The next sync sends every weight."""
         engine.setup(self.model_config(), tokenizer, device=self.device)
+        self.set_weight_view(enable_engine_adapters(engine, self.lora_config))
         self.versions.forget_synced()
         return engine
+
+    def set_weight_view(self, mode: str | None) -> None:
+        """Export a LoRA policy as ``mode`` (:data:`rltrainer.lora.LORA_VIEWS`: ``"merged"``,
+        ``"adapter"``, ``"adapter_only"``; ``None`` without LoRA). A strategy that trains LoRA
+        overrides it; this one refuses a view it cannot give."""
+        if mode is not None:
+            raise NotImplementedError(f"{type(self).__name__} does not train LoRA policies")
+        self.weight_view = mode
 
     def forget_synced(self) -> None:
         """The engine lost its weights: the next sync sends every weight, not only the changed ones."""
@@ -190,6 +201,17 @@ def check_model_type(model: torch.nn.Module, strategy: str, supported: frozenset
             f"config.model_type), the ones its tests cover; the policy is {got}. Use a model of one of these "
             f"families or a strategy that supports it (README: 'Model families per strategy')."
         )
+
+
+def enable_engine_adapters(engine: RolloutEngine, lora_config: Any) -> str | None:
+    """For a LoRA policy: give ``engine`` the adapter's config if it loads adapters; returns the
+    view a sync to it uses (``"adapter"`` or ``"merged"``; ``None`` without LoRA)."""
+    from rltrainer.lora import engine_view
+
+    mode = engine_view(lora_config, engine)
+    if mode == "adapter":
+        engine.enable_adapters(lora_config)
+    return mode
 
 
 def run_micro_batches(hook: Callable[[RolloutBatch], Any], micro_batches: list[RolloutBatch],

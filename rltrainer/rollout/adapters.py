@@ -1,0 +1,77 @@
+"""A LoRA adapter as the production engines load it: a peft directory on local disk.
+
+vLLM (``LLMEngine.add_lora(LoRARequest(name, int_id, path))``, then ``generate(...,
+lora_request=...)``) and SGLang (``Engine.load_lora_adapter(name, path)``, then ``generate(...,
+lora_path=[name, ...])``) load adapters from ``adapter_config.json`` + ``adapter_model.safetensors``.
+A sync delivers the adapter in peft's saved names (see :mod:`rltrainer.lora`), bucket by bucket;
+:class:`AdapterFiles` keeps the latest tensors (small: the adapter alone) and, before the next
+generation, writes them as a new version of the directory for the engine to load under a new
+name, dropping the previous one.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """A synced name of the adapter (peft's saved form), not of the base model."""
+    return name.startswith("base_model.model.") and (".lora_A." in name or ".lora_B." in name)
+
+
+class AdapterFiles:
+    """The adapter a LoRA sync delivers, written out for an engine that loads adapters from disk.
+
+    Args:
+        lora_config: the policy's ``peft.LoraConfig`` (written as ``adapter_config.json``).
+        max_rank: the engine's largest LoRA rank (vLLM's / SGLang's ``max_lora_rank``).
+    """
+
+    def __init__(self, lora_config: Any, max_rank: int) -> None:
+        if lora_config.r > max_rank:
+            raise ValueError(f"The policy's LoRA rank r={lora_config.r} exceeds the engine's max_lora_rank={max_rank}; "
+                             f"construct the engine with max_lora_rank >= {lora_config.r}.")
+        self.config = copy.deepcopy(lora_config)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version = 0  # 1, 2, ...: the int id of the adapter last written (vLLM's lora_int_id)
+        self.dirty = False
+        self._root = Path(tempfile.mkdtemp(prefix="rltrainer-lora-"))
+
+    def split(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Keep (a CPU copy of) each adapter tensor; pass the base model's tensors on."""
+        for name, tensor in weights:
+            if is_adapter_tensor(name):
+                self.tensors[name] = tensor.detach().to("cpu", copy=True)
+                self.dirty = True
+            else:
+                yield name, tensor
+
+    @property
+    def name(self) -> str:
+        return f"rltrainer-policy-v{self.version}"
+
+    def write(self) -> tuple[str, int, str]:
+        """Write the tensors as the next version; returns ``(name, int_id, path)`` of it."""
+        from safetensors.torch import save_file
+
+        self.version += 1
+        path = self._root / self.name
+        path.mkdir()
+        save_file(self.tensors, str(path / "adapter_model.safetensors"))
+        self.config.save_pretrained(str(path))
+        self.dirty = False
+        return self.name, self.version, str(path)
+
+    def forget(self, version: int) -> None:
+        """Delete version ``version``'s directory (once the engine has unloaded it)."""
+        shutil.rmtree(self._root / f"rltrainer-policy-v{version}", ignore_errors=True)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self._root, ignore_errors=True)

@@ -1,0 +1,33 @@
+"""rltrainer.rollout.adapters: the directory vLLM's LoRARequest and SGLang's load_lora_adapter read
+is the synced adapter in peft's format (peft loads it back to the same tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rltrainer.lora import apply_lora
+from rltrainer.models import build_causal_lm
+from rltrainer.rollout.adapters import AdapterFiles
+
+peft = pytest.importorskip("peft")
+
+
+def test_synced_adapter_is_written_as_a_peft_directory(tiny_config):
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    policy = apply_lora(build_causal_lm(tiny_config, seed=0), config, seed=1)
+    adapter = peft.get_peft_model_state_dict(policy)  # peft's saved names: what a sync sends
+    files = AdapterFiles(config, max_rank=16)
+    stream = [("model.embed_tokens.weight", torch.zeros(2)), *adapter.items()]
+    assert [n for n, _ in files.split(stream)] == ["model.embed_tokens.weight"]  # the base goes on
+    assert files.dirty
+    name, int_id, path = files.write()
+    assert (int_id, files.dirty) == (1, False)
+    loaded = peft.PeftModel.from_pretrained(build_causal_lm(tiny_config, seed=0), path)
+    for key, tensor in peft.get_peft_model_state_dict(loaded).items():
+        assert torch.equal(tensor, adapter[key]), key
+    assert files.write()[1] == 2
+    files.forget(1)
+    files.cleanup()
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        AdapterFiles(config, max_rank=2)
