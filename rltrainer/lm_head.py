@@ -22,19 +22,23 @@ from typing import Any
 
 import torch
 
-TOKENS_X_VOCAB = 2**25
-"""Default chunk: ``TOKENS_X_VOCAB // vocabulary`` tokens, so that a chunk's fp32 logits are
-128 MiB (221 tokens at 151,665 entries, 8,192 at 4,096)."""
+CHUNK_ELEMENTS = {"cpu": 2**23, "cuda": 2**26}
+"""Default chunk, by device: ``CHUNK_ELEMENTS[device] // vocabulary`` tokens. On CPU a chunk's
+fp32 logits are 32 MiB (55 tokens at 151,665 entries, 2,048 at 4,096): glibc serves blocks up to
+its largest mmap threshold (32 MiB on 64-bit) from heaps it reuses, where each larger block is
+mapped, faulted in page by page and unmapped again (the CPU preset's system time). On CUDA, 256 MiB
+(the caching allocator reuses blocks; larger products run closer to peak)."""
 
 
-def chunk_tokens_for(vocab: int, chunk_tokens: int | None = None) -> int:
-    """Tokens per chunk: ``chunk_tokens`` if given, else :data:`TOKENS_X_VOCAB` // ``vocab`` (at least 16)."""
+def chunk_tokens_for(vocab: int, chunk_tokens: int | None = None, device: str = "cpu") -> int:
+    """Tokens per chunk: ``chunk_tokens`` if given, else :data:`CHUNK_ELEMENTS` ``[device] // vocab``
+    (at least 16)."""
     if chunk_tokens is not None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={chunk_tokens}: give a positive number of tokens per chunk, or None "
-                             f"for the default ({TOKENS_X_VOCAB} // vocabulary size)")
+                             f"for the default (CHUNK_ELEMENTS[device] // vocabulary size)")
         return chunk_tokens
-    return max(16, TOKENS_X_VOCAB // max(vocab, 1))
+    return max(16, CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cuda"]) // max(vocab, 1))
 
 
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -52,7 +56,8 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
         raise ValueError(f"chunked_log_probs takes hidden [N, H], weight [V, H] and targets [N]; got "
                          f"{list(hidden.shape)}, {list(weight.shape)} and {list(targets.shape)}")
     rows = weight.shape[0] if vocab_size is None else max(0, min(weight.shape[0], vocab_size - vocab_start))
-    chunk = chunk_tokens_for(weight.shape[0] if group is None else weight.shape[0] * _world(group), chunk_tokens)
+    vocab = weight.shape[0] if group is None else weight.shape[0] * _world(group)
+    chunk = chunk_tokens_for(vocab, chunk_tokens, hidden.device.type)
     options = _Options(float(temperature), chunk, group, vocab_start, rows)
     return _ChunkedHead.apply(hidden, weight, targets, options)
 

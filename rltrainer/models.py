@@ -316,8 +316,8 @@ def response_log_probs(
     and ``entropy [n, T]`` (or ``None``), both float32. The entropy carries gradients only with
     ``entropy_grad``.
 
-    The LM head runs in chunks of ``chunk_tokens`` tokens (default: 128 MiB of fp32 logits per
-    chunk, see :mod:`rltrainer.lm_head`), so ``[n, T, V]`` logits are never held, and the
+    The LM head runs in chunks of ``chunk_tokens`` tokens (default: 32 MiB of fp32 logits per
+    chunk on CPU, see :mod:`rltrainer.lm_head`), so ``[n, T, V]`` logits are never held, and the
     backward recomputes each chunk. This needs a plain ``nn.Linear`` head without bias applied
     last (transformers causal LMs; a model may instead offer ``lm_head_log_probs``, as megatron's
     does); other models (a LoRA-wrapped head, logit soft-capping) take the full-logits path, as
