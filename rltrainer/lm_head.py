@@ -18,6 +18,7 @@ Math, per token with ``z = (h @ W.T) / temperature`` (in fp32), ``lse = logsumex
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -62,9 +63,13 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     return _ChunkedHead.apply(hidden, weight, targets, options)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Options:
-    def __init__(self, temperature: float, chunk: int, group: Any, vocab_start: int, rows: int) -> None:
-        self.temperature, self.chunk, self.group, self.vocab_start, self.rows = temperature, chunk, group, vocab_start, rows
+    temperature: float
+    chunk: int  # tokens per chunk
+    group: Any  # tensor-parallel process group, or None
+    vocab_start: int  # this rank's first vocabulary row
+    rows: int  # this rank's rows inside the real vocabulary (padding past it dropped)
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -78,7 +83,8 @@ class _ChunkedHead(torch.autograd.Function):
         for start in range(0, n, options.chunk):
             stop = min(n, start + options.chunk)
             z = _logits(hidden[start:stop], weight, options)  # [c, V_local] fp32
-            lse[start:stop], entropy[start:stop], log_probs[start:stop] = _forward_stats(z, targets[start:stop], options)
+            stats = _forward_stats(z, targets[start:stop], options)
+            lse[start:stop], entropy[start:stop], log_probs[start:stop] = stats
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.options = options
         return log_probs, entropy

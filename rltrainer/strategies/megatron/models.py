@@ -5,8 +5,8 @@
   transformers config's architecture (:func:`~rltrainer.strategies.megatron.config.megatron_config`).
 - :class:`MegatronCausalLM`: ``model(input_ids, attention_mask, position_ids, logits_to_keep)``
   answered with full-vocabulary logits, and ``lm_head_log_probs`` (the response tokens' log-probs
-  and entropies from the vocabulary-parallel head in chunks, no logits gathered); :class:`MegatronValueModel`: a critic's
-  ``.logits [b, s, 1]``.
+  and entropies from the vocabulary-parallel head in chunks, no logits gathered);
+  :class:`MegatronValueModel`: a critic's ``.logits [b, s, 1]``.
 - :class:`StageOutput` / :class:`PipelineSlot`: how a hook's model call takes part in
   megatron-core's pipeline schedule.
 """
