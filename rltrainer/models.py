@@ -308,6 +308,7 @@ def response_log_probs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of ``batch["responses"]`` under ``model``.
 
@@ -315,17 +316,30 @@ def response_log_probs(
     response (``logits_to_keep``), so the LM head never sees the prompt. Logits are divided by
     ``temperature`` to match the sampling distribution of the engine. Returns ``log_probs [n, T]``
     and ``entropy [n, T]`` (or ``None``), both float32. The entropy carries gradients only with
-    ``entropy_grad`` (a softmax over the vocabulary kept for backward is costly).
+    ``entropy_grad``.
+
+    The LM head runs in chunks of ``chunk_tokens`` tokens (default: 32 MiB of fp32 logits per
+    chunk on CPU, see :mod:`rltrainer.lm_head`), so ``[n, T, V]`` logits are never held, and the
+    backward recomputes each chunk. This needs a plain ``nn.Linear`` head without bias applied
+    last (transformers causal LMs; a model may instead offer ``lm_head_log_probs``, as megatron's
+    does); other models (a LoRA-wrapped head, logit soft-capping) take the full-logits path, as
+    does ``chunk_tokens=0``.
     """
     responses = batch["responses"]  # [n, T]
     T = responses.shape[1]
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        use_cache=False,
-        logits_to_keep=T + 1,
-    ).logits[:, :-1]  # [n, T, V]: position P-1+t predicts response token t
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  position_ids=batch["position_ids"])
+    if chunk_tokens != 0:
+        if hasattr(model, "lm_head_log_probs"):
+            log_probs, entropy = model.lm_head_log_probs(**inputs, targets=responses, temperature=temperature,
+                                                         chunk_tokens=chunk_tokens)
+            return log_probs, _entropy(entropy, with_entropy, entropy_grad)
+        head = _chunkable_head(model)
+        if head is not None:
+            with _head_returns_log_probs(head, responses, temperature, chunk_tokens):
+                out = model(**inputs, use_cache=False, logits_to_keep=T + 1).logits  # [n, T, 2]
+            return out[..., 0], _entropy(out[..., 1], with_entropy, entropy_grad)
+    logits = model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]: P-1+t predicts t
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -335,6 +349,51 @@ def response_log_probs(
     if with_entropy:
         entropy = entropy_from_log_softmax(log_softmax if entropy_grad else log_softmax.detach())
     return log_probs, entropy
+
+
+def _entropy(entropy: torch.Tensor, with_entropy: bool, entropy_grad: bool) -> torch.Tensor | None:
+    if not with_entropy:
+        return None
+    return entropy if entropy_grad else entropy.detach()
+
+
+def _chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """``model``'s LM head if :func:`response_log_probs` may replace it by the chunked one: a plain
+    bias-free ``nn.Linear`` whose output the model returns as is (no soft-capping)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    if getattr(text_config, "final_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        return None
+    return head
+
+
+@contextlib.contextmanager
+def _head_returns_log_probs(head: torch.nn.Linear, responses: torch.Tensor, temperature: float,
+                            chunk_tokens: int | None) -> Iterator[None]:
+    """Inside it, ``head(hidden [n, T+1, H])`` returns ``[n, T, 2]``: the log-probs of
+    ``responses [n, T]`` and the entropies, computed in chunks from ``head.weight``. The work runs
+    inside the head's call, so a sharded model's gathered weight (FSDP2) is what it reads."""
+    from rltrainer.lm_head import chunked_log_probs
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        n, T = responses.shape
+        h = hidden[:, :T].reshape(n * T, hidden.shape[-1])  # position P-1+t predicts response t
+        log_probs, entropy = chunked_log_probs(h, head.weight, responses.reshape(-1), temperature, chunk_tokens)
+        return torch.stack([log_probs, entropy], -1).view(n, T, 2)
+
+    previous = head.__dict__.get("forward")
+    head.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,11 @@ transformers model by ``hf_to_megatron``; prints (as JSON) how far its logits, l
 (reduced as the worker reduces them, converted back by ``megatron_to_hf``) are from the
 single-device transformers model's. Run by tests/strategies/test_megatron_cpu.py; runnable alone:
 
-    python tests/strategies/megatron_tp_check.py [qwen2 | llama3-rope | qwen3]
+    python tests/strategies/megatron_tp_check.py [qwen2 | llama3-rope | qwen3] [head]
+
+With ``head``, the outputs compared are the response tokens' log-probs and entropies
+(``response_log_probs``: megatron's vocabulary-parallel head in chunks against transformers' full
+logits, temperature 0.7, row 0 left-padded) and the gradients of a loss using both.
 
 ``qwen2``: QKV biases, tied embeddings. ``llama3-rope``: untied, and Llama 3.1's RoPE scaling
 (``rope_type="llama3"``, factor 8; megatron's ``rope_scaling``) with ``rope_theta=5e5`` and
@@ -30,6 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 VOCAB, HIDDEN, LAYERS, HEADS, GROUPS, FFN, SEQ, BATCH = 128, 64, 2, 8, 2, 96, 24, 3
+RESPONSE, TEMPERATURE = 10, 0.7  # the ``head`` check: response tokens, sampling temperature
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -49,7 +54,21 @@ def hf_config(family: str):
     raise ValueError(f"unknown family {family!r}: qwen2, llama3-rope or qwen3")
 
 
-def rank_main(rank: int, world: int, port: int, workdir: str, family: str) -> None:
+def head_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The last ``RESPONSE`` tokens of ``ids`` as responses; row 0 left-padded by 3 (rotation)."""
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "responses": ids[:, -RESPONSE:]}
+
+
+def head_loss(log_probs: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """A loss using both outputs with unequal per-token weights, so every gradient term shows."""
+    weights = torch.linspace(-1.0, 1.0, log_probs.numel()).view_as(log_probs)
+    return (log_probs * weights).sum() + (entropy * weights.flip(-1)).sum() * 0.5
+
+
+def rank_main(rank: int, world: int, port: int, workdir: str, family: str, head: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from megatron.core import parallel_state
@@ -69,9 +88,17 @@ def rank_main(rank: int, world: int, port: int, workdir: str, family: str) -> No
     missing = [m for m in missing if not m.endswith("_extra_state")]
     assert not missing and not unexpected, (missing, unexpected)
     ids = data["ids"]
-    positions = torch.arange(SEQ).expand(BATCH, SEQ)
-    logits = gather_from_tensor_model_parallel_region(model(ids, positions, attention_mask=None))  # [b, s, V]
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    if head:  # the response tokens' log-probs and entropies from the vocabulary-parallel head in chunks
+        from rltrainer.models import response_log_probs
+        from rltrainer.strategies.megatron.models import MegatronCausalLM
+
+        log_probs, entropy = response_log_probs(MegatronCausalLM(model, config), head_batch(ids), TEMPERATURE,
+                                                with_entropy=True, entropy_grad=True, chunk_tokens=7)
+        logits, loss = torch.stack([log_probs, entropy]), head_loss(log_probs, entropy)
+    else:
+        positions = torch.arange(SEQ).expand(BATCH, SEQ)
+        logits = gather_from_tensor_model_parallel_region(model(ids, positions, attention_mask=None))  # [b, s, V]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
     for name, param in model.named_parameters():  # Qwen3's q/k norms: each TP rank saw its own heads; the
         if "q_layernorm" in name or "k_layernorm" in name:  # worker's finalize_model_grads sums them over TP
@@ -86,7 +113,7 @@ def rank_main(rank: int, world: int, port: int, workdir: str, family: str) -> No
     dist.destroy_process_group()
 
 
-def main(family: str) -> None:
+def main(family: str, head: bool = False) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
@@ -96,8 +123,15 @@ def main(family: str) -> None:
         for p in reference.parameters():  # non-trivial norms and biases
             p.add_(0.1 * torch.randn_like(p))
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    logits = reference(input_ids=ids).logits
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    if head:  # the full-logits path of transformers
+        from rltrainer.models import response_log_probs
+
+        log_probs, entropy = response_log_probs(reference, head_batch(ids), TEMPERATURE, with_entropy=True,
+                                                entropy_grad=True, chunk_tokens=0)
+        logits, loss = torch.stack([log_probs, entropy]), head_loss(log_probs, entropy)
+    else:
+        logits = reference(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
     with tempfile.TemporaryDirectory() as workdir:
         torch.save({"state": {n: p.detach() for n, p in reference.named_parameters()}, "ids": ids},
@@ -107,7 +141,7 @@ def main(family: str) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(rank_main, args=(2, port, workdir, family), nprocs=2)
+        mp.spawn(rank_main, args=(2, port, workdir, family, head), nprocs=2)
         tp = torch.load(os.path.join(workdir, "tp.pt"))
     grad_diff = max((tp["grads"][n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
     print(json.dumps({"logits_max_abs_diff": (tp["logits"] - logits.detach()).abs().max().item(),
@@ -117,4 +151,4 @@ def main(family: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "qwen2")
+    main(sys.argv[1] if len(sys.argv) > 1 else "qwen2", head=sys.argv[2:] == ["head"])

@@ -4,8 +4,9 @@
 - :func:`build_gpt`: a ``GPTModel`` (one pipeline stage, one tensor-parallel slice) with a
   transformers config's architecture (:func:`~rltrainer.strategies.megatron.config.megatron_config`).
 - :class:`MegatronCausalLM`: ``model(input_ids, attention_mask, position_ids, logits_to_keep)``
-  answered with full-vocabulary logits; :class:`MegatronValueModel`: a critic's
-  ``.logits [b, s, 1]``.
+  answered with full-vocabulary logits, and ``lm_head_log_probs`` (the response tokens' log-probs
+  and entropies from the vocabulary-parallel head in chunks, no logits gathered);
+  :class:`MegatronValueModel`: a critic's ``.logits [b, s, 1]``.
 - :class:`StageOutput` / :class:`PipelineSlot`: how a hook's model call takes part in
   megatron-core's pipeline schedule.
 """
@@ -96,17 +97,66 @@ class MegatronCausalLM(torch.nn.Module):
                 **kwargs: Any) -> SimpleNamespace:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        ids, positions, pads = rotate_left(input_ids, attention_mask)
+        _, _, pads = rotate_left(input_ids, attention_mask)
+        out = self._stage_output(input_ids, attention_mask)  # [b, s, V/tp]
+        logits = rotate_back(gather_from_tensor_model_parallel_region(out)[..., : self.config.vocab_size], pads)
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+    def _stage_output(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The GPT's output ``[b, s, ...]`` on left-aligned rows (:func:`rotate_left`); a stage
+        before the last raises :class:`StageOutput` with its hidden states ``[s, b, H]``."""
+        ids, positions, _ = rotate_left(input_ids, attention_mask)
         if not self.gpt.pre_process:
             if self.slot is None or self.slot.input_tensor is None:
                 raise RuntimeError("A pipeline stage after the first runs only inside megatron's schedule "
                                    "(MegatronWorker.run_micro_batches), which hands it the previous stage's output")
             self.gpt.set_input_tensor(self.slot.input_tensor)
-        out = self.gpt(ids, positions, attention_mask=None)  # [b, s, V/tp], or [s, b, H] before the last stage
+        out = self.gpt(ids, positions, attention_mask=None)
         if not self.gpt.post_process:
             raise StageOutput(out)
-        logits = rotate_back(gather_from_tensor_model_parallel_region(out)[..., : self.config.vocab_size], pads)
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+        return out
+
+    def lm_head_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                          position_ids: torch.Tensor | None, targets: torch.Tensor, temperature: float = 1.0,
+                          chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies ``[n, T]`` of the last ``T`` tokens ``targets [n, T]`` of
+        ``input_ids``, from the final hidden states and this rank's vocabulary rows of the output
+        layer, in chunks (:func:`~rltrainer.lm_head.chunked_log_probs`, reduced over the
+        tensor-parallel group): the full-vocabulary logits are neither built nor gathered."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        from rltrainer.lm_head import chunked_log_probs
+
+        if getattr(self.gpt.config, "sequence_parallel", False):
+            raise NotImplementedError("lm_head_log_probs with sequence parallelism: the hidden states are split "
+                                      "over the sequence; call the model for full logits instead")
+        head, captured = getattr(self.gpt, "output_layer", None), {}
+        if head is None:  # a stage before the last: raises StageOutput
+            return self._stage_output(input_ids, attention_mask)
+
+        def hidden_out(input_: torch.Tensor, weight: torch.Tensor | None = None, **kwargs: Any) -> tuple:
+            captured["weight"] = head.weight if weight is None else weight
+            return input_, None
+
+        _, _, pads = rotate_left(input_ids, attention_mask)
+        head.forward = hidden_out  # type: ignore[method-assign]
+        try:
+            hidden = self._stage_output(input_ids, attention_mask)  # [n, s, H]
+        finally:
+            del head.forward
+        n, T = targets.shape
+        hidden = rotate_back(hidden, pads)[:, -T - 1:-1].reshape(n * T, -1)  # position P-1+t predicts token t
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        weight = captured["weight"]
+        if tp > 1:
+            hidden = copy_to_tensor_model_parallel_region(hidden)  # backward: sum the ranks' parts
+        log_probs, entropy = chunked_log_probs(
+            hidden, weight, targets.reshape(-1), temperature, chunk_tokens,
+            group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+            vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.shape[0],
+            vocab_size=self.config.vocab_size)
+        return log_probs.view(n, T), entropy.view(n, T)
 
 
 class MegatronValueModel(torch.nn.Module):
