@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from rltrainer.call import call_callback_hooks, call_hooks
-from rltrainer.callbacks import Callback, ProgressBar
+from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
+from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, atomic_directory,
+                                   find_last, read_trainer_state)
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.loggers import build_loggers
 from rltrainer.loop import batch_metrics, training_step, validation_loop
@@ -212,17 +214,23 @@ class Trainer:
         self.teardown()
 
     def save_checkpoint(self, path: str | Path) -> None:
-        """Write the training state (models, optimizers, step counters) to ``path``."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write the training state to the directory ``path``: the strategy's models, optimizers and
+        schedulers (each rank its own shards, on a distributed strategy), and this controller's
+        counters, RNG, data position and callbacks' entries. It appears only once complete (written
+        under a temporary name, then renamed; see :mod:`rltrainer.checkpoints`)."""
         self._await_weights()
         pipeline = self._pipeline.state_dict() if self._pipeline is not None else self._pipeline_state or {}
-        checkpoint = {"pipeline": {"mode": self.pipeline, **pipeline}, "global_step": self.global_step,
-                      "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch, "strategy": self.strategy.state_dict(),
-                      "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                              "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-        call_callback_hooks(self, "on_save_checkpoint", checkpoint)
-        torch.save(checkpoint, path)
+        with atomic_directory(Path(path)) as tmp:
+            training = tmp / TRAINING_DIR
+            training.mkdir()
+            strategy_state = self.strategy.save_checkpoint(training)
+            checkpoint = {"format": FORMAT, "version": VERSION,
+                          "strategy_class": type(self.strategy).__name__, "strategy": strategy_state,
+                          "pipeline": {"mode": self.pipeline, **pipeline}, "global_step": self.global_step,
+                          "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch,
+                          "rng": controller_rng_state()}
+            call_callback_hooks(self, "on_save_checkpoint", checkpoint)
+            torch.save(checkpoint, tmp / TRAINER_FILE)
 
     def teardown(self) -> None:
         """Release the engine and the strategy's processes (Ray workers) and memory; requests still
@@ -374,29 +382,42 @@ class Trainer:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.global_step)
 
+    def _resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
+        """``"last"``: the newest checkpoint in the checkpoint directory (a ``ModelCheckpoint``'s
+        ``dirpath``, else ``<default_root_dir>/checkpoints``), or ``None`` (with a warning) on a fresh
+        run, which then starts from scratch; any other value is a path."""
+        if str(ckpt_path) != "last":
+            return Path(ckpt_path)
+        dirs = [c.checkpoint_dir(self) for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+        dirs = dirs or [Path(self.default_root_dir) / "checkpoints"]
+        found = [p for p in (find_last(d) for d in dirs) if p is not None]
+        if not found:
+            log.warning("ckpt_path='last': no checkpoint in %s yet; training starts from scratch",
+                        ", ".join(str(d) for d in dirs))
+            return None
+        return found[0]
+
     def _restore(self, ckpt_path: str | Path) -> None:
-        path = Path(ckpt_path)
-        if str(ckpt_path) == "last":
-            path = Path(self.default_root_dir) / "checkpoints" / "last.ckpt"
-        if not path.exists():
-            raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        self.strategy.load_state_dict(checkpoint["strategy"])
+        path = self._resolve_ckpt_path(ckpt_path)
+        if path is None:
+            return
+        checkpoint = read_trainer_state(path)
+        pipeline = dict(checkpoint["pipeline"])
+        if pipeline.pop("mode", self.pipeline) != self.pipeline and pipeline:
+            raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
+                             f"resume it with the same pipeline (this Trainer has {self.pipeline!r})")
+        try:
+            self.strategy.load_checkpoint(path.resolve() / TRAINING_DIR, checkpoint["strategy"])
+        except CheckpointError as exc:
+            if str(path) in str(exc) or str(path.resolve()) in str(exc):
+                raise
+            raise CheckpointError(f"{path}: {exc}") from exc
         self.global_step = checkpoint["global_step"]
         self.strategy.weight_versions.policy = self.global_step
         self.current_epoch = checkpoint["current_epoch"]
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
-        pipeline = dict(checkpoint.get("pipeline", {}))
-        if pipeline.pop("mode", self.pipeline) != self.pipeline and pipeline:
-            raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
-                             f"resume it with the same pipeline (this Trainer has {self.pipeline!r})")
         self._pipeline_state = pipeline
-        rng = checkpoint["rng"]
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        set_controller_rng_state(checkpoint["rng"])
         call_callback_hooks(self, "on_load_checkpoint", checkpoint)
         self.sync_weights()
 
@@ -413,6 +434,20 @@ class Trainer:
         by_epochs = per_epoch * self.max_epochs if per_epoch is not None and self.max_epochs else None
         candidates = [n for n in (by_epochs, self.max_steps if self.max_steps != -1 else None) if n is not None]
         return min(candidates) if candidates else None
+
+
+def controller_rng_state() -> dict[str, Any]:
+    """This process's torch, numpy, Python and CUDA RNG states, as a checkpoint keeps them."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_controller_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def sync_metrics(stats: dict[str, float]) -> dict[str, float]:

@@ -227,6 +227,38 @@ class FSDP2Worker(TrainingWorker):
             sched.load_state_dict(s)
         self.versions.forget_synced()
 
+    def save_checkpoint(self, directory: str) -> None:
+        """This rank's shards of every trainable model and optimizer, with the schedulers, into
+        ``directory`` (torch.distributed.checkpoint; a collective). Nothing is gathered."""
+        from rltrainer.strategies.sharded_checkpoint import save_sharded
+
+        save_sharded(self._sharded_state(), directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Fill this rank's shards from a checkpoint saved on any number of ranks (DCP reshards)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        from rltrainer.strategies.sharded_checkpoint import load_sharded
+
+        state = self._sharded_state()
+        load_sharded(state, directory, state["models"])
+        for name, m in self.module.trainable_models().items():
+            set_model_state_dict(m, state["models"][name])
+        for i, opt in enumerate(self.optimizers):
+            set_optimizer_state_dict(self._owner(opt), opt, state["optimizers"][str(i)])
+        for i, sched in enumerate(self.schedulers):
+            sched.load_state_dict(state["schedulers"][str(i)])
+        self.versions.forget_synced()
+
+    def _sharded_state(self) -> dict[str, Any]:
+        """Models and optimizers as this rank's DTensor shards (FQN keys), schedulers as they are."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        models = {name: get_model_state_dict(m) for name, m in self.module.trainable_models().items()}
+        optimizers = {str(i): get_optimizer_state_dict(self._owner(opt), opt) for i, opt in enumerate(self.optimizers)}
+        return {"models": models, "optimizers": optimizers,
+                "schedulers": {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}}
+
     def _owner(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         first = optimizer.param_groups[0]["params"][0]
         for model in self.module.trainable_models().values():
