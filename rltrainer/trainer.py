@@ -151,11 +151,11 @@ class Trainer:
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self._seed_everything()
         self._setup(module)
-        if ckpt_path is not None:
-            self._restore(ckpt_path)
-        self.estimated_total_steps = self._estimate_total_steps(train_loader)
-        self._validated_this_step = False
         try:
+            if ckpt_path is not None:
+                self._restore(ckpt_path)
+            self.estimated_total_steps = self._estimate_total_steps(train_loader)
+            self._validated_this_step = False
             call_hooks(self, "on_fit_start")
             self._fit_loop(train_loader, val_loader)
             self._await_weights()
