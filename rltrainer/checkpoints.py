@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
 import pickle
 import shutil
@@ -35,8 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 FORMAT = "rltrainer-checkpoint"
 VERSION = 2
@@ -52,20 +49,32 @@ class CheckpointError(ValueError):
 # -- writing ---------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def atomic_directory(path: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory next to ``path``; when the block ends without an error,
-    rename it onto ``path`` (a checkpoint already there is replaced). On an error it is removed; on a
-    crash it stays, under a name no reader takes for a checkpoint, until the next save of ``path``."""
+    """Yield an empty temporary directory next to ``path`` (:func:`temporary_directory`); when the
+    block ends without an error, rename it onto ``path`` (:func:`commit_directory`). On an error it is
+    removed; on a crash it stays, under a name no reader takes for a checkpoint, until the next save
+    of ``path``."""
+    tmp = temporary_directory(path)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_directory(tmp, path)
+
+
+def temporary_directory(path: Path) -> Path:
+    """A new empty ``.<name>.tmp-<id>`` next to ``path``, after removing those a crash left."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
+
+
+def commit_directory(tmp: Path, path: Path) -> None:
+    """Flush ``tmp`` to disk and rename it onto ``path`` (a checkpoint already there is replaced)."""
+    _fsync_tree(tmp)
     old = None
     if path.is_dir() and not path.is_symlink():
         old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"

@@ -7,9 +7,10 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ import torch
 
 from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
-from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, atomic_directory,
-                                   find_last, read_trainer_state)
+from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, commit_directory,
+                                   find_last, read_trainer_state, temporary_directory)
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.loggers import build_loggers
 from rltrainer.loop import batch_metrics, training_step, validation_loop
@@ -119,6 +120,7 @@ class Trainer:
         self.weight_sync = weight_sync
         self._executor: ThreadPoolExecutor | None = None
         self._pending_sync: Future | None = None
+        self._pending_checkpoint: tuple[Path, Path, Callable[[Path], None] | None] | None = None  # async save
         self.fast_dev_run = int(fast_dev_run)
         if self.fast_dev_run:
             max_steps, limit_val_batches, logger = self.fast_dev_run, 1, False
@@ -145,7 +147,9 @@ class Trainer:
     def fit(self, module: RLModule, train_dataloaders: Iterable[Any] | None = None,
             val_dataloaders: Iterable[Any] | None = None, datamodule: Any = None,
             ckpt_path: str | Path | None = None) -> None:
-        """Train ``module`` on prompts from ``train_dataloaders`` (or ``datamodule``)."""
+        """Train ``module`` on prompts from ``train_dataloaders`` (or ``datamodule``); with ``ckpt_path``
+        (a directory :meth:`save_checkpoint` wrote, or ``"last"``: the newest in ``ModelCheckpoint``'s
+        ``dirpath``; a fresh run with none warns and starts from scratch), resume from it."""
         check_hooks(module)
         check_module_pipeline(module, self.pipeline)  # before setup: nothing is built for a refused pairing
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
@@ -162,6 +166,7 @@ class Trainer:
             if val_loader is not None and not self._validated_this_step:
                 self._run_validation(val_loader)
             call_hooks(self, "on_fit_end")
+            self.wait_for_checkpoint()
         except BaseException as exc:
             call_callback_hooks(self, "on_exception", exc)
             self.teardown()
@@ -213,17 +218,25 @@ class Trainer:
     def __exit__(self, *exc: Any) -> None:
         self.teardown()
 
-    def save_checkpoint(self, path: str | Path) -> None:
+    def save_checkpoint(self, path: str | Path, async_save: bool = False,
+                        on_saved: Callable[[Path], None] | None = None) -> None:
         """Write the training state to the directory ``path``: the strategy's models, optimizers and
         schedulers (each rank its own shards, on a distributed strategy), and this controller's
         counters, RNG, data position and callbacks' entries. It appears only once complete (written
-        under a temporary name, then renamed; see :mod:`rltrainer.checkpoints`)."""
+        under a temporary name, then renamed; see :mod:`rltrainer.checkpoints`), and then
+        ``on_saved(path)`` runs.
+
+        With ``async_save``, ranks that can (FSDP2: DCP's async save) copy their shards to memory and
+        write them in the background while training goes on; the checkpoint is completed by the next
+        save, the end of ``fit``, teardown or :meth:`wait_for_checkpoint`, whichever comes first."""
+        self.wait_for_checkpoint()
         self._await_weights()
+        path = Path(path)
         pipeline = self._pipeline.state_dict() if self._pipeline is not None else self._pipeline_state or {}
-        with atomic_directory(Path(path)) as tmp:
-            training = tmp / TRAINING_DIR
-            training.mkdir()
-            strategy_state = self.strategy.save_checkpoint(training)
+        tmp = temporary_directory(path)
+        try:
+            (tmp / TRAINING_DIR).mkdir()
+            strategy_state = self.strategy.save_checkpoint(tmp / TRAINING_DIR, async_save=async_save)
             checkpoint = {"format": FORMAT, "version": VERSION,
                           "strategy_class": type(self.strategy).__name__, "strategy": strategy_state,
                           "pipeline": {"mode": self.pipeline, **pipeline}, "global_step": self.global_step,
@@ -231,10 +244,36 @@ class Trainer:
                           "rng": controller_rng_state()}
             call_callback_hooks(self, "on_save_checkpoint", checkpoint)
             torch.save(checkpoint, tmp / TRAINER_FILE)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.strategy.wait_checkpoint()  # nothing writes into it any more
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._pending_checkpoint = (tmp, path, on_saved)
+        if not async_save:
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save in flight (if any) to finish, and make it visible."""
+        if self._pending_checkpoint is None:
+            return
+        (tmp, path, on_saved), self._pending_checkpoint = self._pending_checkpoint, None
+        try:
+            self.strategy.wait_checkpoint()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        commit_directory(tmp, path)
+        if on_saved is not None:
+            on_saved(path)
 
     def teardown(self) -> None:
         """Release the engine and the strategy's processes (Ray workers) and memory; requests still
-        in flight end with them."""
+        in flight end with them; an asynchronous checkpoint save in flight completes first."""
+        try:
+            self.wait_for_checkpoint()
+        except Exception:  # release everything even so; the previous checkpoint is intact
+            log.exception("An asynchronous checkpoint save failed; it was not made visible")
         if self._is_setup and self._pipeline is not None:
             self.strategy.teardown()  # kill the workers first: threads waiting on them return at once
         if self._pipeline is not None:

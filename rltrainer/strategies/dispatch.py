@@ -242,11 +242,11 @@ class WorkerGroupStrategy(Strategy):
         self._load_training_state(state["training"])
         self._set_rng_states(state)
 
-    def save_checkpoint(self, directory: Path) -> dict[str, Any]:
+    def save_checkpoint(self, directory: Path, async_save: bool = False) -> dict[str, Any]:
         """Every rank writes its own part into ``directory`` (``TrainingWorker.save_checkpoint``;
         nothing passes through this process); this process keeps the layout and every rank's RNG
         state, the split replicas' too."""
-        self._require_group().execute_all("save_checkpoint", str(directory))
+        self._require_group().execute_all("save_checkpoint", str(directory), async_save)
         state = {"layout": self.checkpoint_layout(), "rng": self._require_group().execute_all("rng_state")}
         if self.rollout_group is not None:
             state["rollout_rng"] = self.rollout_group.execute_all("rng_state")
@@ -256,6 +256,10 @@ class WorkerGroupStrategy(Strategy):
         self.check_checkpoint_layout(directory, state.get("layout", {}))
         self._require_group().execute_all("load_checkpoint", str(directory))
         self._set_rng_states(state)  # only if saved with as many ranks (else each keeps its own)
+
+    def wait_checkpoint(self) -> None:
+        if self.group is not None:
+            self.group.execute_all("wait_checkpoint")
 
     def checkpoint_layout(self) -> dict[str, int]:
         """How the ranks split the state when saving (a checkpoint records it)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ class FSDP2Worker(TrainingWorker):
         super().__init__(rank, world_size, threads=threads, device=device, bucket_bytes=bucket_bytes)
         self.shared: SharedBuffers | None = None
         self.loaded: dict[str, dict[str, Any]] = {}
+        self.pending_save: Future | None = None  # an asynchronous checkpoint write
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
@@ -227,12 +229,20 @@ class FSDP2Worker(TrainingWorker):
             sched.load_state_dict(s)
         self.versions.forget_synced()
 
-    def save_checkpoint(self, directory: str) -> None:
+    def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
         """This rank's shards of every trainable model and optimizer, with the schedulers, into
-        ``directory`` (torch.distributed.checkpoint; a collective). Nothing is gathered."""
+        ``directory`` (torch.distributed.checkpoint; a collective). Nothing is gathered. With
+        ``async_save`` the shards are copied to host memory and written in a background thread
+        (:meth:`wait_checkpoint` waits)."""
         from rltrainer.strategies.sharded_checkpoint import save_sharded
 
-        save_sharded(self._sharded_state(), directory)
+        self.wait_checkpoint()
+        self.pending_save = save_sharded(self._sharded_state(), directory, async_save=async_save)
+
+    def wait_checkpoint(self) -> None:
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.result()
 
     def load_checkpoint(self, directory: str) -> None:
         """Fill this rank's shards from a checkpoint saved on any number of ranks (DCP reshards)."""
@@ -240,6 +250,7 @@ class FSDP2Worker(TrainingWorker):
 
         from rltrainer.strategies.sharded_checkpoint import load_sharded
 
+        self.wait_checkpoint()
         state = self._sharded_state()
         load_sharded(state, directory, state["models"])
         for name, m in self.module.trainable_models().items():

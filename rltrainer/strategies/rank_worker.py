@@ -95,10 +95,13 @@ class TrainingWorker(Worker):
         return metrics
 
     # -- checkpoints: each rank writes and reads its own part ----------------------------------------
-    def save_checkpoint(self, directory: str) -> None:
-        """This rank's models, optimizers and schedulers as ``directory/rank=<r>.pt`` (a layout that
-        reshards overrides it, see ``FSDP2Worker``)."""
+    def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
+        """This rank's models, optimizers and schedulers as ``directory/rank=<r>.pt``, written at once
+        (a layout that reshards or saves in the background overrides it, see ``FSDP2Worker``)."""
         torch.save(local_training_state(self.module, self.optimizers, self.schedulers), self._rank_file(directory))
+
+    def wait_checkpoint(self) -> None:
+        """Wait for this rank's background checkpoint write, if any."""
 
     def load_checkpoint(self, directory: str) -> None:
         from rltrainer.checkpoints import safe_load

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from rltrainer.checkpoints import CheckpointError, check_state_matches, safe_load
 
-_METADATA_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"),
-                     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch._utils", "_get_layout"), ("collections", "OrderedDict")}
+_METADATA_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"), ("torch", "Size"),
+                     ("torch.serialization", "_get_layout"), ("torch._utils", "_get_layout"),
+                     ("collections", "OrderedDict")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -39,7 +41,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         allowed = (module.startswith("torch.distributed.checkpoint.") or (module, name) in _METADATA_GLOBALS
                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
         if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch.distributed.checkpoint metadata file")
+            raise pickle.UnpicklingError(f"{module}.{name} is not in a torch.distributed.checkpoint metadata file")
         return super().find_class(module, name)
 
 
@@ -82,9 +84,28 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def save_sharded(state: dict[str, Any], directory: str | Path) -> None:
-    """This rank's shards of ``state`` into ``directory`` (a collective: every rank calls it)."""
-    dcp_save(state, checkpoint_id=str(directory))
+def save_sharded(state: dict[str, Any], directory: str | Path, async_save: bool = False) -> Future | None:
+    """This rank's shards of ``state`` into ``directory`` (a collective: every rank calls it). With
+    ``async_save``: copy them to host memory, write them in a background thread whose collectives
+    use a gloo group of their own (training's go on meanwhile), and return its future."""
+    if not async_save:
+        dcp_save(state, checkpoint_id=str(directory))
+        return None
+    from torch.distributed.checkpoint import async_save as dcp_async_save
+
+    return dcp_async_save(state, checkpoint_id=str(directory), process_group=_checkpoint_group())
+
+
+_GROUP: list[Any] = []  # the background writes' process group, made once per process
+
+
+def _checkpoint_group() -> Any:
+    """A gloo group of all ranks for background checkpoint writes (a collective the first time)."""
+    import torch.distributed as dist
+
+    if not _GROUP:
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
 
 
 def saved_shapes(directory: str | Path, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -155,12 +155,17 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def save_checkpoint(self, directory: Path) -> dict[str, Any]:
+    def save_checkpoint(self, directory: Path, async_save: bool = False) -> dict[str, Any]:
         """Write models, optimizers and schedulers into ``directory`` (new and empty; part of a
         checkpoint still under its temporary name, see :mod:`rltrainer.checkpoints`). Returns the
-        small state the controller keeps in ``trainer.pt``. Here: :meth:`state_dict` as one file."""
+        small state the controller keeps in ``trainer.pt``. With ``async_save`` a strategy may
+        return before the files are written (:meth:`wait_checkpoint` waits). Here: :meth:`state_dict`
+        as one file, written at once."""
         torch.save(self.state_dict(), directory / "state.pt")
         return {}
+
+    def wait_checkpoint(self) -> None:
+        """Wait until the files of the last :meth:`save_checkpoint` are written."""
 
     def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
         """The inverse of :meth:`save_checkpoint` (``state``: what it returned); raises
