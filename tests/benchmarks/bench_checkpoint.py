@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench_checkpoint.json")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_checkpoint.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -119,6 +119,7 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     result = {"hidden": args.hidden, "layers": args.layers, "ranks": args.devices, "parameters": params,
               "figures": figures}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"{params / 1e6:.1f}M parameters, fp32 + AdamW, {args.devices} FSDP2 ranks")
     print(f"{'mode':<12} {'save s':>8} {'load s':>8} {'blocking s':>10} {'size MB':>8} {'ctrl RSS +MB':>12}")

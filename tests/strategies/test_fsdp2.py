@@ -281,7 +281,7 @@ def test_fsdp2_async_checkpoint_completes_at_the_next_save_and_at_the_end_of_fit
             return trainer.strategy.state_dict()["training"]
 
     trained = run(2, callbacks=[Look(), ModelCheckpoint(every_n_steps=1, async_save=True)])
-    assert seen == [(1, []), (2, [".step=1"])]  # during step 2, step 1 was still being written
+    assert seen == [(1, []), (2, [".step=1.ckpt"])]  # during step 2, step 1 was still being written
     assert os.readlink(checkpoints / "last.ckpt") == "step=2.ckpt" and not (checkpoints / "step=1.ckpt").exists()
     assert not list(checkpoints.glob(".*"))
     assert_same_state(trained, run(2, ckpt="last"), "async checkpoint")
