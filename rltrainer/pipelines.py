@@ -284,11 +284,13 @@ class OneStepOffPipeline(Pipeline):
             return {}
         batch = self._held.result()
         epoch, index, _ = batch["prompt_position"][0].tolist()
-        return {"next_batch": batch, "loader_batch": (epoch, index)}
+        plain = {"tensors": dict(batch.tensors.items()), "non_tensors": batch.non_tensors, "meta": batch.meta,
+                 "batch_size": len(batch)}  # plain types: a checkpoint loads with weights_only=True
+        return {"next_batch": plain, "loader_batch": (epoch, index)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "next_batch" in state:
-            self._restored = state["next_batch"]
+            self._restored = RolloutBatch(**state["next_batch"])
             self.skip.add(tuple(state["loader_batch"]))
 
 

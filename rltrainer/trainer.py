@@ -7,9 +7,10 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ import numpy as np
 import torch
 
 from rltrainer.call import call_callback_hooks, call_hooks
-from rltrainer.callbacks import Callback, ProgressBar
+from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
+from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, commit_directory,
+                                   find_last, read_trainer_state, temporary_directory)
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.generations import generation_rows, spread, write_generations
@@ -158,6 +161,7 @@ class Trainer:
         self.weight_sync = weight_sync
         self._executor: ThreadPoolExecutor | None = None
         self._pending_sync: Future | None = None
+        self._pending_checkpoint: tuple[Path, Path, Callable[[Path], None] | None] | None = None  # async save
         self.fast_dev_run = int(fast_dev_run)
         if self.fast_dev_run:
             max_steps, limit_val_batches, logger = self.fast_dev_run, 1, False
@@ -189,7 +193,9 @@ class Trainer:
     def fit(self, module: RLModule, train_dataloaders: Iterable[Any] | None = None,
             val_dataloaders: Iterable[Any] | None = None, datamodule: Any = None,
             ckpt_path: str | Path | None = None) -> None:
-        """Train ``module`` on prompts from ``train_dataloaders`` (or ``datamodule``)."""
+        """Train ``module`` on prompts from ``train_dataloaders`` (or ``datamodule``); with ``ckpt_path``
+        (a directory :meth:`save_checkpoint` wrote, or ``"last"``: the newest in ``ModelCheckpoint``'s
+        ``dirpath``; a fresh run with none warns and starts from scratch), resume from it."""
         check_hooks(module)
         check_module_pipeline(module, self.pipeline)  # before setup: nothing is built for a refused pairing
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
@@ -200,18 +206,20 @@ class Trainer:
         module.estimated_optimizer_steps = estimate_optimizer_steps(  # before setup: LR schedules read it
             self.estimated_total_steps, module, getattr(train_loader, "batch_size", None))
         self._setup(module)
-        if ckpt_path is not None:
-            self._restore(ckpt_path)
-        self._validated_this_step = False
-        log_hyperparameters(self.loggers, {**hyperparameters(self, "trainer"), **hyperparameters(self.strategy, "strategy"),
-                                           **hyperparameters(module, "module")})
         try:
+            if ckpt_path is not None:
+                self._restore(ckpt_path)
+            self._validated_this_step = False
+            log_hyperparameters(self.loggers, {**hyperparameters(self, "trainer"),
+                                               **hyperparameters(self.strategy, "strategy"),
+                                               **hyperparameters(module, "module")})
             call_hooks(self, "on_fit_start")
             self._fit_loop(train_loader, val_loader)
             self._await_weights()
             if val_loader is not None and not self._validated_this_step:
                 self._run_validation(val_loader)
             call_hooks(self, "on_fit_end")
+            self.wait_for_checkpoint()
         except BaseException as exc:
             call_callback_hooks(self, "on_exception", exc)
             self.teardown()
@@ -281,18 +289,54 @@ class Trainer:
     def __exit__(self, *exc: Any) -> None:
         self.teardown()
 
-    def save_checkpoint(self, path: str | Path) -> None:
-        """Write the training state (models, optimizers, step counters) to ``path``."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def save_checkpoint(self, path: str | Path, async_save: bool = False,
+                        on_saved: Callable[[Path], None] | None = None) -> None:
+        """Write the training state to the directory ``path``: the strategy's models, optimizers and
+        schedulers (each rank its own shards, on a distributed strategy), and this controller's
+        counters, RNG, data position and callbacks' entries. It appears only once complete (written
+        under a temporary name, then renamed; see :mod:`rltrainer.checkpoints`), and then
+        ``on_saved(path)`` runs.
+
+        With ``async_save``, ranks that can (FSDP2: DCP's async save) copy their shards to memory and
+        write them in the background while training goes on; the checkpoint is completed by the next
+        save, the end of ``fit``, teardown or :meth:`wait_for_checkpoint`, whichever comes first."""
+        self.wait_for_checkpoint()
         self._await_weights()
+        path = Path(path)
         pipeline = self._pipeline.state_dict() if self._pipeline is not None else self._pipeline_state or {}
-        checkpoint = {"pipeline": {"mode": self.pipeline, **pipeline}, "global_step": self.global_step,
-                      "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch, "strategy": self.strategy.state_dict(),
-                      "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                              "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-        call_callback_hooks(self, "on_save_checkpoint", checkpoint)
-        torch.save(checkpoint, path)
+        tmp = temporary_directory(path)
+        try:
+            (tmp / TRAINING_DIR).mkdir()
+            strategy_state = self.strategy.save_checkpoint(tmp / TRAINING_DIR, async_save=async_save)
+            checkpoint = {"format": FORMAT, "version": VERSION,
+                          "strategy_class": type(self.strategy).__name__, "strategy": strategy_state,
+                          "pipeline": {"mode": self.pipeline, **pipeline}, "global_step": self.global_step,
+                          "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch,
+                          "rng": controller_rng_state()}
+            call_callback_hooks(self, "on_save_checkpoint", checkpoint)
+            torch.save(checkpoint, tmp / TRAINER_FILE)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.strategy.wait_checkpoint()  # nothing writes into it any more
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._pending_checkpoint = (tmp, path, on_saved)
+        if not async_save:
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save in flight (if any) to finish, and make it visible."""
+        if self._pending_checkpoint is None:
+            return
+        (tmp, path, on_saved), self._pending_checkpoint = self._pending_checkpoint, None
+        try:
+            self.strategy.wait_checkpoint()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        commit_directory(tmp, path)
+        if on_saved is not None:
+            on_saved(path)
 
     def save_hf(self, path: str | Path, dtype: torch.dtype | None = None, lora: str = "merged",
                 max_shard_bytes: int | None = None) -> Path:
@@ -308,7 +352,11 @@ class Trainer:
 
     def teardown(self) -> None:
         """Release the engine and the strategy's processes (Ray workers) and memory; requests still
-        in flight end with them."""
+        in flight end with them; an asynchronous checkpoint save in flight completes first."""
+        try:
+            self.wait_for_checkpoint()
+        except Exception:  # release everything even so; the previous checkpoint is intact
+            log.exception("An asynchronous checkpoint save failed; it was not made visible")
         if self._is_setup and self._pipeline is not None:
             self.strategy.teardown()  # kill the workers first: threads waiting on them return at once
         if self._pipeline is not None:
@@ -466,29 +514,42 @@ class Trainer:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.global_step)
 
+    def _resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
+        """``"last"``: the newest checkpoint in the checkpoint directory (a ``ModelCheckpoint``'s
+        ``dirpath``, else ``<default_root_dir>/checkpoints``), or ``None`` (with a warning) on a fresh
+        run, which then starts from scratch; any other value is a path."""
+        if str(ckpt_path) != "last":
+            return Path(ckpt_path)
+        dirs = [c.checkpoint_dir(self) for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+        dirs = dirs or [Path(self.default_root_dir) / "checkpoints"]
+        found = [p for p in (find_last(d) for d in dirs) if p is not None]
+        if not found:
+            log.warning("ckpt_path='last': no checkpoint in %s yet; training starts from scratch",
+                        ", ".join(str(d) for d in dirs))
+            return None
+        return found[0]
+
     def _restore(self, ckpt_path: str | Path) -> None:
-        path = Path(ckpt_path)
-        if str(ckpt_path) == "last":
-            path = Path(self.default_root_dir) / "checkpoints" / "last.ckpt"
-        if not path.exists():
-            raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        self.strategy.load_state_dict(checkpoint["strategy"])
+        path = self._resolve_ckpt_path(ckpt_path)
+        if path is None:
+            return
+        checkpoint = read_trainer_state(path)
+        pipeline = dict(checkpoint["pipeline"])
+        if pipeline.pop("mode", self.pipeline) != self.pipeline and pipeline:
+            raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
+                             f"resume it with the same pipeline (this Trainer has {self.pipeline!r})")
+        try:
+            self.strategy.load_checkpoint(path.resolve() / TRAINING_DIR, checkpoint["strategy"])
+        except CheckpointError as exc:
+            if str(path) in str(exc) or str(path.resolve()) in str(exc):
+                raise
+            raise CheckpointError(f"{path}: {exc}") from exc
         self.global_step = checkpoint["global_step"]
         self.strategy.weight_versions.policy = self.global_step
         self.current_epoch = checkpoint["current_epoch"]
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
-        pipeline = dict(checkpoint.get("pipeline", {}))
-        if pipeline.pop("mode", self.pipeline) != self.pipeline and pipeline:
-            raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
-                             f"resume it with the same pipeline (this Trainer has {self.pipeline!r})")
         self._pipeline_state = pipeline
-        rng = checkpoint["rng"]
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        set_controller_rng_state(checkpoint["rng"])
         call_callback_hooks(self, "on_load_checkpoint", checkpoint)
         self.sync_weights()
 
@@ -527,6 +588,20 @@ def resolve_strategy(strategy: str | Strategy, devices: int | str, num_nodes: in
     if num_nodes != 1:
         kwargs["num_nodes"] = num_nodes
     return build_strategy(strategy, **kwargs)
+
+
+def controller_rng_state() -> dict[str, Any]:
+    """This process's torch, numpy, Python and CUDA RNG states, as a checkpoint keeps them."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_controller_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def sync_metrics(stats: dict[str, float]) -> dict[str, float]:

@@ -13,6 +13,7 @@ ranks map to shares.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -258,6 +259,35 @@ class WorkerGroupStrategy(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_training_state(state["training"])
+        self._set_rng_states(state)
+
+    def save_checkpoint(self, directory: Path, async_save: bool = False) -> dict[str, Any]:
+        """Every rank writes its own part into ``directory`` (``TrainingWorker.save_checkpoint``;
+        nothing passes through this process); this process keeps the layout and every rank's RNG
+        state, the split replicas' too."""
+        self._require_group().execute_all("save_checkpoint", str(directory), async_save)
+        state = {"layout": self.checkpoint_layout(), "rng": self._require_group().execute_all("rng_state")}
+        if self.rollout_group is not None:
+            state["rollout_rng"] = self.rollout_group.execute_all("rng_state")
+        return state
+
+    def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
+        self.check_checkpoint_layout(directory, state.get("layout", {}))
+        self._require_group().execute_all("load_checkpoint", str(directory))
+        self._set_rng_states(state)  # only if saved with as many ranks (else each keeps its own)
+
+    def wait_checkpoint(self) -> None:
+        if self.group is not None:
+            self.group.execute_all("wait_checkpoint")
+
+    def checkpoint_layout(self) -> dict[str, int]:
+        """How the ranks split the state when saving (a checkpoint records it)."""
+        return {"world_size": self.world_size}
+
+    def check_checkpoint_layout(self, directory: Path, layout: dict[str, int]) -> None:
+        """Raise if this run cannot read a checkpoint of ``layout`` (here: any, the ranks reshard)."""
+
+    def _set_rng_states(self, state: dict[str, Any]) -> None:
         if len(state["rng"]) == self.world_size:
             self._require_group().dispatch("set_rng_state", [((s,), {}) for s in state["rng"]])
         rollout_rng = state.get("rollout_rng")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ class FSDP2Worker(TrainingWorker):
         super().__init__(rank, world_size, threads=threads, device=device, bucket_bytes=bucket_bytes)
         self.shared: SharedBuffers | None = None
         self.loaded: dict[str, dict[str, Any]] = {}
+        self.pending_save: Future | None = None  # an asynchronous checkpoint write
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
@@ -236,6 +238,47 @@ class FSDP2Worker(TrainingWorker):
         for sched, s in zip(self.schedulers, state["schedulers"]):
             sched.load_state_dict(s)
         self.versions.forget_synced()
+
+    def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
+        """This rank's shards of every trainable model and optimizer, with the schedulers, into
+        ``directory`` (torch.distributed.checkpoint; a collective). Nothing is gathered. With
+        ``async_save`` the shards are copied to host memory and written in a background thread
+        (:meth:`wait_checkpoint` waits)."""
+        from rltrainer.strategies.sharded_checkpoint import save_sharded
+
+        self.wait_checkpoint()
+        self.pending_save = save_sharded(self._sharded_state(), directory, async_save=async_save)
+
+    def wait_checkpoint(self) -> None:
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.result()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Fill this rank's shards from a checkpoint saved on any number of ranks (DCP reshards)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        from rltrainer.strategies.sharded_checkpoint import load_sharded
+
+        self.wait_checkpoint()
+        state = self._sharded_state()
+        load_sharded(state, directory, state["models"])
+        for name, m in self.module.trainable_models().items():
+            set_model_state_dict(m, state["models"][name])
+        for i, opt in enumerate(self.optimizers):
+            set_optimizer_state_dict(self._owner(opt), opt, state["optimizers"][str(i)])
+        for i, sched in enumerate(self.schedulers):
+            sched.load_state_dict(state["schedulers"][str(i)])
+        self.versions.forget_synced()
+
+    def _sharded_state(self) -> dict[str, Any]:
+        """Models and optimizers as this rank's DTensor shards (FQN keys), schedulers as they are."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        models = {name: get_model_state_dict(m) for name, m in self.module.trainable_models().items()}
+        optimizers = {str(i): get_optimizer_state_dict(self._owner(opt), opt) for i, opt in enumerate(self.optimizers)}
+        return {"models": models, "optimizers": optimizers,
+                "schedulers": {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}}
 
     def _owner(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         first = optimizer.param_groups[0]["params"][0]

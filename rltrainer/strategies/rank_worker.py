@@ -12,13 +12,15 @@ base class holds it).
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rltrainer.controller.worker import Worker
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.strategies.strategy import clip_gradients, run_compute, run_micro_batches, run_train_step
+from rltrainer.strategies.strategy import (clip_gradients, load_local_training_state, local_training_state, run_compute,
+                                          run_micro_batches, run_train_step)
 from rltrainer.weights.sender import WeightSender
 from rltrainer.weights.versions import ParamVersions
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry
@@ -99,6 +101,31 @@ class TrainingWorker(Worker):
                                           clip_fn=self.clip_gradients, runner=self.run_micro_batches)
         self.mark_stepped(stepped)
         return metrics
+
+    # -- checkpoints: each rank writes and reads its own part ----------------------------------------
+    def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
+        """This rank's models, optimizers and schedulers as ``directory/rank=<r>.pt``, written at once
+        (a layout that reshards or saves in the background overrides it, see ``FSDP2Worker``)."""
+        torch.save(local_training_state(self.module, self.optimizers, self.schedulers), self._rank_file(directory))
+
+    def wait_checkpoint(self) -> None:
+        """Wait for this rank's background checkpoint write, if any."""
+
+    def load_checkpoint(self, directory: str) -> None:
+        from rltrainer.checkpoints import safe_load
+
+        file = self._rank_file(directory)
+        if not file.is_file():
+            from rltrainer.checkpoints import CheckpointError
+
+            raise CheckpointError(f"{file} is missing: the checkpoint in {directory} was saved with another number "
+                                  f"of ranks or did not finish (this is rank {self.rank} of {self.world_size}).")
+        state = safe_load(file, f"rank {self.rank}'s models, optimizers and schedulers")
+        load_local_training_state(self.module, self.optimizers, self.schedulers, state, source=str(file))
+        self.versions.forget_synced()
+
+    def _rank_file(self, directory: str) -> Path:
+        return Path(directory) / f"rank={self.rank}.pt"
 
     # -- shared --------------------------------------------------------------------------------------
     def model_config(self) -> Any:

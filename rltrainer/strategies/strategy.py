@@ -11,6 +11,7 @@ import abc
 import logging
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -176,6 +177,25 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def save_checkpoint(self, directory: Path, async_save: bool = False) -> dict[str, Any]:
+        """Write models, optimizers and schedulers into ``directory`` (new and empty; part of a
+        checkpoint still under its temporary name, see :mod:`rltrainer.checkpoints`). Returns the
+        small state the controller keeps in ``trainer.pt``. With ``async_save`` a strategy may
+        return before the files are written (:meth:`wait_checkpoint` waits). Here: :meth:`state_dict`
+        as one file, written at once."""
+        torch.save(self.state_dict(), directory / "state.pt")
+        return {}
+
+    def wait_checkpoint(self) -> None:
+        """Wait until the files of the last :meth:`save_checkpoint` are written."""
+
+    def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
+        """The inverse of :meth:`save_checkpoint` (``state``: what it returned); raises
+        :class:`~rltrainer.checkpoints.CheckpointError` for a part missing, unreadable or of another model."""
+        from rltrainer.checkpoints import safe_load
+
+        self.load_state_dict(safe_load(directory / "state.pt", "the models, optimizers and schedulers"))
+
     def teardown(self) -> None:
         """Release processes and memory."""
 
@@ -330,10 +350,22 @@ def local_training_state(module: RLModule, optimizers: list[Any], schedulers: li
 
 
 def load_local_training_state(module: RLModule, optimizers: list[Any], schedulers: list[Any],
-                              state: dict[str, Any]) -> None:
-    """The inverse of :func:`local_training_state`."""
-    for name, m in module.trainable_models().items():
-        m.load_state_dict(state["models"][name])
+                              state: dict[str, Any], source: str = "The checkpoint") -> None:
+    """The inverse of :func:`local_training_state`; a model whose names or shapes differ from the
+    saved ones raises :class:`~rltrainer.checkpoints.CheckpointError` (``source``: where it came from)."""
+    from rltrainer.checkpoints import CheckpointError, check_state_matches, shapes
+
+    models = module.trainable_models()
+    saved = state.get("models", {}) if isinstance(state, dict) else {}
+    if set(saved) != set(models):
+        raise CheckpointError(f"{source} holds the models {sorted(saved)}; this module trains {sorted(models)}.")
+    for name, m in models.items():
+        check_state_matches(f"{source} ({name})", shapes(m.state_dict()), shapes(saved[name]))
+    if len(state["optimizers"]) != len(optimizers):
+        raise CheckpointError(f"{source} holds {len(state['optimizers'])} optimizer(s); configure_optimizers() "
+                              f"returned {len(optimizers)}.")
+    for name, m in models.items():
+        m.load_state_dict(saved[name])
     for opt, s in zip(optimizers, state["optimizers"]):
         opt.load_state_dict(s)
     for sched, s in zip(schedulers, state["schedulers"]):

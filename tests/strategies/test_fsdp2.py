@@ -203,7 +203,7 @@ def test_offload_and_checkpointing_presets_match_plain_fsdp2(preset, tiny_config
 @pytest.mark.parametrize("devices", [1, 2])
 def test_fsdp2_checkpoint_resume_matches_uninterrupted_run(devices, tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path,
                                                            ray_session):
-    """devices=2: the full state gathers on rank 0 and every rank's RNG (its engine samples) is restored."""
+    """devices=2: each rank writes and reads its own shards, and every rank's RNG (its engine samples) is restored."""
     def run(max_steps, ckpt=None, save=None):
         module = make_module(GRPO, tiny_config, bpe_tokenizer, num_generations=2)
         with Trainer(strategy="fsdp2", devices=devices, max_steps=max_steps, logger=False, enable_progress_bar=False, seed=6,
@@ -218,6 +218,73 @@ def test_fsdp2_checkpoint_resume_matches_uninterrupted_run(devices, tiny_config,
     resumed = run(3, ckpt=tmp_path / "step1.ckpt")
     for name, tensor in full.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def assert_same_state(a, b, where="state"):
+    """Nested dicts / lists of tensors and numbers, equal exactly."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(set(a) ^ set(b))[:4])
+        for k in a:
+            assert_same_state(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_fsdp2_sharded_checkpoint_reshards_2_to_1_and_1_to_2(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path,
+                                                             ray_session):
+    """Each rank writes its own torch.distributed.checkpoint shards (the controller only its small
+    state); a checkpoint saved on 2 ranks loads on 1 and one saved on 1 loads on 2, with the same
+    weights and optimizer state (compared in full, gathered after loading)."""
+    def run(devices, ckpt=None, save=None):
+        module = make_module(GRPO, tiny_config, bpe_tokenizer, num_generations=2)
+        with Trainer(strategy="fsdp2", devices=devices, max_steps=1, logger=False, enable_progress_bar=False, seed=6,
+                     default_root_dir=tmp_path) as trainer:
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2), ckpt_path=ckpt)
+            assert trainer.global_step == 1
+            if save:
+                trainer.save_checkpoint(save)
+            return trainer.strategy.state_dict()["training"]  # full models and optimizer states
+
+    trained = run(2, save=tmp_path / "two.ckpt")
+    assert trained["optimizers"][0]["state"]  # Adam moments exist: the step ran
+    shards = sorted(p.name for p in (tmp_path / "two.ckpt" / "training").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per rank, nothing gathered
+    assert_same_state(trained, run(1, ckpt=tmp_path / "two.ckpt", save=tmp_path / "one.ckpt"), "2 -> 1")
+    assert_same_state(trained, run(2, ckpt=tmp_path / "one.ckpt"), "1 -> 2")
+
+
+def test_fsdp2_async_checkpoint_completes_at_the_next_save_and_at_the_end_of_fit(tiny_config, bpe_tokenizer,
+                                                                                gsm8k_prompts, tmp_path, ray_session):
+    """ModelCheckpoint(async_save=True): step 1's shards are written in the background during step
+    2 (not visible yet, only its temporary directory); the next save completes it, the end of fit
+    completes the last one, and it loads with the state training ended with."""
+    from rltrainer import Callback, ModelCheckpoint
+
+    checkpoints = tmp_path / "checkpoints"
+    seen = []
+
+    class Look(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            seen.append((trainer.global_step, sorted(p.name.split(".tmp-")[0] for p in checkpoints.glob("*"))))
+
+    def run(max_steps, ckpt=None, callbacks=()):
+        module = make_module(GRPO, tiny_config, bpe_tokenizer, num_generations=2)
+        with Trainer(strategy="fsdp2", devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                     seed=6, default_root_dir=tmp_path, callbacks=list(callbacks)) as trainer:
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2), ckpt_path=ckpt)
+            return trainer.strategy.state_dict()["training"]
+
+    trained = run(2, callbacks=[Look(), ModelCheckpoint(every_n_steps=1, async_save=True)])
+    assert seen == [(1, []), (2, [".step=1.ckpt"])]  # during step 2, step 1 was still being written
+    assert os.readlink(checkpoints / "last.ckpt") == "step=2.ckpt" and not (checkpoints / "step=1.ckpt").exists()
+    assert not list(checkpoints.glob(".*"))
+    assert_same_state(trained, run(2, ckpt="last"), "async checkpoint")
 
 
 def test_ray_started_by_the_strategy_shuts_down_after_fit(tmp_path):

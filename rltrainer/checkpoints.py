@@ -1,0 +1,213 @@
+"""A checkpoint on disk: a directory that becomes visible only once it is complete.
+
+``Trainer.save_checkpoint(path)`` writes ``path`` (e.g. ``checkpoints/step=4.ckpt``) as a directory::
+
+    trainer.pt    the controller's small state: format, counters, RNG, data position, callbacks,
+                  and the strategy's own (its ranks' RNG, its layout)
+    training/     models, optimizers and schedulers, as the strategy writes them: one file
+                  (``single``), every rank's shards (``fsdp2``: ``torch.distributed.checkpoint``),
+                  or one file per rank (``megatron``)
+
+It is written under a temporary name next to ``path`` (:func:`atomic_directory`) and renamed onto it
+when complete; ``last.ckpt`` is a symlink replaced in one rename (:func:`point_last`). A crash
+mid-save leaves the previous checkpoint and ``last`` as they were, plus a ``.<name>.tmp-*``
+directory the next save of that name removes.
+
+Everything is read with ``torch.load(weights_only=True)`` (:func:`safe_load`; numpy arrays, which
+the RNG state and dataset rows hold, are allowed): a checkpoint cannot run code when opened. An
+object a callback adds to the checkpoint must be a plain type or registered with
+``torch.serialization.add_safe_globals``. Every failure to read raises :class:`CheckpointError`,
+naming the path, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "rltrainer-checkpoint"
+VERSION = 2
+TRAINER_FILE = "trainer.pt"
+TRAINING_DIR = "training"
+LAST = "last.ckpt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing a part, truncated, not an rltrainer checkpoint, or of another model."""
+
+
+# -- writing ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_directory(path: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory next to ``path`` (:func:`temporary_directory`); when the
+    block ends without an error, rename it onto ``path`` (:func:`commit_directory`). On an error it is
+    removed; on a crash it stays, under a name no reader takes for a checkpoint, until the next save
+    of ``path``."""
+    tmp = temporary_directory(path)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_directory(tmp, path)
+
+
+def temporary_directory(path: Path) -> Path:
+    """A new empty ``.<name>.tmp-<id>`` next to ``path``, after removing those a crash left."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit_directory(tmp: Path, path: Path) -> None:
+    """Flush ``tmp`` to disk and rename it onto ``path`` (a checkpoint already there is replaced)."""
+    _fsync_tree(tmp)
+    old = None
+    if path.is_dir() and not path.is_symlink():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def point_last(directory: Path, target: Path) -> Path:
+    """Make ``directory/last.ckpt`` a relative symlink to ``target``, replaced in one rename."""
+    last = directory / LAST
+    tmp = directory / f".{LAST}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.symlink_to(os.path.relpath(target, directory))
+    os.replace(tmp, last)
+    _fsync_dir(directory)
+    return last
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint directory (or a file of the older single-file format)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` to disk before the rename makes it visible."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system can sync a directory
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# -- finding -------------------------------------------------------------------------------------------
+def find_last(directory: Path) -> Path | None:
+    """``directory/last.ckpt`` if it exists, else the complete ``step=N.ckpt`` with the largest N
+    (``save_last=False``), else ``None``."""
+    last = directory / LAST
+    if last.exists():
+        return last
+    steps = [(int(p.name[5:-5]), p) for p in directory.glob("step=*.ckpt")
+             if p.name[5:-5].isdigit() and (p / TRAINER_FILE).is_file()]
+    return max(steps)[1] if steps else None
+
+
+# -- reading -------------------------------------------------------------------------------------------
+def _numpy_globals() -> list[Any]:
+    """What ``weights_only`` needs for numpy arrays (the numpy RNG state, dataset rows)."""
+    core = getattr(np, "_core", None) or np.core
+    dtypes = {type(np.dtype(c)) for c in "?bhilqBHILQefdgFDGOUS"}
+    return [np.ndarray, np.dtype, core.multiarray._reconstruct, *sorted(dtypes, key=str)]
+
+
+def safe_load(source: Path | io.BytesIO, what: str, path: Path | None = None) -> Any:
+    """``torch.load(source, weights_only=True)`` with numpy arrays allowed; any failure raises
+    :class:`CheckpointError` naming ``path`` and ``what`` it should hold."""
+    path = path if path is not None else source
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Weights only load failed" in str(exc):
+            raise CheckpointError(
+                f"{path} ({what}) holds an object that loading with weights_only=True refuses, so it is not opened "
+                f"(it could run code). If you trust it and the object is yours (e.g. a callback's state), register "
+                f"its class with torch.serialization.add_safe_globals([...]). Details: {_first_line(exc)}") from exc
+        raise _unreadable(path, what, exc) from exc
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise _unreadable(path, what, exc) from exc
+
+
+def _unreadable(path: Any, what: str, exc: BaseException) -> CheckpointError:
+    return CheckpointError(f"{path} should hold {what}, but it cannot be read: it is truncated (a save that did not "
+                           f"finish) or not a file torch.save wrote ({type(exc).__name__}: {_first_line(exc)}). "
+                           f"Resume from another checkpoint (e.g. ckpt_path='last').")
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:300]
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The controller's state of checkpoint ``path``, after checking it is one."""
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} is a file; an rltrainer checkpoint is a directory with {TRAINER_FILE} and {TRAINING_DIR}/, as "
+            f"Trainer.save_checkpoint and ModelCheckpoint write it (a single-file .ckpt comes from an older "
+            f"rltrainer or another library). Pass a checkpoint directory, or 'last'.")
+    file = path / TRAINER_FILE
+    if not file.is_file():
+        found = sorted(p.name for p in path.iterdir())[:8]
+        raise CheckpointError(f"{path} is not a complete rltrainer checkpoint: expected {TRAINER_FILE} and "
+                              f"{TRAINING_DIR}/ in it, found {found or 'nothing'}.")
+    state = safe_load(file, "an rltrainer checkpoint's trainer state")
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+        got = sorted(state)[:8] if isinstance(state, Mapping) else type(state).__name__
+        raise CheckpointError(f"{file} is not an rltrainer checkpoint: expected a dict with format={FORMAT!r}, "
+                              f"found {got}.")
+    if state.get("version") != VERSION:
+        raise CheckpointError(f"{path} has checkpoint format version {state.get('version')}; this rltrainer reads "
+                              f"version {VERSION}.")
+    return dict(state)
+
+
+def check_state_matches(where: str, expected: Mapping[str, tuple[int, ...]],
+                        found: Mapping[str, tuple[int, ...]], show: int = 5) -> None:
+    """Raise :class:`CheckpointError` if the names or shapes of ``found`` (the checkpoint's) differ
+    from ``expected`` (the model's): the first ``show`` differences and how many in all."""
+    diffs = [f"{n}: model {tuple(expected[n])}, checkpoint {tuple(found[n])}"
+             for n in expected if n in found and tuple(expected[n]) != tuple(found[n])]
+    diffs += [f"{n}: model {tuple(expected[n])}, not in the checkpoint" for n in expected if n not in found]
+    diffs += [f"{n}: not in the model, checkpoint {tuple(found[n])}" for n in found if n not in expected]
+    if diffs:
+        raise CheckpointError(
+            f"{where} does not fit the model: {len(diffs)} tensor(s) differ in name or shape, e.g. "
+            f"{'; '.join(diffs[:show])}. Resume with the model configuration the checkpoint was trained with.")
+
+
+def shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The tensors of a state dict by name and (global) shape."""
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
