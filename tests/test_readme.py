@@ -104,7 +104,13 @@ def commands() -> list[tuple[int, list[str]]]:
     """Every command of the bash blocks, split at ``&&``, comments dropped."""
     out = []
     for line, code, _ in BASH:
+        logical: list[tuple[int, str]] = []  # lines continued with a trailing backslash joined
         for offset, text in enumerate(code.splitlines()):
+            if logical and logical[-1][1].endswith("\\"):
+                logical[-1] = (logical[-1][0], logical[-1][1][:-1] + " " + text)
+            else:
+                logical.append((offset, text))
+        for offset, text in logical:
             words = shlex.split(text, comments=True)
             while words:
                 cut = words.index("&&") if "&&" in words else len(words)
@@ -131,8 +137,8 @@ def test_bash_commands_name_what_exists():
     checked = 0
     for line, words in commands():
         where = f"README.md:{line}: {' '.join(words)}"
-        if words[:1] == ["python"] and len(words) > 1 and words[1].endswith(".py"):
-            script = ROOT / words[1]
+        if words[:1] == ["python"] and len(words) > 1 and words[1].endswith(".py") and "/" in words[1]:
+            script = ROOT / words[1]  # a bare name (``python train.py``) is the user's own script
             assert script.is_file(), f"{where}: no such script"
             if script.parent.name == "recipes":
                 load_recipe(script).parse_args(words[2:])  # argparse exits (SystemExit) on a bad flag
