@@ -26,6 +26,7 @@ import contextlib
 import io
 import os
 import pickle
+import random
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping
@@ -211,3 +212,17 @@ def check_state_matches(where: str, expected: Mapping[str, tuple[int, ...]],
 def shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The tensors of a state dict by name and (global) shape."""
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def controller_rng_state() -> dict[str, Any]:
+    """This process's torch, numpy, Python and CUDA RNG states, as a checkpoint keeps them."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_controller_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])

@@ -27,13 +27,13 @@ with its ``adapter_config.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
 import os
 import shutil
-import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,11 +114,21 @@ def export_dir(path: str | Path) -> Path:
     return path
 
 
-def publish(tmp: Path, path: Path) -> None:
-    """Move the finished export from its temporary directory to ``path`` (one rename)."""
-    if path.exists():
-        path.rmdir()  # empty, checked by export_dir
-    os.replace(tmp, path)
+@contextlib.contextmanager
+def staged(path: str | Path) -> Iterator[Path]:
+    """Write an export into a temporary directory beside ``path`` (new or empty, see
+    :func:`export_dir`) and rename it onto ``path`` once the block completes; removed on error.
+    The same staging as a checkpoint's (:mod:`rltrainer.checkpoints`)."""
+    from rltrainer.checkpoints import commit_directory, temporary_directory
+
+    path = export_dir(path)
+    tmp = temporary_directory(path)
+    try:
+        yield tmp
+        commit_directory(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def generation_config_for(config: Any, tokenizer: Any) -> Any:
@@ -142,10 +152,7 @@ def save_pretrained_dir(weights: Iterable[tuple[str, torch.Tensor]], config: Any
     ``dtype`` set to the weights'), generation config, tokenizer. Tied weights come once (the
     input embedding), as ``named_parameters`` gives them; ``lm_head.weight`` is dropped if the
     config ties it."""
-    path = export_dir(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with staged(path) as tmp:
         tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
         seen: list[torch.dtype] = []
 
@@ -165,34 +172,23 @@ def save_pretrained_dir(weights: Iterable[tuple[str, torch.Tensor]], config: Any
         generation_config_for(config, tokenizer).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        publish(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("Exported the policy to %s", path)
-    return path
+    return Path(path)
 
 
 def save_adapter_dir(adapter: Iterable[tuple[str, torch.Tensor]], lora_config: Any, base_model: str | None,
                      path: str | Path, tokenizer: Any = None) -> Path:
     """Write a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors`` with
     peft's saved key names) that ``PeftModel.from_pretrained(base, path)`` loads."""
-    path = export_dir(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with staged(path) as tmp:
         write_safetensors(tmp / "adapter_model.safetensors", list(adapter))
         config = copy.deepcopy(lora_config)
         config.base_model_name_or_path = base_model
         config.save_pretrained(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        publish(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("Exported the LoRA adapter to %s", path)
-    return path
+    return Path(path)
 
 
 def save_hf(trainer: Trainer, path: str | Path, dtype: torch.dtype | None = None, lora: str = "merged",

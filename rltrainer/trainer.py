@@ -20,7 +20,8 @@ import torch
 from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
 from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, commit_directory,
-                                   find_last, read_trainer_state, temporary_directory)
+                                   controller_rng_state, find_last, read_trainer_state, set_controller_rng_state,
+                                   temporary_directory)
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.generations import generation_rows, spread, write_generations
@@ -31,7 +32,7 @@ from rltrainer.pipelines import Pipeline, build_pipeline, check_module_pipeline,
 from rltrainer.plan import RunPlan, build_plan, log_plan
 from rltrainer.rollout.engine import RolloutEngine, build_engine
 from rltrainer.schedulers import estimate_optimizer_steps
-from rltrainer.strategies.strategy import Strategy, build_strategy
+from rltrainer.strategies.strategy import Strategy, resolve_strategy
 
 log = logging.getLogger(__name__)
 
@@ -566,42 +567,6 @@ class Trainer:
         by_epochs = per_epoch * self.max_epochs if per_epoch is not None and self.max_epochs else None
         candidates = [n for n in (by_epochs, self.max_steps if self.max_steps != -1 else None) if n is not None]
         return min(candidates) if candidates else None
-
-
-#: Trainer arguments that configure a strategy built from its name, with the Trainer's defaults.
-STRATEGY_SETTINGS = {"precision": "32-true", "micro_batch_size": None, "max_tokens_per_micro_batch": None,
-                     "gradient_clip_val": 1.0}
-
-
-def resolve_strategy(strategy: str | Strategy, devices: int | str, num_nodes: int, **settings: Any) -> Strategy:
-    """The strategy named ``strategy`` built with the Trainer's ``settings`` (those left at
-    :data:`STRATEGY_SETTINGS`' defaults are the strategy's own), or the instance, checked against them."""
-    changed = {k: v for k, v in settings.items() if v != STRATEGY_SETTINGS[k]}
-    if isinstance(strategy, Strategy):
-        for name, value in changed.items():
-            if getattr(strategy, name) != value:
-                raise ValueError(f"Trainer({name}={value!r}) conflicts with the strategy's own {name}="
-                                 f"{getattr(strategy, name)!r}; set it in one place (the Strategy's argument, or "
-                                 f"the Trainer's with strategy given by name).")
-        return strategy
-    kwargs: dict[str, Any] = {"devices": devices, "precision": settings["precision"], **changed}
-    if num_nodes != 1:
-        kwargs["num_nodes"] = num_nodes
-    return build_strategy(strategy, **kwargs)
-
-
-def controller_rng_state() -> dict[str, Any]:
-    """This process's torch, numpy, Python and CUDA RNG states, as a checkpoint keeps them."""
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_controller_rng_state(rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def sync_metrics(stats: dict[str, float]) -> dict[str, float]:

@@ -75,3 +75,21 @@ class AdapterFiles:
 
     def cleanup(self) -> None:
         shutil.rmtree(self._root, ignore_errors=True)
+
+
+class LoadsAdaptersFromDisk:
+    """For an engine (a :class:`~rltrainer.rollout.engine.RolloutEngine` subclass, listed before it)
+    built with ``enable_lora`` and ``max_lora_rank``: it loads LoRA adapters when ``enable_lora``,
+    keeping the synced adapter in ``self._adapter`` (:class:`AdapterFiles`)."""
+
+    enable_lora: bool
+    max_lora_rank: int
+
+    @property
+    def loads_adapters(self) -> bool:
+        return self.enable_lora
+
+    def enable_adapters(self, lora_config: Any) -> None:
+        if not self.enable_lora:
+            super().enable_adapters(lora_config)  # type: ignore[misc]  # the engine's refusal
+        self._adapter = AdapterFiles(lora_config, self.max_lora_rank)

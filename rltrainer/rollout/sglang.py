@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from rltrainer.rollout.adapters import AdapterFiles
+from rltrainer.rollout.adapters import AdapterFiles, LoadsAdaptersFromDisk
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       free_cached_blocks, gpu_engine_files, missing_engine, stop_token_ids)
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, bucketed, entry_nbytes
@@ -101,7 +101,7 @@ def generation_from_sglang(outputs: Sequence[dict[str, Any]], pad_token_id: int)
 
 
 @ENGINES.register("sglang", description="SGLang (GPU, optional extra): offline Engine per rollout process")
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
     """Args:
         tp_size: GPUs per SGLang engine.
         mem_fraction_static: share of GPU memory for weights + KV cache.
@@ -211,15 +211,6 @@ class SGLangEngine(RolloutEngine):
                         "inference': True}) for seeded sampling (batch-invariant kernels, slower).", sampling.seed)
 
     # -- LoRA: Engine.load_lora_adapter / unload_lora_adapter (sglang/srt/entrypoints/engine.py) -----
-    @property
-    def loads_adapters(self) -> bool:  # type: ignore[override]
-        return self.enable_lora
-
-    def enable_adapters(self, lora_config: Any) -> None:
-        if not self.enable_lora:
-            super().enable_adapters(lora_config)
-        self._adapter = AdapterFiles(lora_config, self.max_lora_rank)
-
     def _current_adapter(self) -> str | None:
         """The adapter's name for requests: after a sync changed it, load it under a new name and
         unload the previous one."""

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rltrainer.rollout.adapters import AdapterFiles
+from rltrainer.rollout.adapters import AdapterFiles, LoadsAdaptersFromDisk
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       gpu_engine_files, missing_engine, stop_token_ids)
 
@@ -89,7 +89,7 @@ def generation_from_outputs(outputs: Sequence[Any], pad_token_id: int, tokenizer
 
 
 @ENGINES.register("vllm", description="vLLM (GPU, optional extra): in-process LLM per rollout process")
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
     """Args:
         tensor_parallel_size: GPUs per vLLM instance (ranks of the surrounding group).
         gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache).
@@ -168,15 +168,6 @@ class VLLMEngine(RolloutEngine):
         return generation_from_outputs(outputs, pad, self.tokenizer)
 
     # -- LoRA: the adapter as a LoRARequest (vllm/lora/request.py; LLMEngine.add_lora / remove_lora) --
-    @property
-    def loads_adapters(self) -> bool:  # type: ignore[override]
-        return self.enable_lora
-
-    def enable_adapters(self, lora_config: Any) -> None:
-        if not self.enable_lora:
-            super().enable_adapters(lora_config)
-        self._adapter = AdapterFiles(lora_config, self.max_lora_rank)
-
     def _current_adapter(self) -> Any:
         """The adapter to generate with: after a sync changed it, load it as a new ``LoRARequest``
         (a new ``lora_int_id``: vLLM caches adapters by id) and remove the previous one."""

@@ -414,3 +414,24 @@ def autocast_context(precision: str, device: torch.device) -> Any:
 def param_dtype(precision: str) -> torch.dtype:
     return {"bf16-true": torch.bfloat16}.get(precision, torch.float32)
 
+
+#: Trainer arguments that configure a strategy built from its name, with the Trainer's defaults.
+STRATEGY_SETTINGS = {"precision": "32-true", "micro_batch_size": None, "max_tokens_per_micro_batch": None,
+                     "gradient_clip_val": 1.0}
+
+
+def resolve_strategy(strategy: str | Strategy, devices: int | str, num_nodes: int, **settings: Any) -> Strategy:
+    """The strategy named ``strategy`` built with the Trainer's ``settings`` (those left at
+    :data:`STRATEGY_SETTINGS`' defaults are the strategy's own), or the instance, checked against them."""
+    changed = {k: v for k, v in settings.items() if v != STRATEGY_SETTINGS[k]}
+    if isinstance(strategy, Strategy):
+        for name, value in changed.items():
+            if getattr(strategy, name) != value:
+                raise ValueError(f"Trainer({name}={value!r}) conflicts with the strategy's own {name}="
+                                 f"{getattr(strategy, name)!r}; set it in one place (the Strategy's argument, or "
+                                 f"the Trainer's with strategy given by name).")
+        return strategy
+    kwargs: dict[str, Any] = {"devices": devices, "precision": settings["precision"], **changed}
+    if num_nodes != 1:
+        kwargs["num_nodes"] = num_nodes
+    return build_strategy(strategy, **kwargs)
