@@ -200,10 +200,10 @@ class Trainer:
         check_hooks(module)
         check_module_pipeline(module, self.pipeline)  # before setup: nothing is built for a refused pairing
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
-        self.plan = build_plan(module, self.strategy, train_loader, self._estimate_total_steps(train_loader))
+        self.estimated_total_steps = self._estimate_total_steps(train_loader)
+        self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps)
         log_plan(self.plan, self.loggers)  # checked and shown before any model is built
         self._seed_everything()
-        self.estimated_total_steps = self._estimate_total_steps(train_loader)
         module.estimated_optimizer_steps = estimate_optimizer_steps(  # before setup: LR schedules read it
             self.estimated_total_steps, module, getattr(train_loader, "batch_size", None))
         self._setup(module)
