@@ -94,6 +94,7 @@ class Config:
     temperature: float = 0.7
     pipeline: str = "sync"  # "one_step_off" / "async": the engine generates in a process of its own meanwhile
     max_staleness: int = 1  # async: policy versions a trained row may lag
+    placement: str = "auto"  # "auto": in-process for sync, split otherwise; "split": also sync on FSDP2 + a Ray engine process
     rollout_correction: str = "auto"  # correct lagging rows: "auto" is "token_tis" unless sync; "none": off
     algorithm: str = "grpo"  # a key of ALGORITHMS: the same task, warm-up and samples for each
     # running
@@ -300,7 +301,9 @@ def run(config: Config) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as model_dir:
             model.save_pretrained(model_dir)  # GRPO's policy starts from the warmed-up weights
             module = build_module(config, model_dir, tokenizer)
-            if config.pipeline == "sync":
+            if config.placement not in ("auto", "split"):
+                raise ValueError(f"--placement {config.placement!r}; choose from auto, split")
+            if config.pipeline == "sync" and config.placement == "auto":
                 strategy: Any = SingleDeviceStrategy(micro_batch_size=config.micro_batch_size)
             else:  # the policy trains in this process, the engine generates in a Ray process of its own
                 strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=config.micro_batch_size,

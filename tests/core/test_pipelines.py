@@ -274,3 +274,23 @@ def test_remote_generate_async_returns_before_the_replica_finishes(tiny_config, 
         assert time.perf_counter() - start < 0.5 and not future.done()
         generation = future.result(timeout=30)
         assert generation.weight_version == 0 and len(generation.text) == G
+
+
+def test_async_with_a_bound_of_one_equals_one_step_off(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """With one replica and ``max_staleness=1`` (``wait``), async keeps two requests out: the same
+    schedule as one_step_off. With a seeded engine both train on the same responses of the same
+    versions and end with the same weights."""
+    prompts = gsm8k_prompts.select(range(4 * B))
+    runs = {}
+    for pipeline, extra in (("one_step_off", {}), ("async", {"max_staleness": 1})):
+        m = module(RecordingGRPO, tiny_config, bpe_tokenizer, seed=11)
+        with trainer(split(), pipeline=pipeline, max_epochs=1, **extra) as t:
+            t.fit(m, prompt_dataloader(prompts, batch_size=B))
+            runs[pipeline] = (m.records, dict(t.strategy.export_weights()))
+    (ours, weights), (theirs, reference) = runs["async"], runs["one_step_off"]
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [0, 1, 2, 3]
+    for a, b in zip(ours, theirs):
+        assert a["versions"] == b["versions"] and a["positions"] == b["positions"], a["step"]
+        assert torch.equal(a["responses"], b["responses"]), a["step"]
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
