@@ -273,11 +273,37 @@ def update_batch(tokenizer, prompts: int, group: int, max_new: int, vocab: int) 
             "responses": ids[:, width:], "response_mask": mask[:, width:].clone()}
 
 
+def time_update(model: torch.nn.Module, micro: list, chunked: bool, device: torch.device) -> tuple[float, float | None]:
+    """Median seconds of 2 passes (after a warm-up) of forward + backward over ``micro``, and the
+    peak GiB allocated on CUDA (``None`` on CPU); bf16 autocast on CUDA."""
+    from rltrainer.models import response_log_probs
+    from rltrainer.strategies.strategy import autocast_context
+
+    precision = "bf16-mixed" if device.type == "cuda" else "32-true"
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        start = time.perf_counter()
+        for mb in micro:
+            with autocast_context(precision, device):
+                log_probs, entropy = response_log_probs(model, mb, 1.0, with_entropy=True, entropy_grad=True,
+                                                        chunk_tokens=None if chunked else 0)
+            mask = mb["response_mask"].float()
+            ((log_probs * mask).sum() + 0.01 * (entropy * mask).sum()).backward()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return statistics.median(times[1:]), peak
+
+
 def update_variants(args: argparse.Namespace) -> None:
     """The ``update`` check (see the module docstring): MFU with and without the chunked head and packing."""
     from rltrainer.data.batch import RolloutBatch
-    from rltrainer.models import build_causal_lm, response_log_probs
-    from rltrainer.strategies.strategy import autocast_context, form_micro_batches
+    from rltrainer.models import build_causal_lm
+    from rltrainer.strategies.strategy import form_micro_batches
     from rltrainer.testing import load_tokenizer
 
     device = torch.device(args.device)
@@ -291,36 +317,19 @@ def update_variants(args: argparse.Namespace) -> None:
     lengths = batch["attention_mask"].sum(1).double()
     L, H = config.num_hidden_layers, config.hidden_size
     flops = 6 * params * float(lengths.sum()) + 12 * L * H * float((lengths**2).sum())  # useful work only
-    autocast = "bf16-mixed" if device.type == "cuda" else "32-true"
     results = []
     for chunked in (True, False):
         for packed in (False, True):
             micro = [mb.to(device) for mb in form_micro_batches(batch, args.micro_batch_size, None, packed)]
-            times = []
+            variant = {"chunked_head": chunked, "packed": packed}
             try:
-                for _ in range(3):  # the first is a warm-up
-                    if device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats(device)
-                    sync(device)
-                    start = time.perf_counter()
-                    for mb in micro:
-                        with autocast_context(autocast, device):
-                            log_probs, entropy = response_log_probs(model, mb, 1.0, with_entropy=True, entropy_grad=True,
-                                                                    chunk_tokens=None if chunked else 0)
-                        mask = mb["response_mask"].float()
-                        ((log_probs * mask).sum() + 0.01 * (entropy * mask).sum()).backward()
-                    sync(device)
-                    times.append(time.perf_counter() - start)
-                    model.zero_grad(set_to_none=True)
-                seconds = statistics.median(times[1:])
-                peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-                results.append({"chunked_head": chunked, "packed": packed, "seconds": seconds,
-                                "mfu": flops / seconds / PEAK_BF16, "peak_gib": peak})
-            except Exception as error:  # noqa: BLE001 (one variant out of memory, or a kernel missing, leaves the others)
+                seconds, peak = time_update(model, micro, chunked, device)
+                results.append({**variant, "seconds": seconds, "mfu": flops / seconds / PEAK_BF16, "peak_gib": peak})
+            except Exception as error:  # noqa: BLE001 (a variant out of memory or without its kernel: the others run)
                 if device.type == "cpu":
                     raise
                 model.zero_grad(set_to_none=True)
-                results.append({"chunked_head": chunked, "packed": packed, "error": f"{type(error).__name__}: {error}"[:300]})
+                results.append({**variant, "error": f"{type(error).__name__}: {error}"[:300]})
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
               "params": params, "rows": len(batch), "micro_batch_size": args.micro_batch_size,
               "real_tokens": int(lengths.sum()), "padded_tokens": batch["attention_mask"].numel(),

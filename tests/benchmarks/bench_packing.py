@@ -86,7 +86,8 @@ def one(rows: int, response: int, packed: bool, chunked: bool, repeats: int) -> 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"rows": rows, "packed": packed, "chunked_head": chunked, **data,
             "update_s": round(statistics.median(update[1:]), 3),
-            "update_cpu_s": round(statistics.median(update_cpu[1:]), 3), "forward_s": round(statistics.median(forward[1:]), 3),
+            "update_cpu_s": round(statistics.median(update_cpu[1:]), 3),
+            "forward_s": round(statistics.median(forward[1:]), 3),
             "peak_rss_gb": round(peak, 3), "before_step_gb": round(before, 3)}
 
 

@@ -49,7 +49,7 @@ phase() {  # phase NAME SECONDS COMMAND...
   [ "$rc" = 0 ] || failed+=("$name")
 }
 phase grpo 240 python3 tests/benchmarks/bench_gpu.py --out "$RESULTS/gpu.json" "$@"
-phase update 60 python3 tests/benchmarks/bench_gpu.py --check update --out "$RESULTS/gpu_update.json"
+phase update 60 python3 tests/benchmarks/bench_gpu.py --check update --prompts 16 --out "$RESULTS/gpu_update.json"
 phase weight-group 30 python3 tests/benchmarks/bench_gpu.py --check weight-group --out "$RESULTS/gpu_weight_group.json"
 for engine in vllm sglang; do
   phase "engine-$engine" 60 python3 tests/benchmarks/bench_gpu.py --check engines --engines "$engine" \

@@ -69,6 +69,6 @@ def test_update_check_reports_mfu_with_and_without_chunked_head_and_packing(tmp_
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     variants = json.loads((tmp_path / "update.json").read_text())["variants"]
-    assert {(v["chunked_head"], v["packed"]) for v in variants} == {(a, b) for a in (True, False) for b in (True, False)}
+    assert {(v["chunked_head"], v["packed"]) for v in variants} == {(c, p) for c in (True, False) for p in (True, False)}
     assert all(v["mfu"] > 0 for v in variants)
     assert proc.stdout.count("update MFU") == 4
