@@ -1,6 +1,6 @@
 """Padding-free micro-batches (rltrainer/packing.py): the rows packed into one sequence give the
 padded path's log-probs, entropies, values and loss gradients within fp32 rounding, for Qwen2,
-Qwen3 and Llama, with the chunked LM head and with full logits, on one device, through the
+Qwen3 and Llama (and a LoRA policy), with the chunked LM head and with full logits, on one device, through the
 ``single`` strategy's stages and update, and on 2 FSDP2 ranks; the setting reaches the
 micro-batches (token budget in real tokens) and megatron refuses it.
 
@@ -63,7 +63,8 @@ def outputs_and_grads(model, batch, padding_free, chunk_tokens=None, temperature
     loss = (log_probs * weights).sum() + 0.3 * (entropy * weights.flip(-1) * mask).sum()
     model.zero_grad()
     loss.backward()
-    return log_probs.detach() * mask, entropy.detach() * mask, {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return log_probs.detach() * mask, entropy.detach() * mask, grads
 
 
 def assert_same(packed, padded):
@@ -115,6 +116,22 @@ def test_eager_attention_and_no_temperature():
     batch = make_batch(1)
     assert_same(outputs_and_grads(model, batch, True, chunk_tokens=4, temperature=1.0),
                 outputs_and_grads(model, batch, False, chunk_tokens=0, temperature=1.0))
+
+
+def test_a_lora_policy_packs_too():
+    """peft's wrapper passes the packed inputs through; its LoRA-wrapped head takes the full-logits path."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_causal_lm(CONFIGS["qwen2"](), seed=0)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"],
+                                             init_lora_weights=False))
+    batch = make_batch()
+
+    def trainable(result):
+        return result[0], result[1], {n: g for n, g in result[2].items() if "lora_" in n}
+
+    assert_same(trainable(outputs_and_grads(model, batch, True)),
+                trainable(outputs_and_grads(model, batch, False, chunk_tokens=0)))
 
 
 def test_the_batch_meta_turns_it_on():
