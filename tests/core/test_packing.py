@@ -1,8 +1,8 @@
 """Padding-free micro-batches (rltrainer/packing.py): the rows packed into one sequence give the
 padded path's log-probs, entropies, values and loss gradients within fp32 rounding, for Qwen2,
-Qwen3 and Llama (and a LoRA policy), with the chunked LM head and with full logits, on one device, through the
-``single`` strategy's stages and update, and on 2 FSDP2 ranks; the setting reaches the
-micro-batches (token budget in real tokens) and megatron refuses it.
+Qwen3, Llama and a LoRA policy, with the chunked LM head and with full logits, on one device,
+through the ``single`` strategy's stages and update, and on 2 FSDP2 ranks; the setting reaches
+the micro-batches (token budget in real tokens) and megatron refuses it.
 
 Tolerances: the packed forward runs the same fp32 products over fewer, differently laid out rows
 (one sequence, a block-diagonal mask); observed differences are ~5e-7 on log-probs and ~1e-6 on
