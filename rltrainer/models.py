@@ -309,6 +309,7 @@ def response_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk_tokens: int | None = None,
+    padding_free: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of ``batch["responses"]`` under ``model``.
 
@@ -324,9 +325,18 @@ def response_log_probs(
     last (transformers causal LMs; a model may instead offer ``lm_head_log_probs``, as megatron's
     does); other models (a LoRA-wrapped head, logit soft-capping) take the full-logits path, as
     does ``chunk_tokens=0``.
+
+    With ``padding_free`` (default: ``batch.meta["padding_free"]``, which the Strategy sets on its
+    micro-batches when built with ``padding_free=True``) the rows run as one packed sequence
+    without their padding (:mod:`rltrainer.packing`); the LM head sees only the real response
+    tokens, and response padding gets 0 in both outputs.
     """
     responses = batch["responses"]  # [n, T]
     T = responses.shape[1]
+    if padding_free is None:
+        padding_free = bool(getattr(batch, "meta", {}).get("padding_free", False))
+    if padding_free:
+        return _packed_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens)
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                   position_ids=batch["position_ids"])
     if chunk_tokens != 0:
@@ -340,11 +350,39 @@ def response_log_probs(
                 out = model(**inputs, use_cache=False, logits_to_keep=T + 1).logits  # [n, T, 2]
             return out[..., 0], _entropy(out[..., 1], with_entropy, entropy_grad)
     logits = model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]: P-1+t predicts t
+    return _log_probs_from_logits(logits, responses, temperature, with_entropy, entropy_grad)
+
+
+def _packed_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float, with_entropy: bool,
+                      entropy_grad: bool, chunk_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_log_probs` on the rows packed into one sequence (:mod:`rltrainer.packing`)."""
+    from rltrainer.packing import packed_rows_for
+
+    if hasattr(model, "lm_head_log_probs"):
+        raise NotImplementedError(f"{type(model).__name__} computes its own log-probs (megatron's model) and takes "
+                                  "padded rows only: turn padding_free off for it")
+    packed = packed_rows_for(model, batch)
+    targets = batch["responses"][packed.rows, packed.cols][None]  # [1, M]
+    head = _chunkable_head(model) if chunk_tokens != 0 else None
+    if head is not None:
+        with _head_returns_log_probs(head, targets, temperature, chunk_tokens):
+            out = model(**packed.inputs, use_cache=False, logits_to_keep=packed.predictors).logits[0]  # [M, 2]
+        log_probs, entropy = out[:, 0], _entropy(out[:, 1], with_entropy, entropy_grad)
+    else:
+        logits = model(**packed.inputs, use_cache=False, logits_to_keep=packed.predictors).logits  # [1, M, V]
+        log_probs, entropy = _log_probs_from_logits(logits, targets, temperature, with_entropy, entropy_grad)
+        log_probs, entropy = log_probs[0], None if entropy is None else entropy[0]
+    return packed.unpack(log_probs), None if entropy is None else packed.unpack(entropy)
+
+
+def _log_probs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                           entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets [n, T]`` and entropies from full ``logits [n, T, V]``, in fp32."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     log_softmax = logits.log_softmax(-1)  # one fused pass; faster than logsumexp on CPU
-    log_probs = log_softmax.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    log_probs = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         entropy = entropy_from_log_softmax(log_softmax if entropy_grad else log_softmax.detach())

@@ -70,6 +70,8 @@ def build_plan(module: RLModule, strategy: Strategy, loader: Any, total_steps: i
     budget = getattr(strategy, "max_tokens_per_micro_batch", None)
     rows = getattr(strategy, "micro_batch_size", None)
     micro = f"{budget:,} tokens" if budget else f"{rows} rows" if rows else "?"
+    if getattr(strategy, "padding_free", False):
+        micro += ", packed"
     ranks = strategy.world_size
     placement = getattr(strategy, "rollout_placement", "colocated")
     replicas = getattr(strategy, "rollout_replicas", 1) if placement == "split" else ranks

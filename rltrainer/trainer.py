@@ -57,8 +57,13 @@ class Trainer:
         max_tokens_per_micro_batch: form micro-batches by a token budget instead (rows while
             ``rows x longest row`` fits; verl's ``ppo_max_token_len_per_gpu``).
         gradient_clip_val: clip the global gradient norm to this (``None``: no clipping).
+        padding_free: run each micro-batch's rows packed into one sequence without their padding,
+            in the compute stages and the update (TRL's ``padding_free``, verl's
+            ``use_remove_padding``; see :mod:`rltrainer.packing`); ``max_tokens_per_micro_batch``
+            then counts real tokens. Off by default (measured on CPU: tests/benchmarks/README.md).
+            ``"megatron"`` refuses it.
 
-        ``precision`` and the three micro-batch / clipping settings configure a strategy built from
+        ``precision`` and the micro-batch / clipping / packing settings configure a strategy built from
         its name; a ``Strategy`` instance carries its own (``FSDP2Strategy(micro_batch_size=4)``), and a
         Trainer value changed from its default that disagrees with the instance's raises.
         seed: seeds Python, numpy and torch at the start of ``fit``.
@@ -115,6 +120,7 @@ class Trainer:
         micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
         gradient_clip_val: float | None = 1.0,
+        padding_free: bool = False,
         seed: int = 0,
         default_root_dir: str | Path | None = None,
         callbacks: list[Callback] | None = None,
@@ -148,7 +154,7 @@ class Trainer:
         self.strategy = resolve_strategy(strategy, devices=devices, num_nodes=num_nodes, precision=precision,
                                          micro_batch_size=micro_batch_size,
                                          max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                                         gradient_clip_val=gradient_clip_val)
+                                         gradient_clip_val=gradient_clip_val, padding_free=padding_free)
         self.watchdog = self.strategy.watchdog = Watchdog(stage_timeout_s)
         check_pipeline(pipeline, max_staleness, staleness_policy, self.strategy)
         if pipeline != "sync" and weight_sync != "sync":

@@ -204,19 +204,23 @@ class RolloutBatch:
             raise ValueError(f"split size must be positive, got {size}")
         return [self[i : i + size] for i in range(0, len(self), size)]
 
-    def split_by_tokens(self, max_tokens: int, mask_key: str = "attention_mask") -> list[RolloutBatch]:
-        """Consecutive parts whose padded token count (rows x longest row) stays within ``max_tokens``.
+    def split_by_tokens(self, max_tokens: int, mask_key: str = "attention_mask",
+                        packed: bool = False) -> list[RolloutBatch]:
+        """Consecutive parts whose padded token count (rows x longest row) stays within ``max_tokens``;
+        with ``packed``, whose real token count (the sum of the rows' lengths: a packed forward's
+        sequence, :mod:`rltrainer.packing`) does.
 
         A row longer than ``max_tokens`` gets a part of its own.
         """
         lengths = self.tensors[mask_key].sum(-1).tolist()
-        parts, start, longest = [], 0, 0
+        parts, start, longest, total = [], 0, 0, 0
         for i, length in enumerate(lengths):
-            new_longest = max(longest, int(length))
-            if i > start and new_longest * (i - start + 1) > max_tokens:
+            new_longest, new_total = max(longest, int(length)), total + int(length)
+            cost = new_total if packed else new_longest * (i - start + 1)
+            if i > start and cost > max_tokens:
                 parts.append(self[start:i])
-                start, new_longest = i, int(length)
-            longest = new_longest
+                start, new_longest, new_total = i, int(length), int(length)
+            longest, total = new_longest, new_total
         parts.append(self[start:])
         return parts
 

@@ -42,8 +42,18 @@ def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Modu
     return spec()
 
 
-def response_values(critic: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
-    """``V [n, T]``: the critic's value at each position that predicts a response token."""
+def response_values(critic: torch.nn.Module, batch: RolloutBatch, padding_free: bool | None = None) -> torch.Tensor:
+    """``V [n, T]``: the critic's value at each position that predicts a response token. With
+    ``padding_free`` (default: ``batch.meta["padding_free"]``, set by the Strategy) the rows run
+    packed into one sequence (:mod:`rltrainer.packing`), and response padding gets 0."""
+    if padding_free is None:
+        padding_free = bool(getattr(batch, "meta", {}).get("padding_free", False))
+    if padding_free:
+        from rltrainer.packing import packed_rows_for
+
+        packed = packed_rows_for(critic, batch)
+        out = critic(**packed.inputs).logits[0, :, 0]  # [L]
+        return packed.unpack(out[packed.predictors].float())
     T = batch["responses"].shape[1]
     out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                  position_ids=batch["position_ids"]).logits[..., 0]  # [n, P+T]

@@ -25,7 +25,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.lora import engine_view
 from rltrainer.rollout.remote import RemoteEngine
 from rltrainer.strategies.rank_worker import TrainingWorker
-from rltrainer.strategies.strategy import Strategy, combine_metrics
+from rltrainer.strategies.strategy import Strategy, combine_metrics, form_micro_batches
 from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
                                           InProcessTransport, ObjectStoreTransport, SharedMemoryTransport,
                                           WeightTransport, resolve_transport)
@@ -184,7 +184,7 @@ class WorkerGroupStrategy(Strategy):
         """Split ``batch`` into data-parallel shares and run ``method`` on every rank; returns one
         output per share (from the share's first rank) and the batch rows of each share."""
         parts, rows = partition_for_ranks(batch, self.data_parallel_size, self.micro_batch_size,
-                                          self.max_tokens_per_micro_batch)
+                                          self.max_tokens_per_micro_batch, self.padding_free)
         shares = [self.data_parallel_rank(r) for r in range(self.world_size)]
         outs = self._require_group().dispatch(method, [((parts[s], *extra), {}) for s in shares])
         first = {s: outs[r] for r, s in reversed(list(enumerate(shares))) if self.reports(r)}
@@ -343,8 +343,8 @@ def ship_user_code(module: Any) -> None:
         cloudpickle.register_pickle_by_value(source)
 
 
-def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: int,
-                        max_tokens: int | None) -> tuple[list[list[RolloutBatch]], list[torch.Tensor]]:
+def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: int, max_tokens: int | None,
+                        padding_free: bool = False) -> tuple[list[list[RolloutBatch]], list[torch.Tensor]]:
     """Rank ``r``'s micro-batches and the batch rows they hold (real rows first, in order).
 
     Rows go to ranks balanced by token count (longest first, to the least loaded rank with room;
@@ -352,7 +352,9 @@ def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: 
     a rank with fewer pads with one-row micro-batches (``meta["padding"]``) whose ``response_mask``
     and ``advantages`` are all zero. The hooks run on them (the collectives must match), and their
     contribution is removed by the strategy: :func:`~rltrainer.strategies.strategy.zero_padding`
-    multiplies the loss by 0 and drops the metrics, and compute outputs are dropped.
+    multiplies the loss by 0 and drops the metrics, and compute outputs are dropped. Each rank's
+    rows form micro-batches as :func:`~rltrainer.strategies.strategy.form_micro_batches` forms them
+    (``padding_free``: packed, and marked so).
     """
     n = len(batch)
     tokens = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [1] * n
@@ -365,13 +367,7 @@ def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: 
     rows = [torch.tensor(sorted(a), dtype=torch.long) for a in assigned]
     parts = []
     for idx in rows:
-        sub = batch[idx] if len(idx) else None
-        if sub is None:
-            parts.append([])
-        elif max_tokens:
-            parts.append(sub.split_by_tokens(max_tokens))
-        else:
-            parts.append(sub.split(micro_batch_size))
+        parts.append(form_micro_batches(batch[idx], micro_batch_size, max_tokens, padding_free) if len(idx) else [])
     count = max(len(p) for p in parts)
     if any(len(p) < count for p in parts):
         pad = batch[[0]].copy()
@@ -379,6 +375,8 @@ def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: 
             if key in pad:
                 pad[key] = torch.zeros_like(pad[key])
         pad.meta["padding"] = True
+        if padding_free:
+            pad.meta["padding_free"] = True
         for p in parts:
             p.extend(pad for _ in range(count - len(p)))
     return parts, rows

@@ -42,6 +42,11 @@ class Strategy(abc.ABC):
             (dynamic batch size): consecutive rows while ``rows x longest row`` fits.
         gradient_clip_val: clip the global gradient norm to this value (``None``: no clipping).
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``.
+        padding_free: run each micro-batch's rows packed into one sequence without their padding
+            (:mod:`rltrainer.packing`; TRL's ``padding_free``, verl's ``use_remove_padding``), in
+            the compute stages and the update; ``max_tokens_per_micro_batch`` then counts real
+            tokens. The strategy marks its micro-batches (``meta["padding_free"]``) and
+            :func:`~rltrainer.models.response_log_probs` reads the mark.
     """
 
     #: The model families (transformers ``config.model_type``) this strategy is tested with, the
@@ -53,7 +58,7 @@ class Strategy(abc.ABC):
     watchdog: Watchdog | None = None
 
     def __init__(self, micro_batch_size: int = 8, max_tokens_per_micro_batch: int | None = None,
-                 gradient_clip_val: float | None = 1.0, precision: str = "32-true") -> None:
+                 gradient_clip_val: float | None = 1.0, precision: str = "32-true", padding_free: bool = False) -> None:
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be an int >= 1 (rows per forward/backward), got {micro_batch_size!r}")
         if max_tokens_per_micro_batch is not None and (not isinstance(max_tokens_per_micro_batch, int)
@@ -65,10 +70,14 @@ class Strategy(abc.ABC):
                              f"got {gradient_clip_val!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Available: {', '.join(PRECISIONS)}")
+        if not isinstance(padding_free, bool):
+            raise ValueError(f"padding_free must be True (pack each micro-batch's rows without padding) or False "
+                             f"(padded rows), got {padding_free!r}")
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.gradient_clip_val = gradient_clip_val
         self.precision = precision
+        self.padding_free = padding_free
         self.versions = ParamVersions()  # per parameter: what an in-process export still has to send
         self.weight_versions = WeightVersions()  # policy / started / loaded
         self.lora_config: Any = None  # the module's peft.LoraConfig, if its policy is a LoRA one (set up)
@@ -201,10 +210,23 @@ class Strategy(abc.ABC):
 
     # -- helpers shared by implementations ------------------------------------------------------
     def micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """Split by ``max_tokens_per_micro_batch`` if set, else by ``micro_batch_size`` rows."""
-        if self.max_tokens_per_micro_batch:
-            return batch.split_by_tokens(self.max_tokens_per_micro_batch)
-        return batch.split(self.micro_batch_size)
+        """:func:`form_micro_batches` with this strategy's settings."""
+        return form_micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro_batch, self.padding_free)
+
+
+def form_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None,
+                       padding_free: bool = False) -> list[RolloutBatch]:
+    """Split by the token budget ``max_tokens`` if set (real tokens with ``padding_free``, else
+    rows x longest row), else by ``micro_batch_size`` rows; with ``padding_free`` each part is
+    marked ``meta["padding_free"]`` (its forward passes run packed)."""
+    if max_tokens:
+        parts = batch.split_by_tokens(max_tokens, packed=padding_free)
+    else:
+        parts = batch.split(micro_batch_size)
+    if padding_free:
+        for part in parts:
+            part.meta["padding_free"] = True
+    return parts
 
 
 def check_model_type(model: torch.nn.Module, strategy: str, supported: frozenset[str] | None) -> None:
@@ -417,7 +439,7 @@ def param_dtype(precision: str) -> torch.dtype:
 
 #: Trainer arguments that configure a strategy built from its name, with the Trainer's defaults.
 STRATEGY_SETTINGS = {"precision": "32-true", "micro_batch_size": None, "max_tokens_per_micro_batch": None,
-                     "gradient_clip_val": 1.0}
+                     "gradient_clip_val": 1.0, "padding_free": False}
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int | str, num_nodes: int, **settings: Any) -> Strategy:

@@ -8,6 +8,12 @@
   GPU per member, so with one GPU the group has one member (its construction, SGLang's store
   layout, the broadcast and the shutdown on a real CUDA build); with two, trainer and receiver.
   On CPU: the same on gloo.
+- ``update``: the update's forward + backward (response log-probs and entropies) over the same
+  micro-batches four ways: the chunked LM head or full logits, padded rows or packed
+  (``padding_free``), each with its MFU and peak memory. GSM8K prompts left-padded to the
+  longest, responses of lengths drawn from ``[max_new_tokens/6, max_new_tokens]``, as a trained
+  policy's vary. The FLOPs counted are the useful ones (real tokens only) in all four, so their
+  MFUs compare as their speeds do.
 - ``engines``: each engine of ``--engines`` (vLLM, SGLang where installed; ``hf`` anywhere) on a
   tiny random model: greedy with ``n > 1``, stop tokens honoured, seeds (equal prompts differ,
   a repeat reproduces), and ``sleep(1)`` / ``sleep(2)`` then a full update then generate, which must
@@ -16,6 +22,7 @@
     bash tests/benchmarks/gpu.sh                       # the lent H200: Qwen2.5-0.5B architecture, bf16
     python tests/benchmarks/bench_gpu.py --device cpu --model tiny --steps 2    # a smoke run anywhere
     python tests/benchmarks/bench_gpu.py --check weight-group --device cpu
+    python tests/benchmarks/bench_gpu.py --check update --device cpu --model tiny --prompts 2 --group 2
     python tests/benchmarks/bench_gpu.py --check engines --engines hf --device cpu
 
 Model: a random-init model of the Qwen2.5-0.5B architecture (494M parameters, tied embeddings)
@@ -33,6 +40,7 @@ over the chip's 989 dense bf16 TFLOP/s.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import socket
 import statistics
@@ -224,7 +232,7 @@ def run_checks(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", choices=["grpo", "weight-group", "engines"], default="grpo")
+    p.add_argument("--check", choices=["grpo", "update", "weight-group", "engines"], default="grpo")
     p.add_argument("--mib", type=int, default=256, help="weight-group: the bucket's size")
     p.add_argument("--engines", default="vllm,sglang", help="engines: which, comma-separated (hf, vllm, sglang)")
     p.add_argument("--device", default="cuda")
@@ -238,10 +246,109 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=32)
     p.add_argument("--out", default=None, help="where the JSON goes (grpo: tests/benchmarks/results/gpu.json)")
     args = p.parse_args()
+    if args.check == "update":
+        update_variants(args)
+        return
     if args.check != "grpo":
         run_checks(args)
         return
     grpo(args)
+
+
+def update_batch(tokenizer, prompts: int, group: int, max_new: int, vocab: int) -> dict:
+    """``prompts x group`` rows: GSM8K prompts left-padded to the longest, responses of random
+    tokens and lengths uniform in ``[max_new/6, max_new]`` (seed 0), right-padded."""
+    rows = gsm8k_rows(tokenizer, prompts)
+    width = max(len(r["prompt_ids"]) for r in rows)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.zeros(prompts * group, width + max_new, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i in range(prompts * group):
+        prompt = rows[i // group]["prompt_ids"]
+        length = int(torch.randint(max(1, max_new // 6), max_new + 1, (1,), generator=g))
+        ids[i, width - len(prompt):width] = torch.tensor(prompt)
+        ids[i, width:width + length] = torch.randint(0, vocab, (length,), generator=g)
+        mask[i, width - len(prompt):width + length] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, width:], "response_mask": mask[:, width:].clone()}
+
+
+def time_update(model: torch.nn.Module, micro: list, chunked: bool, device: torch.device) -> tuple[float, float | None]:
+    """Median seconds of 2 passes (after a warm-up) of forward + backward over ``micro``, and the
+    peak GiB allocated on CUDA (``None`` on CPU); bf16 autocast on CUDA."""
+    from rltrainer.models import response_log_probs
+    from rltrainer.strategies.strategy import autocast_context
+
+    precision = "bf16-mixed" if device.type == "cuda" else "32-true"
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        start = time.perf_counter()
+        for mb in micro:
+            with autocast_context(precision, device):
+                log_probs, entropy = response_log_probs(model, mb, 1.0, with_entropy=True, entropy_grad=True,
+                                                        chunk_tokens=None if chunked else 0)
+            mask = mb["response_mask"].float()
+            ((log_probs * mask).sum() + 0.01 * (entropy * mask).sum()).backward()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return statistics.median(times[1:]), peak
+
+
+def update_variants(args: argparse.Namespace) -> None:
+    """The ``update`` check (see the module docstring): MFU with and without the chunked head and packing."""
+    from rltrainer.data.batch import RolloutBatch
+    from rltrainer.models import build_causal_lm
+    from rltrainer.strategies.strategy import form_micro_batches
+    from rltrainer.testing import load_tokenizer
+
+    device = torch.device(args.device)
+    tokenizer = load_tokenizer("qwen2.5-instruct")
+    config = model_config(args.model, len(tokenizer))
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        config._attn_implementation = "flash_attention_2"  # packed rows run varlen (cu_seq_lens)
+    model = build_causal_lm(config, seed=0).to(device)  # fp32 master weights; bf16 autocast on CUDA
+    params = sum(p.numel() for p in model.parameters())
+    batch = RolloutBatch(update_batch(tokenizer, args.prompts, args.group, args.max_new_tokens, len(tokenizer)))
+    lengths = batch["attention_mask"].sum(1).double()
+    L, H = config.num_hidden_layers, config.hidden_size
+    flops = 6 * params * float(lengths.sum()) + 12 * L * H * float((lengths**2).sum())  # useful work only
+    results = []
+    for chunked in (True, False):
+        for packed in (False, True):
+            micro = [mb.to(device) for mb in form_micro_batches(batch, args.micro_batch_size, None, packed)]
+            variant = {"chunked_head": chunked, "packed": packed}
+            try:
+                seconds, peak = time_update(model, micro, chunked, device)
+                results.append({**variant, "seconds": seconds, "mfu": flops / seconds / PEAK_BF16, "peak_gib": peak})
+            except Exception as error:  # noqa: BLE001 (a variant out of memory or without its kernel: the others run)
+                if device.type == "cpu":
+                    raise
+                model.zero_grad(set_to_none=True)
+                results.append({**variant, "error": f"{type(error).__name__}: {error}"[:300]})
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
+              "params": params, "rows": len(batch), "micro_batch_size": args.micro_batch_size,
+              "real_tokens": int(lengths.sum()), "padded_tokens": batch["attention_mask"].numel(),
+              "attention": model.config._attn_implementation, "variants": results}
+    out = Path(args.out or ROOT / "tests" / "benchmarks" / "results" / "gpu_update.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"update micro-batches: {len(batch)} rows x {args.micro_batch_size}, {result['real_tokens']:,} real of "
+          f"{result['padded_tokens']:,} padded tokens, {params / 1e6:.0f}M params, attention {result['attention']}")
+    for r in results:
+        name = f"{'chunked head' if r['chunked_head'] else 'full logits'}, {'packed' if r['packed'] else 'padded'}"
+        if "error" in r:
+            print(f"  {name}: {r['error']}")
+            continue
+        memory = f", peak {r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else ""
+        print(f"  {name}: update MFU {r['mfu']:.1%} ({r['seconds']:.3f} s{memory})")
+    print(f"wrote {out}")
+    if not any("mfu" in r for r in results):
+        sys.exit(1)
 
 
 def grpo(args: argparse.Namespace) -> None:

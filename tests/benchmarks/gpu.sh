@@ -2,8 +2,10 @@
 # What only a GPU can check, in one command and under 8 minutes on one H200 (each phase has its own
 # budget; a phase that fails or runs out of time does not stop the others, and the exit status says
 # whether all passed):
-#   1. GRPO (300 s): bf16 update-phase MFU, decode tokens/s, weight-sync GB/s next to a
+#   1. GRPO (240 s): bf16 update-phase MFU, decode tokens/s, weight-sync GB/s next to a
 #      device-to-device copy of the same bytes (bench_gpu.py; [bench_gpu.py flags] go here)
+#   1b. the update four ways (60 s): MFU with and without the chunked LM head, padded rows or
+#      packed (padding_free)
 #   2. the weight-broadcast group on NCCL (30 s): a 256 MiB wire-layout bucket, bit-exact, GB/s
 #      with two GPUs (one GPU: a one-member group; NCCL takes a GPU per member)
 #   3. the engines (vLLM, SGLang: 60 s each) where installed: greedy n > 1, stop tokens, seeds,
@@ -46,7 +48,8 @@ phase() {  # phase NAME SECONDS COMMAND...
   echo "== $name: rc $rc after $((SECONDS - start)) s$([ "$rc" = 124 ] && echo ' (out of time)')"
   [ "$rc" = 0 ] || failed+=("$name")
 }
-phase grpo 300 python3 tests/benchmarks/bench_gpu.py --out "$RESULTS/gpu.json" "$@"
+phase grpo 240 python3 tests/benchmarks/bench_gpu.py --out "$RESULTS/gpu.json" "$@"
+phase update 60 python3 tests/benchmarks/bench_gpu.py --check update --prompts 16 --out "$RESULTS/gpu_update.json"
 phase weight-group 30 python3 tests/benchmarks/bench_gpu.py --check weight-group --out "$RESULTS/gpu_weight_group.json"
 for engine in vllm sglang; do
   phase "engine-$engine" 60 python3 tests/benchmarks/bench_gpu.py --check engines --engines "$engine" \

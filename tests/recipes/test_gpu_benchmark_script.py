@@ -56,5 +56,19 @@ def test_gpu_sh_runs_every_phase_within_eight_minutes():
     subprocess.run(["bash", "-n", str(ROOT / "tests" / "benchmarks" / "gpu.sh")], check=True)
     budgets = [int(line.split()[2]) * (2 if "$engine" in line else 1) for line in text.splitlines()
                if line.strip().startswith("phase ") and not line.strip().startswith("phase()")]
-    assert len(budgets) == 3 and sum(budgets) < 8 * 60 - 20  # grpo, weight-group, two engines; 20 s to start
-    assert "--check weight-group" in text and "--check engines" in text and 'exit 1' in text
+    assert len(budgets) == 4 and sum(budgets) < 8 * 60 - 20  # grpo, update, weight-group, two engines; 20 s to start
+    assert "--check update" in text and "--check weight-group" in text and "--check engines" in text
+    assert 'exit 1' in text
+
+
+def test_update_check_reports_mfu_with_and_without_chunked_head_and_packing(tmp_path):
+    """gpu.sh's ``update`` phase on CPU: four variants, each with its MFU."""
+    cmd = [sys.executable, str(ROOT / "tests" / "benchmarks" / "bench_gpu.py"), "--check", "update", "--device", "cpu",
+           "--model", "tiny", "--prompts", "2", "--group", "2", "--max-new-tokens", "8", "--micro-batch-size", "2",
+           "--out", str(tmp_path / "update.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    variants = json.loads((tmp_path / "update.json").read_text())["variants"]
+    assert {(v["chunked_head"], v["packed"]) for v in variants} == {(c, p) for c in (True, False) for p in (True, False)}
+    assert all(v["mfu"] > 0 for v in variants)
+    assert proc.stdout.count("update MFU") == 4

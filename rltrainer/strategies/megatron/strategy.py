@@ -52,6 +52,10 @@ class MegatronStrategy(WorkerGroupStrategy):
         if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1 or self.world_size % (tp * pp):
             raise ValueError(f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} must divide the "
                              f"{self.world_size} ranks (devices x num_nodes)")
+        if self.padding_free:
+            raise ValueError("strategy='megatron' takes padded micro-batches only (padding_free=True packs rows "
+                             "into one sequence, which its model and pipeline schedule do not read): use "
+                             "padding_free=False with megatron, or strategy='fsdp2' / 'single' to pack")
         if self.precision in ("bf16-mixed", "16-mixed"):
             raise ValueError(f"strategy='megatron' takes precision '32-true' or 'bf16-true', got {self.precision!r}")
         if ddp_bucket_size is not None and (not isinstance(ddp_bucket_size, int) or ddp_bucket_size < 1):
