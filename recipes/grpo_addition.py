@@ -73,6 +73,7 @@ from rltrainer.testing import tiny_qwen2_config
 @dataclasses.dataclass
 class Config:
     seed: int = 0
+    sampling_seed: int = -1  # the Trainer's seed (the samples' random numbers): -1 is --seed; others vary only the sampling
     digits: int = 3  # operands in [0, 10**digits)
     num_val: int = 500  # held-out problems
     hidden_size: int = 64
@@ -88,7 +89,7 @@ class Config:
     steps: int = 800
     batch_size: int = 32  # prompts per step (B)
     group_size: int = 8  # samples per prompt (G)
-    mini_batch_size: int = 64  # rows per optimizer step: B*G/64 = 4 updates per batch of samples
+    mini_batch_size: int = 0  # rows per optimizer step; 0: 64 in sync (B*G/64 = 4 updates per batch), 128 when rows lag (2)
     micro_batch_size: int = 64  # rows per forward/backward: the model is tiny, so one pass per update
     lr: float = 3e-4
     temperature: float = 0.7
@@ -242,6 +243,15 @@ class PrintProgress(rltrainer.Callback):
             print(f"step {trainer.global_step}: held-out accuracy {metrics['val/accuracy']:.1%}", flush=True)
 
 
+def mini_batch_size(config: Config) -> int:
+    """Rows per optimizer step. ``0``: 64 in sync mode (4 updates per batch of 256 samples); 128 in
+    the lagging modes, so one version of lag is 2 optimizer steps, not 4 (with 4, seed 1 lost 5-18
+    points of held-out accuracy to the lag; see ``tests/benchmarks/README.md``)."""
+    if config.mini_batch_size:
+        return config.mini_batch_size
+    return 64 if config.pipeline == "sync" else 128
+
+
 def rollout_correction(config: Config) -> str | None:
     """``"auto"``: truncated importance sampling (verl's token-level TIS, cap 2) when rows lag the
     policy (one_step_off, async), nothing in sync mode, whose rows are on-policy."""
@@ -275,7 +285,7 @@ def build_module(config: Config, model_dir: str, tokenizer: Any) -> rltrainer.RL
         kwargs = {**kwargs, "critic_lr": config.lr}
     return getattr(rltrainer, name)(
         model=model_dir, tokenizer=tokenizer, reward_funcs=exact_match,
-        num_generations=config.group_size, mini_batch_size=config.mini_batch_size,
+        num_generations=config.group_size, mini_batch_size=mini_batch_size(config),
         max_new_tokens=config.digits + 2,  # the answer and <eos>
         temperature=config.temperature, lr=config.lr, weight_decay=0.0,
         rollout_correction=rollout_correction(config), **kwargs,
@@ -310,7 +320,7 @@ def run(config: Config) -> dict[str, Any]:
                                          threads_per_worker=config.threads)
             trainer = rltrainer.Trainer(
                 strategy=strategy, rollout="hf", pipeline=config.pipeline, max_staleness=config.max_staleness,
-                max_steps=config.steps, seed=config.seed,
+                max_steps=config.steps, seed=config.seed if config.sampling_seed < 0 else config.sampling_seed,
                 val_check_interval=config.val_every or None, logger="csv" if config.output_dir else False,
                 default_root_dir=config.output_dir or None,
                 enable_progress_bar=config.progress_bar, callbacks=[PrintProgress(config.print_every)],
