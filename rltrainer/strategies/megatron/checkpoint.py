@@ -15,9 +15,9 @@ Saving (a collective), parameter by parameter: with megatron's distributed optim
 data-parallel rank's slice of the optimizer state is summed into the whole tensor over the
 data-parallel group; the tensor-parallel slices are all-gathered; the exact layout functions
 (:func:`~rltrainer.strategies.megatron.layouts.hf_from_megatron`) turn them into HF tensors, and
-one rank of the stage keeps them for its next file (the stage's tensor-parallel ranks of
-data-parallel rank 0 take turns, tensor by tensor). So every stage writes its own tensors, and no
-rank holds more than one whole tensor and one file's bucket.
+one rank of the stage keeps each for its next file (the one that has written the fewest bytes so
+far). So every rank writes about an equal part of its stage, and none holds more than about one
+whole tensor and one file's bucket.
 
 Loading: each rank reads only its shard of each tensor (its stage, its rows) from the files'
 headers and byte ranges, with :func:`~rltrainer.strategies.megatron.layouts.megatron_shard`, as it
@@ -114,19 +114,20 @@ def save(directory: Path, models: dict[str, ModelTensors], optimizer: Any, sched
     if config.optimizer == "sgd" and not any(g.get("momentum", 0) for g in optimizer.megatron.param_groups):
         kinds = [k for k in kinds if k != "momentum_buffer"]  # plain SGD keeps no state
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    writes = parallel_state.get_data_parallel_rank() == 0
-    writer, turn = _Writer(directory, rank, bucket_bytes), 0
+    me = parallel_state.get_data_parallel_rank() * tp + tp_rank  # every rank of the stage holds each whole tensor
+    written = [0] * (tp * parallel_state.get_data_parallel_world_size())  # bytes per rank of the stage, alike on each
+    writer = _Writer(directory, rank, bucket_bytes)
     for model_name, tensors in models.items():
         for name, param in tensors.params():
-            wanted = [("weight", param.detach())]
-            if param.requires_grad:  # every rank alike (collectives), whether it steps a slice of it or not
-                wanted += [(kind, _model_space(param, slots.get(id(param)), kind, config.use_distributed_optimizer))
-                           for kind in kinds]
-            for kind, local in wanted:
+            # every rank alike (collectives), whether it steps a slice of the parameter or not
+            for kind in ["weight", *kinds] if param.requires_grad else ["weight"]:
+                local = param.detach() if kind == "weight" else _model_space(
+                    param, slots.get(id(param)), kind, config.use_distributed_optimizer)
                 for hf, tensor in tensors.to_hf(name, _tp_gather(local, tp)).items():
-                    if writes and turn % tp == tp_rank:
+                    owner = written.index(min(written))  # the rank of the stage that has written least
+                    written[owner] += tensor.numel() * tensor.element_size()
+                    if owner == me:
                         writer.add(f"{model_name}/{kind}/{hf}", tensor)
-                    turn += 1
     writer.flush()
     groups: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(groups, optimizer.group_hyperparameters())
