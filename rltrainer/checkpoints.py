@@ -6,7 +6,8 @@
                   and the strategy's own (its ranks' RNG, its layout)
     training/     models, optimizers and schedulers, as the strategy writes them: one file
                   (``single``), every rank's shards (``fsdp2``: ``torch.distributed.checkpoint``),
-                  or one file per rank (``megatron``)
+                  or whole tensors under Hugging Face names, written by every pipeline stage
+                  (``megatron``: any tensor / pipeline / data-parallel layout loads them)
 
 It is written under a temporary name next to ``path`` (:func:`atomic_directory`) and renamed onto it
 when complete; ``last.ckpt`` is a symlink replaced in one rename (:func:`point_last`). A crash

@@ -1,7 +1,8 @@
-"""Checkpoint save and load on 2 FSDP2 ranks (CPU, Ray, gloo): one file through the controller vs.
-sharded. Prints a table and writes a JSON file of the figures.
+"""Checkpoint save and load on 2 FSDP2 (or megatron) ranks (CPU, Ray, gloo): one file through the
+controller vs. sharded. Prints a table and writes a JSON file of the figures.
 
     python tests/benchmarks/bench_checkpoint.py --hidden 512 --layers 8
+    python tests/benchmarks/bench_checkpoint.py --strategy megatron --tp 2   # megatron-core, TP=2
 
 A random-init Qwen2-architecture model (the 4k GSM8K BPE vocabulary) trains one GRPO step with AdamW
 (so the optimizer holds its moments), then, on the same ranks:
@@ -10,9 +11,11 @@ A random-init Qwen2-architecture model (the 4k GSM8K BPE vocabulary) trains one 
   gathered on rank 0 (``strategy.state_dict()``), shipped to the controller and ``torch.save``d as
   one file; loaded with ``torch.load`` and sent back to every rank (``strategy.load_state_dict``).
 - ``sharded``: ``strategy.save_checkpoint(dir)``: every rank writes its own
-  ``torch.distributed.checkpoint`` shards; ``strategy.load_checkpoint`` reads them.
+  ``torch.distributed.checkpoint`` shards; ``strategy.load_checkpoint`` reads them. On megatron:
+  each stage's whole tensors under HF names (``rltrainer.strategies.megatron.checkpoint``), which
+  any layout loads.
 - ``async``: ``save_checkpoint(dir, async_save=True)``: the time training is blocked (the shards
-  are copied to host memory), and until the files are written (``wait_checkpoint``).
+  are copied to host memory), and until the files are written (``wait_checkpoint``; FSDP2 only).
 
 Each is the median of ``--repeats`` trials; the controller's peak resident memory growth is
 measured once per mode (sharded first: the peak only rises).
@@ -53,7 +56,7 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def measure(strategy: Any, root: Path, repeats: int) -> dict[str, dict[str, float]]:
+def measure(strategy: Any, root: Path, repeats: int, async_save: bool = True) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     rss = peak_rss_mb()
     saves, loads = [], []
@@ -66,7 +69,7 @@ def measure(strategy: Any, root: Path, repeats: int) -> dict[str, dict[str, floa
     out["sharded"] = {"save_s": statistics.median(saves), "load_s": statistics.median(loads),
                       "size_mb": size_mb(root / "sharded0"), "controller_peak_rss_growth_mb": peak_rss_mb() - rss}
     blocked, total = [], []
-    for i in range(repeats):
+    for i in range(repeats if async_save else 0):
         directory = root / f"async{i}"
         directory.mkdir()
         start = time.perf_counter()
@@ -74,8 +77,9 @@ def measure(strategy: Any, root: Path, repeats: int) -> dict[str, dict[str, floa
         blocked.append(time.perf_counter() - start)
         strategy.wait_checkpoint()
         total.append(time.perf_counter() - start)
-    out["async"] = {"blocking_s": statistics.median(blocked), "save_s": statistics.median(total),
-                    "size_mb": size_mb(root / "async0")}
+    if async_save:
+        out["async"] = {"blocking_s": statistics.median(blocked), "save_s": statistics.median(total),
+                        "size_mb": size_mb(root / "async0")}
     rss = peak_rss_mb()
     saves, loads = [], []
     for i in range(repeats):
@@ -92,6 +96,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--strategy", choices=["fsdp2", "megatron"], default="fsdp2")
+    parser.add_argument("--tp", type=int, default=1, help="megatron's tensor_model_parallel_size")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_checkpoint.json"))
     args = parser.parse_args()
@@ -99,29 +105,34 @@ def main() -> None:
 
     from rltrainer import GRPO, Trainer, prompt_dataloader
     from rltrainer.data import load_rows, prepare_gsm8k
-    from rltrainer.strategies import FSDP2Strategy
+    from rltrainer.strategies import FSDP2Strategy, MegatronStrategy
     from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config
 
     tok = load_tokenizer("gsm8k-bpe4k")
     rows = prepare_gsm8k(load_rows(str(data_path("gsm8k", "train.jsonl"))).select(range(4)), tok, max_prompt_length=160)
     config = tiny_qwen2_config(len(tok), hidden_size=args.hidden, num_layers=args.layers, num_heads=8, num_kv_heads=4)
     module = GRPO(config, tok, reward_funcs=zero_reward, num_generations=2, max_new_tokens=4, lr=1e-4)
-    strategy = FSDP2Strategy(devices=args.devices, threads_per_worker=1,
-                             ray_init_kwargs={"num_cpus": 4, "include_dashboard": False})
+    ray_init_kwargs = {"num_cpus": 4, "include_dashboard": False}
+    if args.strategy == "megatron":
+        strategy = MegatronStrategy(devices=args.devices, tensor_model_parallel_size=args.tp, threads_per_worker=1,
+                                    ray_init_kwargs=ray_init_kwargs)
+    else:
+        strategy = FSDP2Strategy(devices=args.devices, threads_per_worker=1, ray_init_kwargs=ray_init_kwargs)
     with Trainer(strategy=strategy, max_steps=1, logger=False, enable_progress_bar=False) as trainer:
         trainer.fit(module, prompt_dataloader(rows, batch_size=2))
         specs = trainer.strategy._require_group().execute_rank_zero("weight_specs")
         params = sum(math.prod(shape) for shape, _ in specs.values())
         root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
         try:
-            figures = measure(trainer.strategy, root, args.repeats)
+            figures = measure(trainer.strategy, root, args.repeats, async_save=args.strategy == "fsdp2")
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    result = {"hidden": args.hidden, "layers": args.layers, "ranks": args.devices, "parameters": params,
-              "figures": figures}
+    result = {"strategy": args.strategy, "tp": args.tp, "hidden": args.hidden, "layers": args.layers,
+              "ranks": args.devices, "parameters": params, "figures": figures}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"{params / 1e6:.1f}M parameters, fp32 + AdamW, {args.devices} FSDP2 ranks")
+    layout = f"megatron ranks, TP={args.tp}" if args.strategy == "megatron" else "FSDP2 ranks"
+    print(f"{params / 1e6:.1f}M parameters, fp32 + AdamW, {args.devices} {layout}")
     print(f"{'mode':<12} {'save s':>8} {'load s':>8} {'blocking s':>10} {'size MB':>8} {'ctrl RSS +MB':>12}")
     for mode, f in figures.items():
         print(f"{mode:<12} {f['save_s']:>8.2f} {f.get('load_s', float('nan')):>8.2f} "

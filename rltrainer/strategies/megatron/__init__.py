@@ -50,6 +50,7 @@ Where each job lives:
 - :mod:`~rltrainer.strategies.megatron.strategy`: :class:`MegatronStrategy`, the controller side.
 - :mod:`~rltrainer.strategies.megatron.worker`: :class:`MegatronWorker`, the rank side (setup,
   the schedule, weight export, checkpoints).
+- :mod:`~rltrainer.strategies.megatron.checkpoint`: checkpoints any layout loads (HF names, whole tensors).
 - :mod:`~rltrainer.strategies.megatron.optimizer`: megatron's DDP and optimizer, built from the
   module's optimizers (:class:`~rltrainer.strategies.megatron.optimizer.MegatronOptimizer`).
 - :mod:`~rltrainer.strategies.megatron.config`: a transformers config -> megatron-core settings, or an error.

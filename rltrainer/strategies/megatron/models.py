@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 from typing import Any
 
@@ -177,6 +178,14 @@ class MegatronValueModel(torch.nn.Module):
             return self.score(self.dropout(self.norm(hidden.transpose(0, 1))))
 
         return SimpleNamespace(logits=left_aligned(run, input_ids, attention_mask))
+
+
+def critic_trunk_config(config: Any) -> Any:
+    """The config a critic's trunk is built and converted with: a ``GPTModel`` without output layer,
+    as if its embedding were tied."""
+    config = copy.deepcopy(config)
+    config.tie_word_embeddings = True
+    return config
 
 
 def rotate_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None

@@ -194,7 +194,7 @@ class MegatronOptimizer:
         from megatron.core.optimizer import get_megatron_optimizer
 
         self.device, self.stepped = device, False
-        config = optimizer_config(optimizers, options)  # raises before anything is wrapped
+        self.config = config = optimizer_config(optimizers, options)  # raises before anything is wrapped
         with self._placement():
             self.ddps = wrap_in_ddp(models, options)
             chunks = list(self.ddps.values())
@@ -304,6 +304,55 @@ class MegatronOptimizer:
         # for every group here: put each group's own hyperparameters (and tag) back, in order
         for group, saved in zip(self.megatron.param_groups, state["groups"], strict=True):
             group.update(saved)
+
+    # -- checkpoints in any layout (rltrainer.strategies.megatron.checkpoint) ---------------------------------
+    def state_slots(self) -> dict[int, tuple[Any, torch.Tensor, slice | None]]:
+        """Where the optimizer state of each model parameter on this rank lives, by ``id(param)``:
+        ``(torch optimizer, main parameter, elements)``: the torch optimizer's state is keyed by the
+        main parameter (the parameter itself, or its fp32 copy for a bf16 one), and with the
+        distributed optimizer holds ``elements`` of the flattened parameter (``None``: all of it).
+        A parameter of which this rank steps nothing (a data-parallel shard elsewhere) is absent."""
+        from megatron.core.optimizer import DistributedOptimizer
+
+        slots: dict[int, tuple[Any, torch.Tensor, slice | None]] = {}
+        for opt in self.megatron.chained_optimizers:
+            inner = opt.optimizer
+            if isinstance(opt, DistributedOptimizer):
+                for by_dtype in opt.gbuf_ranges:
+                    for buckets in by_dtype.values():
+                        for bucket in buckets:
+                            for param, ranges in bucket["param_map"].items():
+                                group, order = opt.model_param_group_index_map[param]
+                                main = inner.param_groups[group]["params"][order]
+                                slots[id(param)] = (inner, main, slice(ranges["param"].start, ranges["param"].end))
+            elif hasattr(opt, "float16_groups"):  # Float16OptimizerWithFloat16Params: fp32 copies
+                pairs = [*zip(opt.float16_groups, opt.fp32_from_float16_groups), *zip(opt.fp32_from_fp32_groups,
+                                                                                      opt.fp32_from_fp32_groups)]
+                for models, mains in pairs:
+                    slots.update({id(p): (inner, m, None) for p, m in zip(models, mains)})
+            else:  # FP32Optimizer: the parameters themselves
+                slots.update({id(p): (inner, p, None) for g in inner.param_groups for p in g["params"]})
+        return slots
+
+    def init_state(self, step: float, kinds: list[str]) -> None:
+        """Give every parameter this rank steps the state its torch optimizer creates on its first
+        step (zeros; Adam's ``step`` set to ``step``, one tensor each), ready to be filled."""
+        for inner, main, _ in self.state_slots().values():
+            state = inner.state[main]
+            for kind in kinds:
+                if not isinstance(state.get(kind), torch.Tensor):
+                    state[kind] = torch.zeros_like(main, memory_format=torch.preserve_format)
+            if self.config.optimizer == "adam":
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+    def group_hyperparameters(self) -> dict[tuple[int, int], dict[str, Any]]:
+        """The user-facing hyperparameters of this rank's param groups, by user group (:data:`GROUP_TAG`)."""
+        keys = _HYPERPARAMETERS[self.config.optimizer]
+        return {tuple(g[GROUP_TAG]): {k: g[k] for k in keys if k in g} for g in self.megatron.param_groups}
+
+    def load_group_hyperparameters(self, saved: dict[tuple[int, int], dict[str, Any]]) -> None:
+        for group in self.megatron.param_groups:
+            group.update(saved.get(tuple(group[GROUP_TAG]), {}))
 
 
 def _optimizer_state(opt: Any) -> dict[str, Any] | None:

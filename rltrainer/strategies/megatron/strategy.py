@@ -3,10 +3,8 @@ which ranks report, checkpoints); the ranks are :class:`~rltrainer.strategies.me
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from rltrainer.checkpoints import CheckpointError
 from rltrainer.strategies.dispatch import WorkerGroupStrategy
 from rltrainer.strategies.megatron.config import SUPPORTED_MODEL_TYPES
 from rltrainer.strategies.megatron.worker import MegatronWorker
@@ -92,12 +90,3 @@ class MegatronStrategy(WorkerGroupStrategy):
     def checkpoint_layout(self) -> dict[str, int]:
         return {"world_size": self.world_size, "tensor_model_parallel_size": self.tp,
                 "pipeline_model_parallel_size": self.pp}
-
-    def check_checkpoint_layout(self, directory: Path, layout: dict[str, int]) -> None:
-        """Each rank reads its own file: the checkpoint must have this run's ranks, TP and PP sizes."""
-        if layout != self.checkpoint_layout():
-            raise CheckpointError(
-                f"{directory} was saved by {layout.get('world_size')} megatron ranks with tensor_model_parallel_size="
-                f"{layout.get('tensor_model_parallel_size')}, pipeline_model_parallel_size="
-                f"{layout.get('pipeline_model_parallel_size')}; this run has {self.world_size} ranks with {self.tp}, "
-                f"{self.pp}. Resume megatron checkpoints with the layout they were saved with.")

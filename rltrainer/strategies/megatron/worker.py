@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ from rltrainer.strategies.megatron.models import (
     PipelineSlot,
     StageOutput,
     build_gpt,
+    critic_trunk_config,
 )
 from rltrainer.strategies.megatron.optimizer import MegatronOptimizer
 from rltrainer.strategies.rank_worker import TrainingWorker
@@ -63,6 +65,7 @@ class MegatronWorker(TrainingWorker):
         self._slot: PipelineSlot | None = None
         self._coords: list[tuple[int, int]] = [(0, 0)]  # every rank's (pipeline stage, tensor-parallel rank)
         self.loaded: dict[str, dict[str, Any]] = {}
+        self._hf_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # each model's HF tensors (checkpoints)
         self._optimizer: MegatronOptimizer | None = None
 
     def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
@@ -159,6 +162,7 @@ class MegatronWorker(TrainingWorker):
             if self._slot is None:
                 self._slot = PipelineSlot(gpt.config)
             wrapped = MegatronCausalLM(gpt, hf_model.config, self._slot)
+        self._hf_shapes[name] = {n: tuple(p.shape) for n, p in hf_model.named_parameters()}
         self.loaded[name] = {"source": reads.source, "full_bytes": _nbytes(hf_model.parameters()),
                              "shard_bytes": _nbytes(wrapped.parameters()), "loaded_bytes": reads.loaded}
         return wrapped
@@ -210,8 +214,7 @@ class MegatronWorker(TrainingWorker):
         tied = bool(config.tie_word_embeddings)
         critic_trunk = not post_process and self.layout.pp == 1
         if critic_trunk:  # no output layer to fill
-            config = copy.deepcopy(config)
-            config.tie_word_embeddings, tied = True, False
+            config, tied = critic_trunk_config(config), False
         gpt = build_gpt(config, self.layout.tp, self.device.type == "cpu", dtype, post_process=post_process,
                         pp=self.layout.pp, pre_process=pre_process, share_embeddings=tied).to(self.device)
         self._load(gpt, reads, config, skip={"decoder.final_layernorm.weight"} if critic_trunk else set())
@@ -377,13 +380,41 @@ class MegatronWorker(TrainingWorker):
                 out[name] = tensor
         return [(n, out[n]) for n in names]
 
-    # -- checkpoints: each rank keeps its own shard -------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return local_training_state(self.module, self.optimizers, self.schedulers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_local_training_state(self.module, self.optimizers, self.schedulers, state)
         self.versions.forget_synced()
+
+    def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
+        """This rank's part of a checkpoint any layout loads (a collective; written at once, also
+        with ``async_save``): whole tensors under HF names, see
+        :mod:`~rltrainer.strategies.megatron.checkpoint`."""
+        from rltrainer.strategies.megatron import checkpoint
+
+        checkpoint.save(Path(directory), self._checkpoint_models(), self._optimizer, self.schedulers, self.rank,
+                        self.bucket_bytes)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Fill this rank's shards and optimizer state from a checkpoint saved with any tensor,
+        pipeline and data-parallel sizes."""
+        from rltrainer.strategies.megatron import checkpoint
+
+        models = self._checkpoint_models()
+        checkpoint.load(Path(directory), models, {n: self._hf_shapes[n] for n in models}, self._optimizer,
+                        self.schedulers)
+        self.versions.forget_synced()
+
+    def _checkpoint_models(self) -> dict[str, Any]:
+        from megatron.core import parallel_state
+
+        from rltrainer.strategies.megatron.checkpoint import ModelTensors
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        return {name: ModelTensors(model, self.layout, self.stage, tp_rank)
+                for name, model in self.module.trainable_models().items()}
 
 
 def check_architectures(module: RLModule, pp: int = 1) -> None:

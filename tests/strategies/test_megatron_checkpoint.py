@@ -1,0 +1,92 @@
+"""strategy="megatron" checkpoints load on another layout: saved at TP=2, resumed at TP=1 (two
+data-parallel ranks, so the distributed optimizer's state is split anew), saved again and resumed
+at TP=2, continuing as the uninterrupted TP=2 run does (weights, Adam's moments, the next steps'
+loss and gradient norm), within the rounding by which the layouts differ."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from rltrainer import GRPO, ModelCheckpoint, Trainer, prompt_dataloader
+from rltrainer.callbacks import Callback
+from rltrainer.checkpoints import CheckpointError
+from rltrainer.models import SafetensorsWeights
+from rltrainer.strategies import MegatronStrategy
+from rltrainer.testing import length_reward
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')")
+
+
+class Metrics(Callback):
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, float]] = {}
+
+    def on_step_end(self, trainer, module, metrics):
+        self.steps[trainer.global_step] = dict(metrics)
+
+
+def saved(path):
+    """A megatron checkpoint's tensors (``<model>/<kind>/<HF name>``), whole."""
+    files = SafetensorsWeights(str(path / "training"))
+    return {name: files.read(name) for name in files.names()}
+
+
+def run(config, tokenizer, prompts, root, tp, max_steps, ckpt=None, devices=2):
+    module = GRPO(config, tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8, lr=1e-3,
+                  kl_coef=0.05, warmup_steps=2)  # the lr moves at resume
+    strategy = MegatronStrategy(devices=devices, tensor_model_parallel_size=tp)
+    metrics = Metrics()
+    callbacks = [metrics, ModelCheckpoint(dirpath=root, every_n_steps=1, keep=5)]
+    with Trainer(strategy=strategy, max_steps=max_steps, logger=False, enable_progress_bar=False, seed=6,
+                 default_root_dir=root, callbacks=callbacks) as trainer:
+        trainer.fit(module, prompt_dataloader(prompts, batch_size=2), ckpt_path=ckpt)
+        return dict(strategy.export_weights()), metrics.steps
+
+
+def assert_state_close(got, want, what):
+    """Weights within 1e-5 (AdamW's steps of lr 1e-3 on layouts that round differently, see
+    test_megatron_strategy); moments within 1e-3 of their norm (a near-cancelled gradient element
+    differs relatively more)."""
+    assert sorted(got) == sorted(want), what
+    for name, tensor in want.items():
+        if "/weight/" in name:
+            torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=f"{what}: {name}")
+        else:
+            error = (got[name] - tensor).norm() / tensor.norm().clamp_min(1e-30)
+            assert error < 1e-3, f"{what}: {name} differs by {float(error):.2e} of its norm"
+
+
+@pytest.mark.slow
+def test_megatron_checkpoint_reshards_tp2_to_tp1_and_back(bpe_tokenizer, gsm8k_prompts, tmp_path, ray_session):
+    from rltrainer.testing import tiny_qwen2_config
+
+    config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
+    full, full_metrics = run(config, bpe_tokenizer, gsm8k_prompts, tmp_path / "tp2", tp=2, max_steps=3)
+    step1, step2 = saved(tmp_path / "tp2" / "step=1.ckpt"), saved(tmp_path / "tp2" / "step=2.ckpt")
+    assert any("/exp_avg_sq/" in n for n in step1) and any("/weight/" in n for n in step1)
+
+    # TP=2 -> TP=1 (DP=2: the optimizer state splits over two data-parallel ranks)
+    _, tp1_metrics = run(config, bpe_tokenizer, gsm8k_prompts, tmp_path / "tp1", tp=1, max_steps=2,
+                         ckpt=tmp_path / "tp2" / "step=1.ckpt")
+    assert list(tp1_metrics) == [2]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr"):
+        assert tp1_metrics[2][key] == pytest.approx(full_metrics[2][key], rel=1e-4, abs=1e-6), key
+    assert_state_close(saved(tmp_path / "tp1" / "step=2.ckpt"), step2, "TP=1 step 2 vs TP=2 step 2")
+
+    # TP=1 -> TP=2
+    resumed, back_metrics = run(config, bpe_tokenizer, gsm8k_prompts, tmp_path / "back", tp=2, max_steps=3,
+                                ckpt=tmp_path / "tp1" / "step=2.ckpt")
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr"):
+        assert back_metrics[3][key] == pytest.approx(full_metrics[3][key], rel=1e-4, abs=1e-6), key
+    for name, tensor in full.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+    # another model's checkpoint: the clear error, naming the path and the differing shapes
+    other = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=48, num_layers=2)
+    with pytest.raises(CheckpointError, match=r"step=2\.ckpt.*does not fit the model: .*model \(48, 48\)"):
+        run(other, bpe_tokenizer, gsm8k_prompts, tmp_path / "other", tp=1, max_steps=3,
+            ckpt=tmp_path / "tp1" / "step=2.ckpt", devices=1)  # in this process
