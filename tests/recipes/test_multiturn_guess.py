@@ -47,7 +47,7 @@ def test_chat_format_of_the_game(recipe):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="the recipe does not learn yet (its docstring has the runs): the target of issue 15, item 6")
+@pytest.mark.skip(reason="the recipe does not learn yet (its docstring has the runs and what was found): issue 15, item 6")
 def test_feedback_is_learned_and_the_control_learns_less(recipe):
     """A short run of each: with the replies the greedy success must rise well above what the
     control (replies withheld) reaches. The control cannot beat 20 % by construction."""
