@@ -9,14 +9,34 @@ every reply is ``.``) the best a policy can do is two distinct guesses, 20 % of 
 ``higher_lower`` with ``--max-turns 4`` makes binary search the goal (100 %, against 40 % without
 the replies).
 
-Status (2026-12-01, a 2-core machine shared by ~8 jobs, load average ~26): it does not learn yet.
-Seed 0, 100 steps, ``--lr 1e-3 --mini-batch-size 32``: greedy success 10 % -> 20 % with the hint,
-10 % -> 10 % without feedback; success while sampling ended at 0.22 (hint) and 0.21 (control),
-the hint run first falling to 0.00 (steps 11-20) and recovering. ``--lr 3e-4 --mini-batch-size 16``,
-60 steps, hint: 10 % -> 0 %, sampling success 0.17 until step 30, then 0.00-0.01 (what the policy
-then samples was not inspected). ``higher_lower`` (4 turns, 150 steps, ``--lr 1e-3``): 10 % -> 10 %,
-sampling success flat at 0.32-0.34. The collapse with informative replies, and not in the control,
-is not understood yet.
+Status (2026-12-02): it does not learn yet. What was checked and found, on a 2-core machine shared by
+many jobs (load average 16-40; the seconds below are under that load):
+
+- The multi-turn path is right on this game's format (``tests/recipes/test_multiturn_guess.py``): the
+  trainer's teacher-forced log-probs equal the ``hf`` engine's on the model tokens (largest difference
+  4.8e-7 on 8 episodes after a GRPO step), the replies are masked out, the score sits on the last model
+  token, the engine holds the policy's weights after a step.
+- Runs were not reproducible: the same command gave different runs (the rollout listed episodes in a
+  set's order of finished futures). Fixed in ``rltrainer/envs/rollout.py``; a seed now gives one run.
+- The collapse (sampling success falling to 0.00) is not specific to the replies: reproducible now,
+  ``--lr 1e-3 --mini-batch-size 32 --steps 100`` collapses with the hint *and* with ``--no-feedback``
+  (sampling success 0.016 at step 10 in both, 0.000 from step 20; greedy 10 % -> 0 % in both, 174 s and 164 s). The policy stops ending its turn:
+  ``<|end|>`` after the guess (probability 0.997 after the warm-up) loses to a second digit, within
+  one update in one run (the mean probability of the token sampled there fell from 0.997 to 0.69). Every turn then reads as two
+  digits, every reply is ``!``, every score 0: no group has a signal left, so it never recovers.
+  ``--max-new-tokens 1`` (the turn is the guess; the template closes it) removes that failure: 200 steps
+  at ``--lr 1e-3 --mini-batch-size 32`` never collapsed (sampling success 0.17-0.20, greedy 10 % -> 10 %).
+- What is left is learning to read the reply, which this model has to acquire from nothing (the warm-up
+  ignores the replies): ``--max-new-tokens 1 --lr 3e-4 --batch-size 16 --mini-batch-size 32 --steps 200``
+  with the hint: greedy 10 % -> 20 %, sampling success 0.19 -> 0.26 (788 s); ``--batch-size 32
+  --mini-batch-size 64 --lr 3e-4`` (the addition recipe's settings): sampling success 0.19-0.20 over
+  60 steps; ``--max-new-tokens 1 --lr 1e-3 --batch-size 32 --mini-batch-size 64 --steps 150``: greedy
+  10 % -> 10 %, sampling success 0.18-0.20 throughout (231 s). Even supervised learning of the copy (``g2 = hint``, cross-entropy, batch 64, lr 3e-4) reached
+  44 % of its batch only at step 200, and warm-ups that copy the reply in 5-60 % of their episodes
+  (150 steps, lr 3e-3) left P(copy) at 0.10: a plateau before the copy is found, which the
+  policy gradient's weaker signal does not cross in 10 minutes here. Next to try: a model that starts
+  past that plateau without using the replies for reward (for example a copy task in the warm-up's
+  other turns), or a game whose feedback needs no new attention pattern.
 
 1. Warm-up: a tiny Qwen2 made from scratch learns the *format* only, by supervised learning on
    episodes whose guesses are uniformly random digits, independent of the replies (random symbols
@@ -68,6 +88,7 @@ class Config:
     batch_size: int = 8  # prompts (secrets) per step
     group_size: int = 8  # episodes per prompt
     mini_batch_size: int = 64
+    max_new_tokens: int = 2  # per turn (1: the guess only; the template then closes the turn)
     lr: float = 1e-3
     temperature: float = 1.0
     threads: int = 1
@@ -192,7 +213,7 @@ def run(config: Config) -> dict[str, float]:
             module = rltrainer.GRPO(
                 model_dir, tokenizer, None, environment=MultiTurn(env, max_turns=config.max_turns,
                                                                    max_episode_tokens=64, max_workers=0),
-                num_generations=config.group_size, max_new_tokens=2, temperature=config.temperature,
+                num_generations=config.group_size, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                 lr=config.lr, weight_decay=0.0, mini_batch_size=config.mini_batch_size)
             trainer = rltrainer.Trainer(strategy=SingleDeviceStrategy(micro_batch_size=config.mini_batch_size),
                                         rollout="hf", max_steps=config.steps, seed=config.seed, logger=False,

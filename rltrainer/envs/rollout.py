@@ -238,18 +238,21 @@ class _Runner:
         requests: dict[Future, list[Episode]] = {}
         ready: list[Episode] = []
         ready_since = 0.0
+        position = {id(e): i for i, e in enumerate(episodes)}
         try:
             for e in episodes:
                 env_calls[pool.submit(self._start, e)] = (e, time.perf_counter())
             while env_calls or requests or ready:
                 now = time.perf_counter()
                 if ready and (not env_calls or now - ready_since >= self.spec.batch_wait_s):
+                    ready.sort(key=lambda e: position[id(e)])  # rows in the batch's order: a seed gives one run
                     requests.update(self._request(ready))
                     ready = []
                     continue
                 timeout = self._timeout(ready, ready_since, env_calls, now)
-                done, _ = wait([*env_calls, *requests], timeout=timeout, return_when=FIRST_COMPLETED)
-                for future in done:
+                waiting = [*env_calls, *requests]
+                done, _ = wait(waiting, timeout=timeout, return_when=FIRST_COMPLETED)
+                for future in [f for f in waiting if f in done]:  # in submission order, not the set's
                     if future in requests:
                         for e, turn in zip(requests.pop(future), self._turns(future)):
                             env_calls[pool.submit(self._after_turn, e, *turn)] = (e, time.perf_counter())

@@ -218,6 +218,21 @@ def test_turn_and_token_limits():
     with pytest.raises(TypeError, match="reset"):
         MultiTurn(int)
 
+def test_requests_keep_the_batch_order():
+    """Every request lists its episodes in the batch's order (samples of a prompt adjacent), not in a
+    set's order of finished futures (memory addresses): an engine drawing from a seeded generator
+    then gives each episode the same draws in every run, so a seed gives one run."""
+    tokenizer = load_tokenizer("gsm8k-bpe4k")
+    engine = ScriptedEngine(tokenizer, lambda p: [5, tokenizer.eos_token_id])
+    out = MultiTurn(Echo, max_turns=3, max_workers=0).rollout(prompt_rows(16), engine,
+                                                                SamplingParams(n=2, max_new_tokens=4), tokenizer)
+    assert out["env_turns"].tolist() == [3] * 32 and len(engine.requests) == 3
+    first_prompts = [tokenizer.decode(p) for p in engine.requests[0][1]]
+    for _, prompts, _ in engine.requests:
+        assert [tokenizer.decode(p[: len(engine.requests[0][1][0])]) for p in prompts] == first_prompts
+    assert [p.split("(")[1].split(")")[0] for p in first_prompts] == [str(i) for i in range(16) for _ in range(2)]
+
+
 
 class SlowFirst(Echo):
     """Episode 0's steps take 0.6 s; the others' are instant."""
