@@ -8,9 +8,10 @@ holding the group's worker object (any worker class) for the group's life. The g
 reserves its placement group (the same resources, the same errors on a small cluster) and calls
 its ranks' methods by name as a :class:`~rltrainer.controller.worker_group.RayWorkerGroup` does.
 
-A clean shutdown closes each worker (its process groups, megatron-core's parallel state, its
-engine) and returns the host to the pool; a group shut down after a failure or a timeout kills its
-hosts, as a plain group kills its actors (their peers may be blocked in a collective).
+A group shut down with no call in flight (after a clean run, or a failure every rank has answered)
+closes each worker (its process groups, megatron-core's parallel state, its engine) and returns the
+host to the pool; one with a call in flight (a hung or blocked rank, a timeout) kills its hosts, as a
+plain group kills its actors, and so does a host that died or whose worker does not close.
 
 Only for tests on one CPU node: GPU groups and groups on a Ray cluster the pool did not start in
 get plain actors.
@@ -115,8 +116,8 @@ class HostPool:
             try:
                 ray.get(release, timeout=60)
                 self.idle.append(host)
-            except Exception as exc:
-                log.warning("A warm rank host did not close its worker (%r); killing it", exc)
+            except Exception as exc:  # it died, or its worker's close raised or hung
+                log.info("A warm rank host did not close its worker (%r); killing it", exc)
                 kill(host)
 
     def usable(self) -> bool:
@@ -149,20 +150,36 @@ class WarmWorkerGroup(RayWorkerGroup):
         if pool is None or not pool.usable():  # the first group of this Ray session
             pool = type(self).pool = HostPool()
         self.hosts = pool.take(self.world_size)
-        for rank, host in enumerate(self.hosts):
-            host.start.remote(worker_cls, rank, self.world_size, init_kwargs)
+        self.issued = [host.start.remote(worker_cls, rank, self.world_size, init_kwargs)
+                       for rank, host in enumerate(self.hosts)]
         return [HostedActor(host) for host in self.hosts]
+
+    def _call_async(self, ranks: list[int], method: str, per_rank: Any) -> list[Any]:
+        futures = super()._call_async(ranks, method, per_rank)
+        if getattr(self, "hosts", None):
+            self.issued = [*self._in_flight(), *futures]
+        return futures
+
+    def _in_flight(self) -> list[Any]:
+        """The calls issued to the hosts that have not finished."""
+        import ray
+
+        if not self.issued:
+            return []
+        _, pending = ray.wait(self.issued, num_returns=len(self.issued), timeout=0)
+        return pending
 
     def shutdown(self) -> None:
         hosts, self.hosts = getattr(self, "hosts", []), []
         if hosts:
             self.actors = []  # the base class kills actors; hosts go back to the pool or are killed here
             pool = type(self).pool
-            if self._broken or pool is None or not pool.usable():
+            if self._in_flight() or pool is None or not pool.usable():  # a rank may be blocked in a collective
                 for host in hosts:
                     kill(host)
             else:
                 pool.give_back(hosts)
+            self.issued = []
             self._broken = self._broken or "shut down"
         super().shutdown()
 

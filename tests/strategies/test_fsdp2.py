@@ -17,6 +17,9 @@ from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 from rltrainer.strategies.dispatch import partition_for_ranks
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch, tiny_qwen3_config
 
+# ranks reuse warm processes (tests/conftest.py); a killed one is replaced
+pytestmark = pytest.mark.usefixtures("warm_ranks")
+
 
 class DyingGRPO(GRPO):
     """Rank 1 kills its own process (SIGKILL, no Python cleanup) in the second step's update."""
