@@ -26,8 +26,9 @@ import pytest
 SCRIPT = Path(__file__).with_name("megatron_tp_check.py")
 CHECKS = ["qwen2", "llama3-rope", "qwen3", "qwen2:head", "llama3-rope:head"]
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                reason="megatron-core is not installed (it is in the dev extra: pip install -e '.[dev]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="megatron-core is not installed (it is in the dev extra: pip install -e '.[dev]')")
 
 
 @pytest.fixture(scope="module")
