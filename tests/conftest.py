@@ -60,3 +60,15 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture
+def warm_ranks():
+    """The worker groups a test's multi-process strategies start reuse warm Ray processes
+    (rltrainer.testing.warm_ranks): a rank's start and first ``import megatron`` are paid once per
+    process of the session, not per test. Opt in with ``pytest.mark.usefixtures("warm_ranks")`` (a
+    module's ``pytestmark`` or one test); not for tests of process starts, deaths or cleanup."""
+    from rltrainer.testing.warm_ranks import reuse_rank_processes
+
+    with reuse_rank_processes() as groups:
+        yield groups

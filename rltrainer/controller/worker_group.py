@@ -264,7 +264,6 @@ class RayWorkerGroup(WorkerGroup):
                  watchdog: Watchdog | None = None, **init_kwargs: Any) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.world_size, self.watchdog = name, world_size, watchdog
         self.actors: list[Any] = []
@@ -289,13 +288,24 @@ class RayWorkerGroup(WorkerGroup):
                 "cpus_per_worker/gpus_per_worker, start Ray with more logical CPUs (ray.init(num_cpus=...)), "
                 "or add nodes."
             )
+        self.actors = self._start_actors(worker_cls, cpus_per_worker, gpus_per_worker, init_kwargs)
+        self.pids = self.execute_all("pid")
+
+    def _start_actors(self, worker_cls: type, cpus_per_worker: float, gpus_per_worker: float,
+                      init_kwargs: dict[str, Any]) -> list[Any]:
+        """One actor per bundle of the placement group, rank ``r`` on bundle ``r`` (a subclass may
+        supply the processes otherwise: ``rltrainer.testing.warm_ranks`` reuses warm ones)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         remote_cls = ray.remote(worker_cls)
-        for rank in range(world_size):
+        actors = []
+        for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
             options = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker, "scheduling_strategy": strategy,
                        "name": None}
-            self.actors.append(remote_cls.options(**options).remote(rank=rank, world_size=world_size, **init_kwargs))
-        self.pids = self.execute_all("pid")
+            actors.append(remote_cls.options(**options).remote(rank=rank, world_size=self.world_size, **init_kwargs))
+        return actors
 
     def _call_async(self, ranks: list[int], method: str, per_rank: Sequence[tuple[tuple, dict]]) -> list[Any]:
         if self._failure is not None:  # another thread's call saw it first: report the same failure

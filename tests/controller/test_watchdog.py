@@ -42,6 +42,7 @@ def alive(pid: int) -> bool:
     return "\nState:\tZ" not in state  # a zombie has exited
 
 
+@pytest.mark.usefixtures("warm_ranks")  # warm processes (tests/conftest.py): a timed-out group still kills its own
 def test_a_hung_policy_step_on_two_fsdp2_ranks_raises_with_stacks_and_leaves_no_process(
         tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
     module = HangingGRPO(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8)

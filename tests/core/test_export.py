@@ -71,6 +71,7 @@ def test_single_export_loads_in_transformers_with_the_policys_log_probs(tiny_con
     assert not list(tmp_path.glob(".*tmp*"))  # nothing half-written left behind
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_fsdp2_two_ranks_export_gathers_shards(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, ray_session):
     strategy = FSDP2Strategy(devices=2, bucket_bytes=32 << 10)
     trainer, module = trained(strategy, tiny_config, bpe_tokenizer, gsm8k_prompts)
@@ -80,6 +81,7 @@ def test_fsdp2_two_ranks_export_gathers_shards(tiny_config, bpe_tokenizer, gsm8k
         check_export(trainer, module, out, gsm8k_prompts)
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 @needs_megatron
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_megatron_export_converts_the_layout_back(tp, pp, tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path,

@@ -109,6 +109,7 @@ def test_concat_rollouts_pads_prompts_left_and_responses_right():
     assert out["prompt_position"].shape == (4, 3) and list(out["uid"]) == ["a"] * 4
 
 
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
 def test_one_step_off_trains_step_t_on_samples_of_version_t_minus_1(tiny_config, bpe_tokenizer, gsm8k_prompts,
                                                                      ray_session):
     """With a seeded engine, one_step_off equals a sync run whose rollouts use the previous step's
@@ -134,6 +135,7 @@ def test_one_step_off_trains_step_t_on_samples_of_version_t_minus_1(tiny_config,
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
 @pytest.mark.parametrize("policy,max_staleness", [("wait", 1), ("drop", 1), ("wait", 0)])
 def test_async_never_exceeds_the_staleness_bound_and_counts_drops(policy, max_staleness, tiny_config, bpe_tokenizer,
                                                                   gsm8k_prompts, ray_session):
@@ -175,6 +177,7 @@ def test_async_never_exceeds_the_staleness_bound_and_counts_drops(policy, max_st
     assert t.current_epoch == 1
 
 
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
 @pytest.mark.parametrize("pipeline", ["sync", "one_step_off"])
 def test_resume_is_exact(pipeline, tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, ray_session):
     """The same weights as an uninterrupted run (one_step_off's next batch, already generated,
@@ -197,6 +200,7 @@ def test_resume_is_exact(pipeline, tiny_config, bpe_tokenizer, gsm8k_prompts, tm
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
 def test_async_resume_loses_and_repeats_no_prompt(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, ray_session):
     prompts = gsm8k_prompts.select(range(5 * B))
     trained = []
@@ -264,6 +268,7 @@ def test_shutdown_with_requests_in_flight_leaves_no_process_behind(tiny_config, 
     assert not [th for th in threading.enumerate() if th.name.startswith("rltrainer-rollout")]
 
 
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
 def test_remote_generate_async_returns_before_the_replica_finishes(tiny_config, bpe_tokenizer, gsm8k_prompts,
                                                                    ray_session):
     m = module(RecordingGRPO, tiny_config, bpe_tokenizer)

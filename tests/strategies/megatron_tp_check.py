@@ -4,7 +4,12 @@ transformers model by ``hf_to_megatron``; prints (as JSON) how far its logits, l
 (reduced as the worker reduces them, converted back by ``megatron_to_hf``) are from the
 single-device transformers model's. Run by tests/strategies/test_megatron_cpu.py; runnable alone:
 
-    python tests/strategies/megatron_tp_check.py [qwen2 | llama3-rope | qwen3] [head]
+    python tests/strategies/megatron_tp_check.py [CHECK ...]
+
+A CHECK is a family (``qwen2``, ``llama3-rope``, ``qwen3``), optionally with ``:head``; the default
+is ``qwen2`` (and ``FAMILY head`` still means ``FAMILY:head``). All checks run in one pair of
+processes (megatron-core is imported and the group started once); one JSON line per check, in the
+order given, each with its ``check``.
 
 With ``head``, the outputs compared are the response tokens' log-probs and entropies
 (``response_log_probs``: megatron's vocabulary-parallel head in chunks against transformers' full
@@ -27,6 +32,7 @@ import json
 import os
 import sys
 import tempfile
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,19 +74,35 @@ def head_loss(log_probs: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     return (log_probs * weights).sum() + (entropy * weights.flip(-1)).sum() * 0.5
 
 
-def rank_main(rank: int, world: int, port: int, workdir: str, family: str, head: bool = False) -> None:
+def rank_main(rank: int, world: int, port: int, workdir: str, checks: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from rltrainer.strategies.megatron.cpu import cpu_shims
-    from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_to_megatron, megatron_to_hf
-    from rltrainer.strategies.megatron.models import build_gpt
 
     cpu_shims()  # megatron-core places RoPE frequencies and buffers with torch.cuda.current_device()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    data = torch.load(os.path.join(workdir, "inputs.pt"))
+    for check in checks:
+        try:
+            rank_check(rank, world, workdir, check)
+        except Exception as exc:
+            exc.add_note(f"in check {check!r} (rank {rank})")
+            raise
+    dist.destroy_process_group()
+
+
+def rank_check(rank: int, world: int, workdir: str, check: str) -> None:
+    """One check on this rank: the tensor-parallel model's outputs and gradients, to ``tp-<check>.pt``."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from rltrainer.strategies.megatron.layouts import MegatronLayout, hf_to_megatron, megatron_to_hf
+    from rltrainer.strategies.megatron.models import build_gpt
+
+    family, head = parse_check(check)
+    torch.manual_seed(0)
+    data = torch.load(os.path.join(workdir, f"inputs-{check}.pt"))
     layout, config = MegatronLayout(tp=world), hf_config(family)
     shards = hf_to_megatron(data["state"], config, layout)
     model = build_gpt(config, tp=world, on_cpu=True, dtype=torch.float32)
@@ -109,14 +131,24 @@ def rank_main(rank: int, world: int, port: int, workdir: str, family: str, head:
     if rank == 0:
         grad_shards = [[{n: g[n] for n in g} for g in gathered]]
         torch.save({"logits": logits.detach(), "loss": loss.detach(),
-                    "grads": megatron_to_hf(grad_shards, config, layout)}, os.path.join(workdir, "tp.pt"))
-    dist.destroy_process_group()
+                    "grads": megatron_to_hf(grad_shards, config, layout)}, os.path.join(workdir, f"tp-{check}.pt"))
 
 
-def main(family: str, head: bool = False) -> None:
+def parse_check(check: str) -> tuple[str, bool]:
+    """``"qwen3"`` -> ("qwen3", False); ``"qwen2:head"`` -> ("qwen2", True)."""
+    family, _, what = check.partition(":")
+    if what not in ("", "head"):
+        raise ValueError(f"unknown check {check!r}: FAMILY or FAMILY:head (FAMILY: qwen2, llama3-rope or qwen3)")
+    hf_config(family)  # raises for an unknown family
+    return family, what == "head"
+
+
+def reference_outputs(check: str, workdir: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The single-device transformers model of ``check``: saves its weights and inputs for the ranks;
+    returns it (with gradients) and its logits (or log-probs and entropies) and loss."""
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(1)
+    family, head = parse_check(check)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="sdpa")
     with torch.no_grad():
@@ -133,22 +165,37 @@ def main(family: str, head: bool = False) -> None:
         logits = reference(input_ids=ids).logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
-    with tempfile.TemporaryDirectory() as workdir:
-        torch.save({"state": {n: p.detach() for n, p in reference.named_parameters()}, "ids": ids},
-                   os.path.join(workdir, "inputs.pt"))
-        import socket
+    torch.save({"state": {n: p.detach() for n, p in reference.named_parameters()}, "ids": ids},
+               os.path.join(workdir, f"inputs-{check}.pt"))
+    return reference, logits.detach(), loss.detach()
 
+
+def main(checks: list[str]) -> None:
+    import socket
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as workdir:
+        references = {check: reference_outputs(check, workdir) for check in checks}
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(rank_main, args=(2, port, workdir, family, head), nprocs=2)
-        tp = torch.load(os.path.join(workdir, "tp.pt"))
-    grad_diff = max((tp["grads"][n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
-    print(json.dumps({"logits_max_abs_diff": (tp["logits"] - logits.detach()).abs().max().item(),
-                      "loss_tp2": tp["loss"].item(), "loss_hf": loss.item(), "grad_max_abs_diff": grad_diff,
-                      "grad_names": len(tp["grads"]), "hf_params": len(dict(reference.named_parameters()))}))
+        mp.spawn(rank_main, args=(2, port, workdir, checks), nprocs=2)
+        for check, (reference, logits, loss) in references.items():
+            tp = torch.load(os.path.join(workdir, f"tp-{check}.pt"))
+            grad_diff = max((tp["grads"][n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
+            print(json.dumps({"check": check, "logits_max_abs_diff": (tp["logits"] - logits).abs().max().item(),
+                              "loss_tp2": tp["loss"].item(), "loss_hf": loss.item(), "grad_max_abs_diff": grad_diff,
+                              "grad_names": len(tp["grads"]),
+                              "hf_params": len(dict(reference.named_parameters()))}))
     sys.stdout.flush()
 
 
+def checks_of(argv: list[str]) -> list[str]:
+    """The checks named on the command line (``FAMILY head``: the old spelling of ``FAMILY:head``)."""
+    if len(argv) == 2 and argv[1] == "head" and ":" not in argv[0]:
+        return [f"{argv[0]}:head"]
+    return argv or ["qwen2"]
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "qwen2", head=sys.argv[2:] == ["head"])
+    main(checks_of(sys.argv[1:]))

@@ -14,6 +14,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 from rltrainer.testing import length_reward, prepared_batch, tiny_qwen2_config, tiny_qwen3_config
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                     reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')")
 

@@ -49,6 +49,7 @@ def test_deferred_build_is_meta_and_keeps_the_random_init(tiny_config):
         assert torch.equal(state[name], p.detach()), name
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_two_ranks_read_only_their_rows_and_equal_from_pretrained(checkpoint, bpe_tokenizer, gsm8k_prompts,
                                                                   ray_session):
     plain = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -123,6 +124,7 @@ def test_safetensors_weights_read_only_the_rows_asked(checkpoint):
         weights.find(["lm_head.weight"])
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_ppo_critic_from_a_config_is_deferred_too(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
     """PPO's critic (a token-classification model) from a config is built on meta and scattered from
     rank 0 like the policy: its values equal the single-device critic's with the same seed."""

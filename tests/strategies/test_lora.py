@@ -93,6 +93,7 @@ def test_an_engine_without_adapters_gets_merged_weights(tiny_config, bpe_tokeniz
                                        rtol=0, atol=1e-5)
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_fsdp2_two_ranks_match_single(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
     """The same adapter init on every rank, the base as reference, two steps on one batch equal to
     single's (lr 1e-6: Adam moves a weight at most ~lr a step, so rounding cannot push them apart

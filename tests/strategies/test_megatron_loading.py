@@ -18,8 +18,9 @@ from rltrainer.models import build_causal_lm, frozen_copy
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
 from rltrainer.testing import length_reward, prepared_batch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                 reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')"),
+              pytest.mark.usefixtures("warm_ranks")]  # ranks reuse warm processes (tests/conftest.py)
 
 
 def make_module(model, tokenizer, cls=GRPO, **kwargs):

@@ -14,8 +14,9 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                 reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')"),
+              pytest.mark.usefixtures("warm_ranks")]  # ranks reuse warm processes (tests/conftest.py)
 
 
 def make_module(config, tokenizer, **kwargs):

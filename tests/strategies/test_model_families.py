@@ -85,6 +85,7 @@ def test_family_trains_on_every_strategy_and_syncs_exactly(family, bpe_tokenizer
         assert "model.layers.1.self_attn.k_norm.weight" in results["megatron"]
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_qwen3_split_hf_engine_gets_exact_weights(bpe_tokenizer, gsm8k_prompts, ray_session):
     """``fsdp2`` with the ``hf`` engine in a Ray process of its own: after each step the replica holds
     the trained Qwen3 weights exactly."""

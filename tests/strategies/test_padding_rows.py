@@ -55,6 +55,7 @@ def test_padding_micro_batch_adds_no_gradient_and_no_metrics(tiny_config, bpe_to
         assert torch.equal(a, b)
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_two_fsdp2_ranks_with_a_mask_ignoring_loss_match_one_device(tiny_config, bpe_tokenizer, gsm8k_prompts,
                                                                     ray_session):
     prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])

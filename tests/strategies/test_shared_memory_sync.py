@@ -25,6 +25,7 @@ def make_module(config, tokenizer):
                                lr=1e-2, kl_coef=0.05)
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 @pytest.mark.parametrize("devices", [1, 2])
 def test_split_on_one_node_syncs_through_shared_memory(devices, tiny_config, bpe_tokenizer, gsm8k_prompts,
                                                        ray_session):
@@ -60,6 +61,7 @@ def test_split_on_one_node_syncs_through_shared_memory(devices, tiny_config, bpe
     assert not glob.glob(f"/dev/shm/*{transport.tag}*")
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_shared_memory_start_returns_before_the_engines_load(tiny_config, bpe_tokenizer, ray_session):
     """One training rank in this process, 2 replicas: ``start_weight_sync`` returns with the load
     calls submitted; a ``generate`` issued right after runs after them (Ray keeps one caller's

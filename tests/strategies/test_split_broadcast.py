@@ -301,6 +301,7 @@ class RecordingSGLangEngine(SGLangEngine):
         self.engine = RecordingSGLang(self.model, self.tp_size, os.path.join(self.log_dir, f"{os.getpid()}.jsonl"))
 
 
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_sglang_split_protocol_against_a_recording_engine(tiny_config, bpe_tokenizer, ray_session, tmp_path):
     """2 replicas of tp_size 2 (threads standing in for SGLang's schedulers): group ranks 1-2 and
     3-4, one ``update_weights_from_distributed`` per bucket inside one begin/end session, bf16
