@@ -107,7 +107,7 @@ class RssTrace:
         setattr(owner, attribute, traced)
 
 
-def make_model(path: Path, tokenizer_name: str) -> None:
+def make_model(path: Path, tokenizer_name: str = TOKENIZERS[0]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
