@@ -80,6 +80,13 @@ def test_presets_and_flags(recipe):
         recipe.parse_args(["--preset", "fast"])
 
 
+def test_lagging_modes_default_to_two_updates_a_batch_and_a_correction(recipe):
+    sync, lagging = recipe.parse_args([]), recipe.parse_args(["--pipeline", "async", "--max-staleness", "2"])
+    assert (recipe.mini_batch_size(sync), recipe.rollout_correction(sync)) == (64, None)  # 4 updates of 256 rows
+    assert (recipe.mini_batch_size(lagging), recipe.rollout_correction(lagging)) == (128, "token_tis")
+    assert recipe.mini_batch_size(recipe.parse_args(["--pipeline", "async", "--mini-batch-size", "64"])) == 64
+
+
 def test_quick_preset_is_the_learning_proofs_configuration(recipe):
     """The README's first command is what the slow test below and bench_learning_proof.py measure:
     only how progress is shown and where metrics go may differ."""
