@@ -49,7 +49,7 @@ Seeds 0, 1, 2 of the full proof (2026-12-01, 2-core AMD EPYC, one thread each): 
 ``--pipeline one_step_off`` / ``async`` generate while the policy trains (the engine in a Ray
 process of its own), with ``--rollout-correction auto`` (``token_tis``) and 2 optimizer steps a
 batch (``--mini-batch-size 0``: 128 rows when rows lag, 64 in sync). Seeds 0, 1, 2, async: 94.4%,
-98.0%, 86.4% (``--max-staleness 1``) and 95.8%, 97.0%, 85.2% (``--max-staleness 2``), against sync's
+98.0%, 86.4% (``--max-staleness 1``; one_step_off the same) and 95.8%, 97.0%, 85.2% (``--max-staleness 2``), against sync's
 92.2%, 97.4%, 85.2%. With 4 optimizer steps a batch the lag cost seeds 1 and 2 up to 22 points,
 and without the correction seed 0 lost 11-17 (``tests/benchmarks/README.md``).
 """
