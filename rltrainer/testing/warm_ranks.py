@@ -28,6 +28,9 @@ from typing import Any
 
 from rltrainer.controller.worker_group import RayWorkerGroup
 
+#: Seconds a shutting-down group waits for its calls still running before it kills their hosts.
+SHUTDOWN_GRACE_S = 2.0
+
 log = logging.getLogger(__name__)
 
 
@@ -160,13 +163,13 @@ class WarmWorkerGroup(RayWorkerGroup):
             self.issued = [*self._in_flight(), *futures]
         return futures
 
-    def _in_flight(self) -> list[Any]:
-        """The calls issued to the hosts that have not finished."""
+    def _in_flight(self, grace_s: float = 0.0) -> list[Any]:
+        """The calls issued to the hosts that have not finished (within ``grace_s`` seconds)."""
         import ray
 
         if not self.issued:
             return []
-        _, pending = ray.wait(self.issued, num_returns=len(self.issued), timeout=0)
+        _, pending = ray.wait(self.issued, num_returns=len(self.issued), timeout=grace_s)
         return pending
 
     def shutdown(self) -> None:
@@ -174,7 +177,9 @@ class WarmWorkerGroup(RayWorkerGroup):
         if hosts:
             self.actors = []  # the base class kills actors; hosts go back to the pool or are killed here
             pool = type(self).pool
-            if self._in_flight() or pool is None or not pool.usable():  # a rank may be blocked in a collective
+            # a rank may be blocked in a collective; one whose call is just finishing (its failure not yet
+            # reported when another rank's was) gets SHUTDOWN_GRACE_S to answer
+            if self._in_flight(SHUTDOWN_GRACE_S) or pool is None or not pool.usable():
                 for host in hosts:
                     kill(host)
             else:
