@@ -334,7 +334,9 @@ def response_log_probs(
     responses = batch["responses"]  # [n, T]
     T = responses.shape[1]
     if padding_free is None:
-        padding_free = bool(getattr(batch, "meta", {}).get("padding_free", False))
+        from rltrainer.packing import marked_padding_free
+
+        padding_free = marked_padding_free(batch)
     if padding_free:
         return _packed_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens)
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

@@ -47,7 +47,9 @@ def response_values(critic: torch.nn.Module, batch: RolloutBatch, padding_free: 
     ``padding_free`` (default: ``batch.meta["padding_free"]``, set by the Strategy) the rows run
     packed into one sequence (:mod:`rltrainer.packing`), and response padding gets 0."""
     if padding_free is None:
-        padding_free = bool(getattr(batch, "meta", {}).get("padding_free", False))
+        from rltrainer.packing import marked_padding_free
+
+        padding_free = marked_padding_free(batch)
     if padding_free:
         from rltrainer.packing import packed_rows_for
 
