@@ -73,14 +73,14 @@ def trim_mode(environ: Mapping[str, str]) -> str:
 
 def slack_bytes(environ: Mapping[str, str]) -> int:
     """The growth, in bytes, past which a boundary trims: ``RLTRAINER_MALLOC_SLACK_MB`` (default
-    ``DEFAULT_SLACK_MB``); raises on a value that is not a number of MB >= 0."""
+    ``DEFAULT_SLACK_MB``); raises on a value that is not a finite number of MB >= 0."""
     text = environ.get(SLACK_VAR, str(DEFAULT_SLACK_MB))
     try:
         mb = float(text)
     except ValueError:
         mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"{SLACK_VAR}={text!r} is not a number of MB >= 0. Unset it (default "
+    if not 0 <= mb < float("inf"):
+        raise ValueError(f"{SLACK_VAR}={text!r} is not a finite number of MB >= 0. Unset it (default "
                          f"{DEFAULT_SLACK_MB}) or give one, e.g. {SLACK_VAR}=128 (lower: a lower peak, more page faults).")
     return int(mb * 2 ** 20)
 

@@ -1,6 +1,8 @@
 """Heap growth of repeated update micro-batches (issue 16): the 4k benchmark model, the same 8 x 328-token
 micro-batch forward + backward six times, holding each (loss, metrics) as run_micro_batches does; prints
-process RSS and glibc in-use / free heap after each pass. TRIM=1 calls malloc_trim(0) after each pass.
+process RSS and glibc in-use / free heap after each pass. TRIM=1 calls malloc_trim(0) after each pass; DETACH=1 holds
+detached copies instead (no graph nodes kept); glibc's own settings through its environment
+(MALLOC_MMAP_THRESHOLD_=1048576 ...). Ends with the run's peak RSS, CPU times and minor page faults.
 
     PYTHONPATH=$PWD python tests/benchmarks/check_heap_growth.py
     TRIM=1 PYTHONPATH=$PWD python tests/benchmarks/check_heap_growth.py

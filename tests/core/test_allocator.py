@@ -67,9 +67,10 @@ def test_slack_from_the_environment(fresh, monkeypatch):
     assert allocator._trimmer().slack == 64 * 2 ** 20
 
 
-def test_bad_slack_says_what_is_allowed(fresh, monkeypatch):
-    monkeypatch.setenv("RLTRAINER_MALLOC_SLACK_MB", "lots")
-    with pytest.raises(ValueError, match=r"RLTRAINER_MALLOC_SLACK_MB='lots'"):
+@pytest.mark.parametrize("value", ["lots", "-1", "inf", "nan"])
+def test_bad_slack_says_what_is_allowed(fresh, monkeypatch, value):
+    monkeypatch.setenv("RLTRAINER_MALLOC_SLACK_MB", value)
+    with pytest.raises(ValueError, match=rf"RLTRAINER_MALLOC_SLACK_MB='{value}' is not a finite number of MB >= 0"):
         allocator.release_free_heap()
 
 
