@@ -81,7 +81,8 @@ def slack_bytes(environ: Mapping[str, str]) -> int:
         mb = -1.0
     if not 0 <= mb < float("inf"):
         raise ValueError(f"{SLACK_VAR}={text!r} is not a finite number of MB >= 0. Unset it (default "
-                         f"{DEFAULT_SLACK_MB}) or give one, e.g. {SLACK_VAR}=128 (lower: a lower peak, more page faults).")
+                         f"{DEFAULT_SLACK_MB}) or give one, e.g. {SLACK_VAR}=128 (lower: a lower peak, "
+                         f"more page faults).")
     return int(mb * 2 ** 20)
 
 
