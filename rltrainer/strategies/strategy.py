@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.allocator import release_free_heap
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.registry import Registry
 from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightTransport
@@ -276,10 +277,17 @@ def run_compute(module: RLModule, micro_batches: list[RolloutBatch], stage: str,
     (empty on a rank that holds none, e.g. a pipeline stage before the last)."""
     for m in models:
         m.eval()
+
+    def step(mb: RolloutBatch) -> dict[str, torch.Tensor]:
+        release_free_heap()  # what the previous micro-batch freed (rltrainer.allocator)
+        return module.compute_step(mb, stage)
+
     with torch.no_grad(), autocast:
-        outputs = runner(lambda mb: module.compute_step(mb, stage), micro_batches, False)
+        outputs = runner(step, micro_batches, False)
     keys = outputs[0].keys() if outputs else []
-    return {k: torch.cat([o[k].float().cpu() for o in outputs]) for k in keys}
+    out = {k: torch.cat([o[k].float().cpu() for o in outputs]) for k in keys}
+    release_free_heap()
+    return out
 
 
 def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: list[torch.nn.Module],
@@ -297,6 +305,7 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
         opt.zero_grad(set_to_none=True)
 
     def step(mb: RolloutBatch) -> Any:
+        release_free_heap()  # what the previous micro-batch's forward and backward freed (rltrainer.allocator)
         with autocast_factory():
             out = module.policy_step(mb)
         return zero_padding(mb, out)
@@ -317,6 +326,7 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
             sched.step()
     else:
         log.warning("Non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+    release_free_heap()
     return out, stepped
 
 
