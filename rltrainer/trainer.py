@@ -186,6 +186,7 @@ class Trainer:
         self._generations: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}  # rows to log, per split
         self.module: RLModule | None = None
         self.global_step = 0
+        self.should_stop = False  # a callback sets it to end fit() after this step (as in Lightning)
         self.current_epoch = 0
         self.batches_seen_in_epoch = 0
         self.step_metrics: dict[str, float] = {}
@@ -216,7 +217,7 @@ class Trainer:
         try:
             if ckpt_path is not None:
                 self._restore(ckpt_path)
-            self._validated_this_step = False
+            self._validated_this_step = self.should_stop = False
             log_hyperparameters(self.loggers, {**hyperparameters(self, "trainer"),
                                                **hyperparameters(self.strategy, "strategy"),
                                                **hyperparameters(module, "module")})
@@ -496,6 +497,8 @@ class Trainer:
             epoch, start = epoch + 1, 0
 
     def _done(self) -> bool:
+        if self.should_stop:
+            return True
         if self.max_steps != -1 and self.global_step >= self.max_steps:
             return True
         return self.max_epochs is not None and self.current_epoch >= self.max_epochs

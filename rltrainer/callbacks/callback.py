@@ -24,7 +24,8 @@ class Callback:
         """With the prompt batch, before ``rollout_step``."""
 
     def on_step_end(self, trainer: Trainer, module: RLModule, metrics: dict[str, float]) -> None:
-        """After the weight sync, with the step's metrics."""
+        """After the weight sync, with the step's metrics. Set ``trainer.should_stop = True`` here to end
+        ``fit()`` after this step."""
 
     def on_validation_start(self, trainer: Trainer, module: RLModule) -> None:
         """Before the first validation batch."""

@@ -67,6 +67,23 @@ def test_hook_order(tiny_config, bpe_tokenizer, gsm8k_prompts):
     assert calls == expected
 
 
+def test_a_callback_stops_fit_with_should_stop(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    """As in Lightning: ``trainer.should_stop = True`` in a callback ends fit() after that step, and
+    the next fit() starts with it cleared."""
+    class StopAtTwo(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            if trainer.global_step == 2:
+                trainer.should_stop = True
+
+    trainer = Trainer(max_steps=5, logger=False, enable_progress_bar=False, callbacks=[StopAtTwo()])
+    module = make_module(tiny_config, bpe_tokenizer)
+    trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    assert trainer.global_step == 2 and trainer.should_stop
+    trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    assert trainer.global_step == 5 and not trainer.should_stop
+    trainer.teardown()
+
+
 def test_grpo_end_to_end_metrics_and_sync(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path):
     module = make_module(tiny_config, bpe_tokenizer, kl_coef=0.05, entropy_coef=0.01, num_generations=4)
     trainer = Trainer(max_steps=3, logger="csv", default_root_dir=tmp_path, enable_progress_bar=False, seed=1)
