@@ -23,12 +23,15 @@ Measured 2026-12-02 on a 2-core AMD EPYC, 1 thread, 1,500 steps (sampling succes
 random guesser's 0.18-0.19 for 300-700 steps, then rises within a few hundred steps: a plateau
 before the code is picked up):
 
-- seeds 0 / 1 / 2: sampling success 0.99 by step 800 / 900 / 900 (it leaves 0.19 at step 200-300 / 300-400 / 100-200),
-  greedy 10 % -> 100 % (seed 1; 174 s with another job running, 0.04-0.1 s a step);
+- seeds 0 / 1 / 2: sampling success 0.99 by step 800 / 900 / 1,000 (it leaves 0.19 at step 200-300 / 300-400 / 100-200),
+  greedy 10 % -> 100 % on each, 81 / 174 / 82 s for 1,500 steps (0.04-0.1 s a step, other jobs running);
   with two layers (``--num-layers 2``) the same seed took 2,000 steps to reach 100 % (648 s under load)
   and seeds 0 / 2 reached 90 % / 90 % in 1,000-1,500 steps; hidden 128 had not started learning at
   1,500 steps, hidden 32 reached 90 %.
-- The control (``--no-feedback``) cannot pass 20 % by construction.
+- seed 3: greedy 10 % -> 80 % (sampling success 0.87 at step 1,500, still rising); seed 0 with 2 threads:
+  the same run as with 1 (stopped by ``--stop-at 0.9`` at step 561, 100 %).
+- The control (``--no-feedback``, seed 0, 1,500 steps): greedy 10 % -> 10 %, sampling success 0.19-0.20
+  throughout (84 s); it cannot pass 20 % by construction.
 - ``--reply hint`` (copying the digit) did not learn within 200 steps in earlier runs: the wrong first
   guess is a digit in the context too, so copying needs attention by position, not by content.
 - ``--stop-at 0.9`` ends the run once sampling success over 50 steps reaches 0.9 (the CI test's setting).
