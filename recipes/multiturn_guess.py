@@ -71,7 +71,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>
 class Config:
     seed: int = 0
     feedback: bool = True  # False: the control run, every reply is "."
-    reply: str = "code"  # after a wrong guess: "code" (the secret as a letter, a = 0), "hint" (the digit) or "higher_lower"
+    reply: str = "code"  # after a wrong guess: "code" (the secret as a letter), "hint" (the digit), "higher_lower"
     max_turns: int = 2
     hidden_size: int = 64
     num_layers: int = 1
@@ -107,8 +107,9 @@ def build_tokenizer() -> Any:
 
 
 class GuessDigit(Environment):
-    """Find the row's ``secret`` digit. After a wrong guess the reply is, by ``reply``: ``"hint"`` the
-    secret itself, ``"higher_lower"`` ``+`` / ``-``; ``.`` when ``feedback`` is off (the control)."""
+    """Find the row's ``secret`` digit. After a wrong guess the reply is, by ``reply``: ``"code"`` the
+    secret's letter (``CODE``), ``"hint"`` the secret itself, ``"higher_lower"`` ``+`` / ``-``; ``.`` when
+    ``feedback`` is off (the control)."""
 
     feedback = True
     reply = "hint"
@@ -224,10 +225,12 @@ def run(config: Config) -> dict[str, float]:
                 model_dir, tokenizer, None, environment=MultiTurn(env, max_turns=config.max_turns,
                                                                    max_episode_tokens=64, max_workers=0),
                 num_generations=config.group_size, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                lr=config.lr, weight_decay=0.0, entropy_coef=config.entropy_coef, mini_batch_size=config.mini_batch_size)
+                lr=config.lr, weight_decay=0.0, entropy_coef=config.entropy_coef,
+                mini_batch_size=config.mini_batch_size)
             trainer = rltrainer.Trainer(strategy=SingleDeviceStrategy(micro_batch_size=config.mini_batch_size),
                                         rollout="hf", max_steps=config.steps, seed=config.seed, logger=False,
-                                        enable_progress_bar=False, callbacks=[PrintProgress(config.print_every, config.stop_at)])
+                                        enable_progress_bar=False,
+                                        callbacks=[PrintProgress(config.print_every, config.stop_at)])
             val = rltrainer.prompt_dataloader(rows(list(range(10))), 10, shuffle=False, drop_last=False)
             before = trainer.validate(module, val)["val/accuracy"]
             print(f"greedy success before GRPO: {before:.0%} (feedback: {config.feedback})", flush=True)
