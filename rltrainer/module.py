@@ -336,3 +336,15 @@ def check_prompt_ids(batch: RolloutBatch, vocab_size: int) -> None:
                 f"{f' (and {len(bad) - 1} more out of range)' if len(bad) > 1 else ''}, outside the model's "
                 f"vocabulary of {vocab_size} ids [0, {vocab_size - 1}]. Tokenize the prompts with the model's own "
                 f"tokenizer, or build the model with a vocab_size of at least {max(bad) + 1}.")
+
+
+def check_hooks(module: RLModule) -> None:
+    """Raise if ``module`` is not an RLModule or leaves a required hook unimplemented."""
+    if not isinstance(module, RLModule):
+        raise TypeError(f"fit() needs an rltrainer.RLModule, got {type(module).__name__}")
+    missing = [h for h in REQUIRED_HOOKS if getattr(type(module), h) is getattr(RLModule, h)]
+    if missing:
+        raise NotImplementedError(
+            f"{type(module).__name__} must override these RLModule hooks: {', '.join(missing)}. "
+            "See the RLModule docstrings for what each receives and returns."
+        )

@@ -27,7 +27,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.generations import generation_rows, spread, write_generations
 from rltrainer.loggers import build_loggers, hyperparameters, log_hyperparameters
 from rltrainer.loop import batch_metrics, check_skipped_steps, training_step, validation_loop
-from rltrainer.module import REQUIRED_HOOKS, RLModule
+from rltrainer.module import RLModule, check_hooks
 from rltrainer.pipelines import Pipeline, build_pipeline, check_module_pipeline, check_pipeline
 from rltrainer.plan import RunPlan, build_plan, log_plan
 from rltrainer.rollout.engine import RolloutEngine, build_engine
@@ -585,18 +585,6 @@ def sync_metrics(stats: dict[str, float]) -> dict[str, float]:
     if seconds and "bytes" in stats:
         out["sync/gb_per_s"] = stats["bytes"] / seconds / 1e9
     return out
-
-
-def check_hooks(module: RLModule) -> None:
-    """Raise if ``module`` is not an RLModule or leaves a required hook unimplemented."""
-    if not isinstance(module, RLModule):
-        raise TypeError(f"fit() needs an rltrainer.RLModule, got {type(module).__name__}")
-    missing = [h for h in REQUIRED_HOOKS if getattr(type(module), h) is getattr(RLModule, h)]
-    if missing:
-        raise NotImplementedError(
-            f"{type(module).__name__} must override these RLModule hooks: {', '.join(missing)}. "
-            "See the RLModule docstrings for what each receives and returns."
-        )
 
 
 def resolve_dataloaders(train: Any, val: Any, datamodule: Any, need_train: bool = True) -> tuple[Any, Any]:
