@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the preset's; gpu: torch's default)")
     p.add_argument("--output-dir", default="outputs/grpo_gsm8k")
     p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument("--padding-free", action="store_true",
+                   help="pack each micro-batch's rows without their padding (Trainer(padding_free=True))")
     args = p.parse_args(argv)
     preset = args.preset if args.preset != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
     for key, value in PRESETS[preset].items():
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.pipeline != "sync":
         per_rank["rollout_placement"] = "split"
     strategy = build_strategy(args.strategy, devices=args.devices, precision=args.precision,
-                              micro_batch_size=args.micro_batch_size, **per_rank)
+                              micro_batch_size=args.micro_batch_size, padding_free=args.padding_free, **per_rank)
     start = time.perf_counter()
     with Trainer(strategy=strategy, rollout=args.rollout, max_steps=args.max_steps, seed=args.seed,
                  val_check_interval=args.val_check_interval, limit_val_batches=args.val_batches,

@@ -1,8 +1,11 @@
 """The rollout engine interface: generation, weight updates, and memory release.
 
-An engine owns its own copy of the model in its own (inference) layout. Its weights change only
-through :meth:`RolloutEngine.update_weights`, even in one process: the engine never shares
-parameter objects with the training strategy. How the tensors got there (a broadcast, shared
+An engine owns its own model in its own (inference) layout. Its weights change only through a
+weight sync, even in one process: the engine never shares parameter objects with the training
+strategy. One exception saves a copy of the model: an engine in the trainer's process with the
+same dtype and device as the policy (the ``hf`` engine beside the ``single`` strategy) may bind its
+parameters to the policy's storage (:meth:`RolloutEngine.bind_weights`), as TRL generates with the
+policy itself; each sync then checks the binding instead of copying. How the tensors got there (a broadcast, shared
 memory, Ray's object store) is :mod:`rltrainer.weights`' business, which also sets
 :attr:`RolloutEngine.weight_version` when a sync has loaded. An engine with a receiving path of
 its own (SGLang's schedulers) sets ``native_weight_broadcast`` and implements the broadcast
@@ -119,6 +122,16 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Load ``(hf_name, full_tensor)`` pairs into the inference model; return stats
         (``tensors``, ``bytes``). Tensors may be reused by the caller afterwards: copy them."""
+
+    # -- one process: an engine that shares the policy's storage (optional) -----------------------
+    #: True: :meth:`bind_weights` may be called instead of :meth:`update_weights` with tensors that
+    #: stay valid (the policy's own parameters, from a strategy whose ``exports_live_parameters``).
+    shares_weights: bool = False
+
+    def bind_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Make the inference parameters *be* these tensors (same storage, no copy) where dtype,
+        device and shape allow, and copy the rest; stats as :meth:`update_weights` plus ``shared``."""
+        raise NotImplementedError(f"{type(self).__name__} does not share weights (shares_weights=False)")
 
     # -- LoRA: an engine that loads adapters (optional) --------------------------------------------
     #: True: for a LoRA policy the strategy calls :meth:`enable_adapters` after ``setup`` and syncs

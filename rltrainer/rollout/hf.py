@@ -7,6 +7,7 @@ as transformers' default ``top_k=50``) and the reported log-probs are those of t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -24,6 +25,11 @@ from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, Sampli
                                       stop_token_ids)
 
 log = logging.getLogger(__name__)
+
+#: Vocabulary entries sampled at once per device, in rows x vocabulary (see :class:`HFEngine`): on
+#: CPU a chunk's fp64 CDF stays under glibc's largest mmap threshold (32 MiB), 27 rows at 151,665
+#: entries and 1,024 at 4,096; on CUDA 256 MiB of fp32.
+SAMPLE_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
 _DTYPE_ALIASES = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32}
 
@@ -47,22 +53,39 @@ class HFEngine(RolloutEngine):
             transformers default for ``from_config``. Log-probs match the trainer's only when both
             run the same dtype.
         compile: wrap the model's forward in ``torch.compile(dynamic=True)``.
+        share_weights: in the trainer's process, beside a strategy that exports the policy's own
+            parameters (``single``, no LoRA), make this model's parameters the policy's storage
+            instead of a copy wherever dtype and device match (the default dtype does): the model
+            is held once, as when TRL generates with the policy, and a weight sync copies nothing.
+            Generation only ever reads them. ``False`` keeps a copy of its own.
 
     Rows that finish are dropped from the running batch (and its KV cache) once a quarter of the
     batch has finished, so long tails do not pay for finished rows. Each prompt is prefilled once
-    and its cache shared by its ``n`` samples.
+    and its cache shared by its ``n`` samples. With a plain linear LM head (llama, qwen2, qwen3, ...;
+    not under ``compile``) the model returns its last hidden states; each step's logits go into one
+    ``[rows, V]`` buffer kept for the ``generate`` call, and are sampled a few rows at a time
+    (:data:`SAMPLE_ELEMENTS`). At a 151k vocabulary the logits, softmax and fp64 CDF of 128 rows
+    are 0.4 GB a token, which glibc maps and unmaps at every step (page faults: system time);
+    row chunks stay in the heap it reuses.
     """
 
     def __init__(self, max_batch_size: int = 256, dtype: torch.dtype | str | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, share_weights: bool = True) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}; need >= 1")
         self.max_batch_size = max_batch_size
         self.dtype = _resolve_dtype(dtype)
         self.compile = compile
+        if not isinstance(share_weights, bool):
+            raise ValueError(f"share_weights must be True (bind to the policy's parameters in one process) or False "
+                             f"(keep a copy), got {share_weights!r}")
+        self.shares_weights = share_weights
+        self._bound: set[int] = set()  # ids of the parameters whose storage is the policy's
         self.model: torch.nn.Module | None = None
         self.device = torch.device("cpu")
         self._forward: Any = None
+        self._head: torch.nn.Linear | None = None  # set: the model returns hidden states, sampled in row chunks
+        self._logits: torch.Tensor | None = None  # [rows, V], reused by every decode step of a generate call
         self._cache_kwarg = "cache"
         self._sleep_level = 0
 
@@ -84,6 +107,7 @@ class HFEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self._forward = torch.compile(self.model, dynamic=True) if self.compile else self.model
+        self._head = None if self.compile else _chunkable_head(self.model)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
         self.tokenizer = tokenizer
@@ -91,20 +115,24 @@ class HFEngine(RolloutEngine):
         log.debug("HFEngine: built %s on %s", type(model).__name__, self.device)
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1 frees cached allocator blocks (the KV cache); level 2 also moves weights to CPU."""
+        """Level 1 frees cached allocator blocks (the KV cache); level 2 also moves weights to CPU,
+        unless they are bound to the policy's storage (then they are the strategy's to place, and
+        level 2 is level 1)."""
         check_sleep_level("HFEngine", level)
-        if self.model is not None and level == 2 and self.device.type != "cpu":
+        if self.model is not None and level == 2 and self.device.type != "cpu" and not self._bound:
             self.model.to("cpu")
         self._sleep_level = level
         _empty_cache(self.device)
 
     def wake_up(self) -> None:
-        if self.model is not None and self._sleep_level == 2 and self.device.type != "cpu":
+        if self.model is not None and self._sleep_level == 2 and self.device.type != "cpu" and not self._bound:
             self.model.to(self.device)
         self._sleep_level = 0
 
     def teardown(self) -> None:
         self.model = None
+        self._head = None
+        self._bound.clear()
         self._forward = None
         _empty_cache(self.device)
 
@@ -129,6 +157,7 @@ class HFEngine(RolloutEngine):
             peft.inject_adapter_in_model(copy.deepcopy(lora_config), model)
         model.requires_grad_(False)
         self._forward = torch.compile(model, dynamic=True) if self.compile else model
+        self._head = None if self.compile else _chunkable_head(model)
 
     def _weight_target(self, name: str, targets: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The parameter a synced name loads into, adapters included (see :meth:`enable_adapters`)."""
@@ -162,10 +191,38 @@ class HFEngine(RolloutEngine):
                 if target.shape != tensor.shape:
                     raise ValueError(f"HFEngine.update_weights: {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the engine's model expects {tuple(target.shape)}")
+                if id(target) in self._bound:  # never write into the policy's storage: own a copy again
+                    target.data = torch.empty_like(target.data)
+                    self._bound.discard(id(target))
                 target.data.copy_(tensor)
                 count += 1
                 nbytes += tensor.numel() * tensor.element_size()
         return {"tensors": count, "bytes": nbytes}
+
+    def bind_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Like :meth:`update_weights`, but a tensor of the parameter's dtype, device and shape
+        becomes its storage (``param.data = tensor``: tied parameters, one object, follow) instead
+        of being copied; the caller guarantees the tensors stay valid (the policy's parameters).
+        Returns ``tensors``, ``bytes`` (copied), ``shared`` (bound, or already bound)."""
+        model = self._require_model()
+        if not self.shares_weights:
+            return self.update_weights(weights)
+        targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+        copies: list[tuple[str, torch.Tensor]] = []
+        shared = 0
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = self._weight_target(name, targets)
+                if (target is not None and target.shape == tensor.shape and target.dtype == tensor.dtype
+                        and target.device == tensor.device and not tensor.requires_grad):
+                    if target.data_ptr() != tensor.data_ptr():
+                        target.data = tensor
+                    self._bound.add(id(target))
+                    shared += 1
+                else:
+                    copies.append((name, tensor))
+        stats = self.update_weights(copies) if copies else {"tensors": 0, "bytes": 0}
+        return {"tensors": stats["tensors"] + shared, "bytes": stats["bytes"], "shared": shared}
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
@@ -183,7 +240,7 @@ class HFEngine(RolloutEngine):
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         owners = [i for i in range(len(prompts)) for _ in range(sampling.n)]  # row -> prompt
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self._head_returns_hidden():
             chunks = [self._decode_chunk(prompts, owners[lo : lo + self.max_batch_size], sampling, stop_ids, pad_id,
                                          generator) for lo in range(0, len(owners), self.max_batch_size)]
         T = max(c.ids.shape[1] for c in chunks)
@@ -206,6 +263,45 @@ class HFEngine(RolloutEngine):
                      "tokens_per_s": gen_tokens / max(elapsed, 1e-9)},
         )
 
+    @contextlib.contextmanager
+    def _head_returns_hidden(self) -> Any:
+        """Inside it the model's "logits" are its last hidden states (the head is applied in
+        :meth:`_sample`, a few rows at a time); a no-op without a chunkable head."""
+        head = self._head
+        if head is None:
+            yield
+            return
+        previous = head.__dict__.get("forward")
+        head.forward = _identity  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            self._logits = None
+            if previous is None:
+                del head.forward
+            else:
+                head.forward = previous
+
+    def _sample(self, out: torch.Tensor, sampling: SamplingParams,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and log-probs from the model's output ``[b, V]`` logits, or ``[b, H]`` hidden
+        states with a chunkable head (logits made and sampled in row chunks; the same uniforms)."""
+        u = None if sampling.temperature == 0 else torch.rand((len(out), 1), generator=generator, device=out.device,
+                                                               dtype=torch.float64)
+        if self._head is None:
+            return _sample(out, sampling, u)
+        weight = self._head.weight
+        b, V = len(out), weight.shape[0]
+        if self._logits is None or self._logits.shape[0] < b or self._logits.dtype != out.dtype:
+            self._logits = out.new_empty((b, V))  # kept through the generate call: one mapping, not one a token
+        logits = torch.mm(out, weight.t(), out=self._logits[:b])  # one product: the head is read once a token
+        rows = max(1, SAMPLE_ELEMENTS.get(out.device.type, SAMPLE_ELEMENTS["cuda"]) // V)
+        parts = [_sample(logits[lo : lo + rows], sampling, None if u is None else u[lo : lo + rows])
+                 for lo in range(0, b, rows)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
+
     def _stop_token_ids(self, sampling: SamplingParams) -> torch.Tensor:
         return torch.tensor(stop_token_ids(sampling, self.tokenizer), dtype=torch.long, device=self.device)
 
@@ -221,7 +317,7 @@ class HFEngine(RolloutEngine):
         live = torch.arange(b, device=self.device)  # chunk row of each running row
         done = torch.zeros(b, dtype=torch.bool, device=self.device)  # [b_run]
         for step in range(max_new):
-            tokens, logp = _sample(logits, sampling, generator)  # [b_run], [b_run]
+            tokens, logp = self._sample(logits, sampling, generator)  # [b_run], [b_run]
             alive = ~done
             out_ids[live, step] = torch.where(alive, tokens, pad_id)
             out_mask[live, step] = alive.long()
@@ -319,10 +415,21 @@ def _grown(old: torch.Tensor, new: torch.Tensor, n: int, capacity: int) -> torch
     return buffer
 
 
+def _identity(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+def _chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    from rltrainer.models import _chunkable_head as head_of
+
+    return head_of(model)
+
+
 def _sample(logits: torch.Tensor, sampling: SamplingParams,
-            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+            u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token per row from raw ``logits [b, V]``, and its log-prob under
-    ``softmax(logits / temperature)`` (before top-k / top-p; temperature 1 when greedy)."""
+    ``softmax(logits / temperature)`` (before top-k / top-p; temperature 1 when greedy); ``u [b, 1]``
+    float64 uniforms in [0, 1), one a row (``None`` when greedy)."""
     logits = logits.float()
     if sampling.temperature == 0:
         tokens = logits.argmax(-1)
@@ -332,7 +439,7 @@ def _sample(logits: torch.Tensor, sampling: SamplingParams,
     # inverse CDF: one uniform per row (b x V exponentials, as in multinomial, are slow on CPU); the
     # float64 cumsum keeps each token's interval exact to ~1e-16, so tail tokens keep their probability
     cdf = torch.softmax(filtered, dim=-1).cumsum(-1, dtype=torch.float64)  # [b, V]
-    u = torch.rand((len(cdf), 1), generator=generator, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
+    u = u * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
     return tokens, token_log_probs(scaled, tokens)
 

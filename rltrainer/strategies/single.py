@@ -74,6 +74,12 @@ class SingleDeviceStrategy(Strategy):
             self._view = None
         self.weight_view = mode
 
+    @property
+    def exports_live_parameters(self) -> bool:
+        """:meth:`export_weights` yields the policy's parameters themselves (not a LoRA view's
+        tensors), so an engine in this process may bind to them (``InProcessTransport``)."""
+        return self._view is None
+
     def _models(self) -> list[torch.nn.Module]:
         return list(self.module.trainable_models().values())
 

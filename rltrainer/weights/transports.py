@@ -131,7 +131,10 @@ class WeightTransport(abc.ABC):
 class InProcessTransport(WeightTransport):
     """The engine lives in the controller: pull ``source.export_weights(dtype, only_changed=True)``
     (which marks what it yields synced once exhausted) into ``engine.update_weights``. Loads
-    before :meth:`start` returns."""
+    before :meth:`start` returns. Where the source yields its live parameters
+    (``exports_live_parameters``) and the engine shares weights (``shares_weights``), it calls
+    ``engine.bind_weights`` instead: the engine's parameters become the policy's storage, so a
+    sync copies nothing (``bytes`` 0, ``shared`` the tensors bound) and the model is held once."""
 
     name = "in_process"
 
@@ -149,10 +152,14 @@ class InProcessTransport(WeightTransport):
                 sent += 1
                 yield name, tensor
 
-        loaded = dict(self.engine.update_weights(stream()) or {})
+        share = getattr(self.source, "exports_live_parameters", False) and getattr(self.engine, "shares_weights", False)
+        load = self.engine.bind_weights if share else self.engine.update_weights
+        loaded = dict(load(stream()) or {})
         self.engine.weight_version = version
         stats = {"tensors": loaded.get("tensors", sent), "bytes": loaded.get("bytes", 0),
                  "skipped": len(self.source.weight_names()) - sent, "buckets": int(sent > 0)}
+        if share:
+            stats["shared"] = loaded.get("shared", 0)
         return lambda: stats
 
 

@@ -100,13 +100,34 @@ def test_grpo_end_to_end_metrics_and_sync(tiny_config, bpe_tokenizer, gsm8k_prom
     assert m["actor/grad_norm"] > 0 and m["actor/kl_loss"] > 0  # the policy moved away from the reference
     assert trainer.global_step == 3
     assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").exists()
-    # after update_weights the engine's logits equal the policy's, without sharing parameters
+    # after the sync the engine's logits equal the policy's; in one process the hf engine's parameters
+    # are the policy's storage (HFEngine(share_weights=True), the default): the model is held once and a
+    # sync copies nothing, while the engine keeps its own modules (eval mode, no grad)
     ids = torch.tensor([gsm8k_prompts[0]["prompt_ids"]])
     engine_model = trainer.engine.model
     with torch.no_grad():
         assert torch.equal(engine_model(ids).logits, module.policy(ids).logits)
     engine_ptrs = {p.data_ptr() for p in engine_model.parameters()}
+    assert engine_ptrs == {p.data_ptr() for p in module.policy.parameters()}
+    assert not any(p.requires_grad for p in engine_model.parameters())
+    assert all(p.requires_grad for p in module.policy.parameters()) and module.policy.training
+    assert not engine_model.training
+    assert m["sync/bytes"] == 0 and m["sync/shared"] > 0
+
+
+def test_engine_copy_of_its_own_when_not_sharing(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    """HFEngine(share_weights=False) keeps a copy: separate memory, equal outputs after each sync."""
+    from rltrainer.rollout.hf import HFEngine
+
+    module = make_module(tiny_config, bpe_tokenizer, num_generations=2)
+    trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=False, rollout=HFEngine(share_weights=False))
+    trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    ids = torch.tensor([gsm8k_prompts[0]["prompt_ids"]])
+    with torch.no_grad():
+        assert torch.equal(trainer.engine.model(ids).logits, module.policy(ids).logits)
+    engine_ptrs = {p.data_ptr() for p in trainer.engine.model.parameters()}
     assert not engine_ptrs & {p.data_ptr() for p in module.policy.parameters()}
+    assert trainer.callback_metrics["sync/bytes"] > 0 and "sync/shared" not in trainer.callback_metrics
 
 
 def test_engine_log_probs_match_policy(tiny_config, bpe_tokenizer, gsm8k_prompts):

@@ -90,6 +90,50 @@ def test_update_weights_gives_the_policys_logits_in_separate_memory(engine, poli
     assert not any(p.requires_grad for p in engine.model.parameters())
 
 
+def test_bind_weights_shares_the_policys_storage_and_never_writes_into_it(config, tokenizer):
+    """bind_weights: the engine's parameters become the given tensors (tied ones follow), a later
+    in-place change of the policy shows in the engine at once, and update_weights afterwards
+    gives the engine a copy of its own instead of writing into the policy."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    policy = AutoModelForCausalLM.from_config(config)
+    engine = HFEngine()
+    engine.setup(config, tokenizer)
+    live = [(n, p.detach()) for n, p in policy.named_parameters()]
+    stats = engine.bind_weights(live)
+    assert stats == {"tensors": len(live), "bytes": 0, "shared": len(live)}
+    policy_ptrs = {p.data_ptr() for p in policy.parameters()}
+    assert {p.data_ptr() for p in engine.model.parameters()} == policy_ptrs
+    assert engine.model.lm_head.weight.data_ptr() == policy.model.embed_tokens.weight.data_ptr()  # tied
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        policy.model.norm.weight.mul_(2.0)  # an optimizer step, in place
+        torch.testing.assert_close(engine.model(ids).logits, policy(ids).logits, rtol=0, atol=0)
+    assert engine.bind_weights(live)["shared"] == len(live)  # already bound: nothing to do
+
+    norm_before = policy.model.norm.weight.detach().clone()
+    engine.update_weights([("model.norm.weight", torch.zeros_like(norm_before))])
+    assert torch.equal(policy.model.norm.weight, norm_before)  # the policy is untouched
+    assert engine.model.model.norm.weight.data_ptr() != policy.model.norm.weight.data_ptr()
+    assert torch.equal(engine.model.model.norm.weight, torch.zeros_like(norm_before))
+
+
+def test_bind_weights_copies_what_it_cannot_share(config, tokenizer, policy):
+    """Another dtype, or share_weights=False: copied as update_weights does."""
+    half = HFEngine(dtype="bf16")
+    half.setup(config, tokenizer)
+    named = [(n, p.detach()) for n, p in policy.named_parameters()]
+    stats = half.bind_weights(named)
+    assert stats["shared"] == 0 and stats["bytes"] == sum(p.numel() * 4 for _, p in named)
+    assert not {p.data_ptr() for p in half.model.parameters()} & {p.data_ptr() for p in policy.parameters()}
+    own = HFEngine(share_weights=False)
+    own.setup(config, tokenizer)
+    assert "shared" not in own.bind_weights(named) and own.shares_weights is False
+    with pytest.raises(ValueError, match="share_weights must be True"):
+        HFEngine(share_weights="yes")
+
+
 def test_update_weights_changes_outputs_and_reports_stats(config, tokenizer, policy, prompts):
     engine = make_engine(config, tokenizer, policy)
     batch = left_padded(prompts, tokenizer.pad_token_id)
@@ -224,13 +268,37 @@ def test_sampling_follows_the_filtered_softmax(temperature, top_k, top_p, keep):
 
     logits = torch.tensor([2.0, 1.5, 0.0, -1.0, -3.0]).repeat(40_000, 1)  # softmax: .53 .32 .07 .03 .00
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    tokens, log_probs = _sample(logits, sampling, torch.Generator().manual_seed(0))
+    u = torch.rand((len(logits), 1), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens, log_probs = _sample(logits, sampling, u)
     probs = torch.softmax(logits[0] / temperature, -1)
     expected = torch.zeros(5)
     expected[:keep] = probs[:keep] / probs[:keep].sum()
     assert (tokens < keep).all(), "a filtered-out token was sampled"
     torch.testing.assert_close(torch.bincount(tokens, minlength=5) / len(tokens), expected, rtol=0, atol=0.01)
     torch.testing.assert_close(log_probs, probs.log()[tokens])  # before filtering
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_row_chunked_sampling_equals_full_logits(config, tokenizer, policy, prompts, monkeypatch, temperature):
+    """With a plain linear head the model returns hidden states and each step's logits are made
+    and sampled a few rows at a time (here 3): the same tokens and log-probs as from the model's
+    full [rows, V] logits, with the same seed."""
+    import rltrainer.rollout.hf as hf
+
+    chunked = make_engine(config, tokenizer, policy)
+    assert chunked._head is chunked.model.lm_head
+    full = make_engine(config, tokenizer, policy)
+    full._head = None  # the model's own logits, all rows at once
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=12, n=3, seed=7)
+    monkeypatch.setattr(hf, "SAMPLE_ELEMENTS", {"cpu": 3 * config.vocab_size, "cuda": 3 * config.vocab_size})
+    got, expected = chunked.generate(prompts, sampling), full.generate(prompts, sampling)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.equal(got.response_mask, expected.response_mask)
+    torch.testing.assert_close(got.log_probs, expected.log_probs, rtol=0, atol=1e-5)
+    assert "forward" not in chunked.model.lm_head.__dict__  # the head is restored after generate
+    compiled = HFEngine(compile=True)
+    compiled.setup(config, tokenizer)
+    assert compiled._head is None  # under torch.compile the model keeps its own head
 
 
 def test_preallocated_cache_matches_dynamic_cache(config):
