@@ -19,6 +19,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from rltrainer.data.batch import RolloutBatch
 
@@ -326,7 +327,10 @@ def response_log_probs(
     does); other models (a LoRA-wrapped head, logit soft-capping) take the full-logits path, as
     does ``chunk_tokens=0``.
 
-    With ``padding_free`` (default: ``batch.meta["padding_free"]``, which the Strategy sets on its
+    Columns that are padding in every row of ``batch`` (a micro-batch) are left out: the left
+    padding up to its longest prompt and the right padding past its longest response, so a
+    micro-batch of short rows does not pay for the longest rows of the step; the outputs there are
+    0. With ``padding_free`` (default: ``batch.meta["padding_free"]``, which the Strategy sets on its
     micro-batches when built with ``padding_free=True``) the rows run as one packed sequence
     without their padding (:mod:`rltrainer.packing`); the LM head sees only the real response
     tokens, and response padding gets 0 in both outputs.
@@ -341,18 +345,44 @@ def response_log_probs(
         return _packed_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens)
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                   position_ids=batch["position_ids"])
-    if chunk_tokens != 0:
-        if hasattr(model, "lm_head_log_probs"):
-            log_probs, entropy = model.lm_head_log_probs(**inputs, targets=responses, temperature=temperature,
-                                                         chunk_tokens=chunk_tokens)
-            return log_probs, _entropy(entropy, with_entropy, entropy_grad)
-        head = _chunkable_head(model)
-        if head is not None:
-            with _head_returns_log_probs(head, responses, temperature, chunk_tokens):
-                out = model(**inputs, use_cache=False, logits_to_keep=T + 1).logits  # [n, T, 2]
-            return out[..., 0], _entropy(out[..., 1], with_entropy, entropy_grad)
-    logits = model(**inputs, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]: P-1+t predicts t
-    return _log_probs_from_logits(logits, responses, temperature, with_entropy, entropy_grad)
+    if chunk_tokens != 0 and hasattr(model, "lm_head_log_probs"):  # megatron's model: its own shapes
+        log_probs, entropy = model.lm_head_log_probs(**inputs, targets=responses, temperature=temperature,
+                                                     chunk_tokens=chunk_tokens)
+        return log_probs, _entropy(entropy, with_entropy, entropy_grad)
+    inputs, kept = trim_padding_columns(inputs, T)
+    responses = responses[:, :kept]
+    head = _chunkable_head(model) if chunk_tokens != 0 else None
+    if head is not None:
+        with _head_returns_log_probs(head, responses, temperature, chunk_tokens):
+            out = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits  # [n, kept, 2]
+        log_probs, entropy = out[..., 0], _entropy(out[..., 1], with_entropy, entropy_grad)
+    else:
+        logits = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits[:, :-1]  # P-1+t predicts t
+        log_probs, entropy = _log_probs_from_logits(logits, responses, temperature, with_entropy, entropy_grad)
+    return _pad_columns(log_probs, T), None if entropy is None else _pad_columns(entropy, T)
+
+
+def trim_padding_columns(inputs: dict[str, torch.Tensor], T: int) -> tuple[dict[str, torch.Tensor], int]:
+    """``inputs`` (``input_ids``, ``attention_mask``, ``position_ids``, each ``[n, P+T]``: left-padded
+    prompts, then right-padded responses of ``T`` columns) without the columns that are padding in
+    every row, and how many response columns remain (at least 1). The last prompt column (it
+    predicts the first response token) always stays. Exact: a column every row masks out changes
+    no other position's attention, and positions come from ``position_ids``."""
+    mask = inputs["attention_mask"]
+    P = mask.shape[1] - T
+    real = mask.bool().any(0).nonzero()  # [k, 1] columns some row attends
+    if len(real) == 0:
+        return inputs, T
+    first, last = int(real[0]), int(real[-1])
+    start, kept = min(first, P - 1), min(T, max(1, last + 1 - P))
+    if start == 0 and kept == T:
+        return inputs, T
+    return {k: v[:, start : P + kept] for k, v in inputs.items()}, kept
+
+
+def _pad_columns(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``x [n, kept]`` with zeros appended up to ``T`` columns."""
+    return x if x.shape[1] == T else F.pad(x, (0, T - x.shape[1]))
 
 
 def _packed_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float, with_entropy: bool,

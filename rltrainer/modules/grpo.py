@@ -24,6 +24,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.envs import as_multi_turn, env_reward
 from rltrainer.models import ModelSpec, build_causal_lm, freeze, frozen_copy, response_log_probs
 from rltrainer.module import RLModule
+from rltrainer.optim import adamw
 from rltrainer.rewards import RewardManager, resolve_reward
 from rltrainer.rewards.model import RewardModel, build_reward_model, sequence_scores
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
@@ -355,7 +356,7 @@ class GRPO(RLModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        opt = adamw(params, lr=self.lr, weight_decay=self.weight_decay)
         sched = build_lr_scheduler(opt, self.lr_scheduler_type, self.warmup_steps, self.estimated_optimizer_steps,
                                    self.lr_scheduler_kwargs)
         return {"optimizer": opt, "lr_scheduler": sched}

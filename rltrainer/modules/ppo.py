@@ -15,6 +15,7 @@ from rltrainer.algorithms import ADVANTAGES, clipped_value_loss
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec, init_from_config
 from rltrainer.modules.grpo import GRPO, RewardSpec, entry_params
+from rltrainer.optim import adamw
 
 
 def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Module:
@@ -43,7 +44,9 @@ def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Modu
 
 
 def response_values(critic: torch.nn.Module, batch: RolloutBatch, padding_free: bool | None = None) -> torch.Tensor:
-    """``V [n, T]``: the critic's value at each position that predicts a response token. With
+    """``V [n, T]``: the critic's value at each position that predicts a response token (0 past
+    the micro-batch's longest response: its all-padding columns are left out, as in
+    :func:`~rltrainer.models.response_log_probs`). With
     ``padding_free`` (default: ``batch.meta["padding_free"]``, set by the Strategy) the rows run
     packed into one sequence (:mod:`rltrainer.packing`), and response padding gets 0."""
     if padding_free is None:
@@ -56,10 +59,12 @@ def response_values(critic: torch.nn.Module, batch: RolloutBatch, padding_free: 
         packed = packed_rows_for(critic, batch)
         out = critic(**packed.inputs).logits[0, :, 0]  # [L]
         return packed.unpack(out[packed.predictors].float())
+    from rltrainer.models import _pad_columns, trim_padding_columns
+
     T = batch["responses"].shape[1]
-    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                 position_ids=batch["position_ids"]).logits[..., 0]  # [n, P+T]
-    return out[:, -T - 1 : -1].float()
+    inputs, kept = trim_padding_columns({k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, T)
+    out = critic(**inputs).logits[..., 0]  # [n, P'+kept]: the columns padding in every row left out
+    return _pad_columns(out[:, -kept - 1 : -1].float(), T)
 
 
 class PPO(GRPO):
@@ -105,7 +110,7 @@ class PPO(GRPO):
         self.critic = build_value_model(self.critic_spec, seed=self.model_seed)
 
     def configure_optimizers(self) -> list[dict[str, Any]]:
-        critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=self.critic_lr, weight_decay=self.weight_decay)
+        critic_opt = adamw(self.critic.parameters(), lr=self.critic_lr, weight_decay=self.weight_decay)
         return [super().configure_optimizers(), {"optimizer": critic_opt}]
 
     def compute_step(self, micro_batch: RolloutBatch, stage: str) -> dict[str, torch.Tensor]:

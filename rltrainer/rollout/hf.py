@@ -1,4 +1,5 @@
-"""A rollout engine on plain transformers: its own model copy and its own KV-cache decode loop.
+"""A rollout engine on plain transformers: its own model (beside the ``single`` strategy, on the
+policy's parameter storage) and its own KV-cache decode loop.
 
 The loop is written here rather than calling ``model.generate`` so that sampling is exactly the
 distribution the trainer scores (``softmax(raw_logits / temperature)``, no hidden processors such

@@ -2,6 +2,10 @@
 and entropies) against micro-batch size, with the chunked LM head and with full logits.
 
     python tests/benchmarks/bench_lm_head.py [--rows 4 8 16 32] [--prompt 256] [--response 48]
+    python tests/benchmarks/bench_lm_head.py --head full --rows 32 48 56 --passes 1     # the 8 GB search
+
+``--head`` runs one path only; ``--passes 1`` times a single forward + backward (the peak is set by
+the first), for the large sizes of the largest-micro-batch-in-8-GB search.
 
 Model: the CPU preset's (tiny Qwen2, hidden 64, 2 layers) with the Qwen2.5 vocabulary (151,665
 entries), fp32; each (rows, path) runs in a fresh process, whose peak RSS (``ru_maxrss``) is
@@ -18,7 +22,7 @@ import sys
 import time
 
 
-def one(rows: int, prompt: int, response: int, chunked: bool, hidden: int) -> dict:
+def one(rows: int, prompt: int, response: int, chunked: bool, hidden: int, passes: int = 2) -> dict:
     import torch
 
     from rltrainer.models import build_causal_lm, response_log_probs
@@ -32,7 +36,7 @@ def one(rows: int, prompt: int, response: int, chunked: bool, hidden: int) -> di
              "position_ids": torch.arange(prompt + response).expand(rows, -1), "responses": ids[:, prompt:]}
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     times = []
-    for _ in range(2):  # the second is the steady state
+    for _ in range(passes):  # the second is the steady state
         start = time.perf_counter()
         log_probs, entropy = response_log_probs(model, batch, 0.9, with_entropy=True, entropy_grad=True,
                                                 chunk_tokens=None if chunked else 0)
@@ -51,15 +55,19 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--response", type=int, default=48)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--head", choices=["both", "full", "chunked"], default="both")
+    p.add_argument("--passes", type=int, default=2, help="forward + backward passes per run (the last is timed)")
     p.add_argument("--one", nargs=2, metavar=("ROWS", "CHUNKED"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(int(args.one[0]), args.prompt, args.response, args.one[1] == "1", args.hidden)))
+        print(json.dumps(one(int(args.one[0]), args.prompt, args.response, args.one[1] == "1", args.hidden,
+                             args.passes)))
         return
+    heads = {"both": (False, True), "full": (False,), "chunked": (True,)}[args.head]
     for rows in args.rows:
-        for chunked in (False, True):
+        for chunked in heads:
             cmd = [sys.executable, __file__, "--one", str(rows), str(int(chunked)), "--prompt", str(args.prompt),
-                   "--response", str(args.response), "--hidden", str(args.hidden)]
+                   "--response", str(args.response), "--hidden", str(args.hidden), "--passes", str(args.passes)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             print(out.stdout.strip() or out.stderr[-2000:], flush=True)
 

@@ -267,3 +267,59 @@ def test_fsdp2_packed_equals_one_device_padded(tmp_path):
     padded = outputs_and_grads(build_causal_lm(CONFIGS["qwen2"](), seed=0), make_batch(), False, chunk_tokens=0)
     # both ranks ran the batch; shard_model sums gradients over ranks
     assert_same((log_probs, entropy, {n: g / 2 for n, g in grads.items()}), padded)
+
+
+def widened(batch: RolloutBatch, left: int, right: int) -> RolloutBatch:
+    """``batch`` with ``left`` all-padding prompt columns and ``right`` all-padding response columns added."""
+    def pad(x, lo, hi):
+        return torch.nn.functional.pad(x, (lo, hi))
+    mask = pad(batch["attention_mask"], left, right)
+    ids = pad(batch["input_ids"], left, right)
+    return RolloutBatch({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+                         "responses": pad(batch["responses"], 0, right),
+                         "response_mask": pad(batch["response_mask"], 0, right)})
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 0])
+def test_padded_path_leaves_out_columns_that_are_padding_in_every_row(chunk_tokens):
+    """The padded path runs only the columns some row of the micro-batch needs: a micro-batch
+    widened by all-padding columns (as when a step's longest prompt or response is in another
+    micro-batch) gives the same log-probs, entropies and gradients, and 0 in the added columns;
+    two rows alone give what they give inside the whole batch."""
+    from rltrainer.models import trim_padding_columns
+
+    model = build_causal_lm(CONFIGS["qwen2"](), seed=0)
+    batch = make_batch()
+    wide = widened(batch, left=3, right=4)
+    inputs, kept = trim_padding_columns({k: wide[k] for k in ("input_ids", "attention_mask", "position_ids")}, T + 4)
+    assert kept == T and inputs["input_ids"].shape[1] == P + T  # row 3 spans the original columns
+    tight = outputs_and_grads(model, batch, padding_free=False, chunk_tokens=chunk_tokens)
+    log_probs, entropy = response_log_probs(model, wide, 0.7, with_entropy=True, entropy_grad=True,
+                                            chunk_tokens=chunk_tokens)
+    mask = batch["response_mask"].float()
+    weights = torch.linspace(-1, 1, mask.numel()).view_as(mask) * mask  # as outputs_and_grads weighs [ROWS, T]
+    loss = (log_probs[:, :T] * weights).sum() + 0.3 * (entropy[:, :T] * weights.flip(-1) * mask).sum()
+    model.zero_grad()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert_same((log_probs[:, :T].detach() * mask, entropy[:, :T].detach() * mask, grads), tight)
+    log_probs, entropy = response_log_probs(model, wide, 0.7, with_entropy=True, chunk_tokens=chunk_tokens)
+    assert log_probs.shape == (ROWS, T + 4) and not log_probs[:, T:].any() and not entropy[:, T:].any()
+
+    pair = batch[1:3]  # prompts of 7 and 1 tokens, responses of 2 and 5: 2 response columns of 9 left out
+    _, pair_kept = trim_padding_columns({k: pair[k] for k in ("input_ids", "attention_mask", "position_ids")}, T)
+    assert pair_kept == 5
+    with torch.no_grad():
+        alone = response_log_probs(model, pair, 0.7, chunk_tokens=chunk_tokens)[0] * pair["response_mask"]
+        inside = response_log_probs(model, batch, 0.7, chunk_tokens=chunk_tokens)[0][1:3] * pair["response_mask"]
+    torch.testing.assert_close(alone, inside, atol=1e-5, rtol=1e-5)
+
+
+def test_values_leave_out_all_padding_columns_too():
+    critic = build_value_model(CONFIGS["qwen2"](), seed=0)
+    batch = make_batch()
+    with torch.no_grad():
+        tight = response_values(critic, batch, padding_free=False) * batch["response_mask"]
+        wide = response_values(critic, widened(batch, left=2, right=3), padding_free=False)
+    assert wide.shape == (ROWS, T + 3) and not wide[:, T:].any()
+    torch.testing.assert_close(wide[:, :T] * batch["response_mask"], tight, atol=1e-5, rtol=1e-5)
