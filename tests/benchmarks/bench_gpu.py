@@ -374,7 +374,9 @@ def grpo(args: argparse.Namespace) -> None:
 
         precision = "bf16-true" if device.type == "cuda" else "32-true"  # megatron-core takes no autocast mix
         strategy = MegatronStrategy(devices=1, precision=precision, micro_batch_size=args.micro_batch_size)
-    engine = HFEngine(dtype=torch.bfloat16 if device.type == "cuda" else None, max_batch_size=512)
+    # a copy of its own (share_weights=False), so the sync is measured as the bytes it moves; beside the
+    # single strategy in one dtype the engine would otherwise share the policy's storage and copy nothing
+    engine = HFEngine(dtype=torch.bfloat16 if device.type == "cuda" else None, max_batch_size=512, share_weights=False)
     steps: list[dict] = []
 
     class Record(Callback):
