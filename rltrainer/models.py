@@ -351,7 +351,7 @@ def response_log_probs(
         return log_probs, _entropy(entropy, with_entropy, entropy_grad)
     inputs, kept = trim_padding_columns(inputs, T)
     responses = responses[:, :kept]
-    head = _chunkable_head(model) if chunk_tokens != 0 else None
+    head = chunkable_head(model) if chunk_tokens != 0 else None
     if head is not None:
         with _head_returns_log_probs(head, responses, temperature, chunk_tokens):
             out = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits  # [n, kept, 2]
@@ -359,7 +359,7 @@ def response_log_probs(
     else:
         logits = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits[:, :-1]  # P-1+t predicts t
         log_probs, entropy = _log_probs_from_logits(logits, responses, temperature, with_entropy, entropy_grad)
-    return _pad_columns(log_probs, T), None if entropy is None else _pad_columns(entropy, T)
+    return pad_columns(log_probs, T), None if entropy is None else pad_columns(entropy, T)
 
 
 def trim_padding_columns(inputs: dict[str, torch.Tensor], T: int) -> tuple[dict[str, torch.Tensor], int]:
@@ -380,7 +380,7 @@ def trim_padding_columns(inputs: dict[str, torch.Tensor], T: int) -> tuple[dict[
     return {k: v[:, start : P + kept] for k, v in inputs.items()}, kept
 
 
-def _pad_columns(x: torch.Tensor, T: int) -> torch.Tensor:
+def pad_columns(x: torch.Tensor, T: int) -> torch.Tensor:
     """``x [n, kept]`` with zeros appended up to ``T`` columns."""
     return x if x.shape[1] == T else F.pad(x, (0, T - x.shape[1]))
 
@@ -395,7 +395,7 @@ def _packed_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: 
                                   "padded rows only: turn padding_free off for it")
     packed = packed_rows_for(model, batch)
     targets = batch["responses"][packed.rows, packed.cols][None]  # [1, M]
-    head = _chunkable_head(model) if chunk_tokens != 0 else None
+    head = chunkable_head(model) if chunk_tokens != 0 else None
     if head is not None:
         with _head_returns_log_probs(head, targets, temperature, chunk_tokens):
             out = model(**packed.inputs, use_cache=False, logits_to_keep=packed.predictors).logits[0]  # [M, 2]
@@ -427,7 +427,7 @@ def _entropy(entropy: torch.Tensor, with_entropy: bool, entropy_grad: bool) -> t
     return entropy if entropy_grad else entropy.detach()
 
 
-def _chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """``model``'s LM head if :func:`response_log_probs` may replace it by the chunked one: a plain
     bias-free ``nn.Linear`` whose output the model returns as is (no soft-capping)."""
     get_head = getattr(model, "get_output_embeddings", None)
@@ -455,6 +455,14 @@ def _head_returns_log_probs(head: torch.nn.Linear, responses: torch.Tensor, temp
         log_probs, entropy = chunked_log_probs(h, head.weight, responses.reshape(-1), temperature, chunk_tokens)
         return torch.stack([log_probs, entropy], -1).view(n, T, 2)
 
+    with head_forward(head, forward):
+        yield
+
+
+@contextlib.contextmanager
+def head_forward(head: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Inside it, ``head(x)`` is ``forward(x)`` (an instance attribute over the class's forward;
+    the previous one is restored after)."""
     previous = head.__dict__.get("forward")
     head.forward = forward  # type: ignore[method-assign]
     try:

@@ -6,6 +6,7 @@ default keyword arguments (Lightning's ``"fsdp_cpu_offload"`` pattern).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -94,3 +95,26 @@ class Registry(Generic[T]):
 
     def describe(self) -> dict[str, str]:
         return {name: self._descriptions[name] for name in self.names()}
+
+
+def entry_params(kind: str, name: str, entry_defaults: Mapping[str, Any], kwargs: Mapping[str, Any] | None,
+                 arguments: Mapping[str, Any], mapping: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
+    """An entry's parameters from ``kwargs`` (``policy_loss_kwargs`` / ``advantage_kwargs``) and the
+    module's own arguments that map onto them (``clip_ratio_high`` -> ``clip_ratio_high``,
+    ``norm_adv_by_std`` -> ``norm_by_std``). An argument left at its default leaves the entry's
+    default; changed, it sets the entry's parameter, and is refused if the entry has no such
+    parameter or ``kwargs`` sets it to something else."""
+    params = dict(kwargs or {})
+    for arg, value in arguments.items():
+        param, default = mapping[arg]
+        if value is default or (value == default and isinstance(value, bool) == isinstance(default, bool)):
+            continue
+        if param not in entry_defaults:
+            listed = ", ".join(f"{k}={v!r}" for k, v in entry_defaults.items()) or "none"
+            raise ValueError(f"{arg}={value!r} does not apply to {kind} {name!r} (its parameters: {listed}). "
+                             f"Leave {arg} at its default {default!r}, or choose a {kind} that has {param!r}.")
+        if param in params and params[param] != value:
+            raise ValueError(f"{param} is set twice: {arg}={value!r} and {kind.replace(' ', '_')}_kwargs"
+                             f"[{param!r}]={params[param]!r}. Set it once (the kwargs are the general way).")
+        params[param] = value
+    return params

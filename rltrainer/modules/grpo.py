@@ -7,7 +7,7 @@ entries chosen by name (:data:`~rltrainer.algorithms.POLICY_LOSSES`,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,8 +25,8 @@ from rltrainer.envs import as_multi_turn, env_reward
 from rltrainer.models import ModelSpec, build_causal_lm, freeze, frozen_copy, response_log_probs
 from rltrainer.module import RLModule
 from rltrainer.optim import adamw
-from rltrainer.rewards import RewardManager, resolve_reward
-from rltrainer.rewards.model import RewardModel, build_reward_model, sequence_scores
+from rltrainer.registry import entry_params
+from rltrainer.rewards.model import RewardSpec, build_reward_model, sequence_scores, split_rewards
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
 from rltrainer.schedulers import build_lr_scheduler, check_lr_scheduler
 
@@ -40,29 +40,6 @@ LOSS_ARGUMENTS = {"clip_ratio_low": ("clip_ratio_low", 0.2), "clip_ratio_high": 
 ADVANTAGE_ARGUMENTS = {"norm_adv_by_std": ("norm_by_std", True)}
 
 
-def entry_params(kind: str, name: str, entry_defaults: Mapping[str, Any], kwargs: Mapping[str, Any] | None,
-                 arguments: Mapping[str, Any], mapping: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
-    """An entry's parameters from ``kwargs`` (``policy_loss_kwargs`` / ``advantage_kwargs``) and the
-    module's own arguments that map onto them (``clip_ratio_high`` -> ``clip_ratio_high``,
-    ``norm_adv_by_std`` -> ``norm_by_std``). An argument left at its default leaves the entry's
-    default; changed, it sets the entry's parameter, and is refused if the entry has no such
-    parameter or ``kwargs`` sets it to something else."""
-    params = dict(kwargs or {})
-    for arg, value in arguments.items():
-        param, default = mapping[arg]
-        if value is default or (value == default and isinstance(value, bool) == isinstance(default, bool)):
-            continue
-        if param not in entry_defaults:
-            listed = ", ".join(f"{k}={v!r}" for k, v in entry_defaults.items()) or "none"
-            raise ValueError(f"{arg}={value!r} does not apply to {kind} {name!r} (its parameters: {listed}). "
-                             f"Leave {arg} at its default {default!r}, or choose a {kind} that has {param!r}.")
-        if param in params and params[param] != value:
-            raise ValueError(f"{param} is set twice: {arg}={value!r} and {kind.replace(' ', '_')}_kwargs"
-                             f"[{param!r}]={params[param]!r}. Set it once (the kwargs are the general way).")
-        params[param] = value
-    return params
-
-
 def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values: bool, teacher: bool = False,
                     reward_model: bool = False) -> list[str]:
     """The forward passes before ``advantage_step``, in order: ``old_log_prob`` (the policy moves
@@ -71,28 +48,6 @@ def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values:
     return ((["old_log_prob"] if moves or needs_old or teacher else []) + (["ref"] if needs_ref else [])
             + (["teacher"] if teacher else []) + (["reward_model"] if reward_model else [])
             + (["values"] if needs_values else []))
-
-
-RewardSpec = str | Callable[..., list[float]] | RewardModel  # str first: a config file's name stays a name
-
-
-def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weights: Sequence[float] | None,
-                  **options: Any) -> tuple[RewardManager | None, RewardModel | None, float]:
-    """The rule rewards (a :class:`RewardManager` with ``options``, or ``None`` if there are none), the
-    reward model among ``reward_funcs`` (at most one) and its weight; ``weights`` has one entry per element."""
-    entries = [] if reward_funcs is None else (
-        list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
-    weights = [1.0] * len(entries) if weights is None else [float(w) for w in weights]
-    if len(weights) != len(entries):
-        raise ValueError(f"Got {len(weights)} reward_weights for {len(entries)} reward_funcs; pass one weight per "
-                         "entry (reward models included), or reward_weights=None for all 1.0.")
-    models = [(e, w) for e, w in zip(entries, weights) if isinstance(e, RewardModel)]
-    if len(models) > 1:
-        raise ValueError(f"reward_funcs holds {len(models)} RewardModel entries; one reward model is supported "
-                         "(its stage 'reward_model'). Keep one, or combine them in a model of your own.")
-    rules = [(resolve_reward(e), w) for e, w in zip(entries, weights) if not isinstance(e, RewardModel)]
-    manager = RewardManager([f for f, _ in rules], [w for _, w in rules], **options) if rules else None
-    return manager, (models[0][0] if models else None), (models[0][1] if models else 0.0)
 
 
 class GRPO(RLModule):

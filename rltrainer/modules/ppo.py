@@ -14,7 +14,9 @@ import torch
 from rltrainer.algorithms import ADVANTAGES, clipped_value_loss
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec, init_from_config
-from rltrainer.modules.grpo import GRPO, RewardSpec, entry_params
+from rltrainer.modules.grpo import GRPO
+from rltrainer.registry import entry_params
+from rltrainer.rewards.model import RewardSpec
 from rltrainer.optim import adamw
 
 
@@ -59,12 +61,12 @@ def response_values(critic: torch.nn.Module, batch: RolloutBatch, padding_free: 
         packed = packed_rows_for(critic, batch)
         out = critic(**packed.inputs).logits[0, :, 0]  # [L]
         return packed.unpack(out[packed.predictors].float())
-    from rltrainer.models import _pad_columns, trim_padding_columns
+    from rltrainer.models import pad_columns, trim_padding_columns
 
     T = batch["responses"].shape[1]
     inputs, kept = trim_padding_columns({k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, T)
     out = critic(**inputs).logits[..., 0]  # [n, P'+kept]: the columns padding in every row left out
-    return _pad_columns(out[:, -kept - 1 : -1].float(), T)
+    return pad_columns(out[:, -kept - 1 : -1].float(), T)
 
 
 class PPO(GRPO):

@@ -10,12 +10,14 @@ rollout's token ids, so it must share the policy's tokenizer.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.rewards import RewardManager, resolve_reward
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,26 @@ def sequence_scores(reward_model: torch.nn.Module, batch: RolloutBatch) -> torch
     positions = torch.arange(ids.shape[1], device=ids.device)
     last = (positions * (ids != reward_model.config.pad_token_id)).argmax(-1)  # [n]
     return out.logits[torch.arange(len(ids), device=ids.device), last, 0].float()  # [n]
+
+
+#: An entry of ``reward_funcs``: a registered name, a reward function or a :class:`RewardModel`.
+RewardSpec = str | Callable[..., list[float]] | RewardModel  # str first: a config file's name stays a name
+
+
+def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weights: Sequence[float] | None,
+                  **options: Any) -> tuple[RewardManager | None, RewardModel | None, float]:
+    """The rule rewards (a :class:`RewardManager` with ``options``, or ``None`` if there are none), the
+    reward model among ``reward_funcs`` (at most one) and its weight; ``weights`` has one entry per element."""
+    entries = [] if reward_funcs is None else (
+        list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+    weights = [1.0] * len(entries) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(entries):
+        raise ValueError(f"Got {len(weights)} reward_weights for {len(entries)} reward_funcs; pass one weight per "
+                         "entry (reward models included), or reward_weights=None for all 1.0.")
+    models = [(e, w) for e, w in zip(entries, weights) if isinstance(e, RewardModel)]
+    if len(models) > 1:
+        raise ValueError(f"reward_funcs holds {len(models)} RewardModel entries; one reward model is supported "
+                         "(its stage 'reward_model'). Keep one, or combine them in a model of your own.")
+    rules = [(resolve_reward(e), w) for e, w in zip(entries, weights) if not isinstance(e, RewardModel)]
+    manager = RewardManager([f for f, _ in rules], [w for _, w in rules], **options) if rules else None
+    return manager, (models[0][0] if models else None), (models[0][1] if models else 0.0)

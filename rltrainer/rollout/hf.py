@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rltrainer.models import token_log_probs
+from rltrainer.models import chunkable_head, head_forward, token_log_probs
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       stop_token_ids)
 
@@ -108,7 +108,7 @@ class HFEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self._forward = torch.compile(self.model, dynamic=True) if self.compile else self.model
-        self._head = None if self.compile else _chunkable_head(self.model)
+        self._head = None if self.compile else chunkable_head(self.model)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
         self.tokenizer = tokenizer
@@ -158,7 +158,7 @@ class HFEngine(RolloutEngine):
             peft.inject_adapter_in_model(copy.deepcopy(lora_config), model)
         model.requires_grad_(False)
         self._forward = torch.compile(model, dynamic=True) if self.compile else model
-        self._head = None if self.compile else _chunkable_head(model)
+        self._head = None if self.compile else chunkable_head(model)
 
     def _weight_target(self, name: str, targets: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The parameter a synced name loads into, adapters included (see :meth:`enable_adapters`)."""
@@ -268,20 +268,14 @@ class HFEngine(RolloutEngine):
     def _head_returns_hidden(self) -> Any:
         """Inside it the model's "logits" are its last hidden states (the head is applied in
         :meth:`_sample`, a few rows at a time); a no-op without a chunkable head."""
-        head = self._head
-        if head is None:
+        if self._head is None:
             yield
             return
-        previous = head.__dict__.get("forward")
-        head.forward = _identity  # type: ignore[method-assign]
         try:
-            yield
+            with head_forward(self._head, _identity):
+                yield
         finally:
             self._logits = None
-            if previous is None:
-                del head.forward
-            else:
-                head.forward = previous
 
     def _sample(self, out: torch.Tensor, sampling: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,12 +412,6 @@ def _grown(old: torch.Tensor, new: torch.Tensor, n: int, capacity: int) -> torch
 
 def _identity(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
-
-
-def _chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    from rltrainer.models import _chunkable_head as head_of
-
-    return head_of(model)
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingParams,
