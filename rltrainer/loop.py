@@ -35,7 +35,8 @@ def training_step(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
     """Train on ``N`` generated rows (the pipeline made them, see :mod:`rltrainer.pipelines`); return
     the step's metrics. Ends by starting the push of the new weights (version ``global_step + 1``)."""
     module, strategy = trainer.module, trainer.strategy
-    metrics = trainer.step_metrics  # what rollout_step logged is already there
+    metrics = trainer.step_metrics
+    metrics.update(batch.meta.get("logged", {}))  # what rollout_step logged, in whichever thread ran it
     metrics.update({k: float(v) for k, v in batch.meta.items() if k.startswith(("pipeline/", "timing_s/"))})
     with timer(metrics, "reward"):
         batch = call_module_hook(trainer, "reward_step", batch)  # + scores [N]

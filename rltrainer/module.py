@@ -28,6 +28,7 @@ response length; the fields are listed in :mod:`rltrainer.data.batch`.
 from __future__ import annotations
 
 import uuid
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
 
 #: Hooks a subclass must override; ``Trainer.fit`` checks them once before it starts.
 REQUIRED_HOOKS = ("configure_model", "configure_optimizers", "reward_step", "advantage_step", "policy_step")
+
+#: Where :meth:`RLModule.log` writes when set: a pipeline runs ``rollout_step`` in a thread of its
+#: own, so what it logs travels with its batch (``batch.meta["logged"]``), not into the step the
+#: trainer is on while it generates.
+LOG_TARGET: ContextVar[dict[str, float] | None] = ContextVar("rltrainer_log_target", default=None)
 
 
 class RLModule(torch.nn.Module):
@@ -87,7 +93,9 @@ class RLModule(torch.nn.Module):
     def log(self, name: str, value: float) -> None:
         """Record a scalar for the current step (controller hooks only). Outside a Trainer (a hook
         called by hand, e.g. in a notebook) the value is kept in ``self.logged_metrics``."""
-        target = self._trainer.step_metrics if self._trainer is not None else self.__dict__.setdefault("logged_metrics", {})
+        target = LOG_TARGET.get()  # a rollout_step in a pipeline thread logs into its batch
+        if target is None:
+            target = self._trainer.step_metrics if self._trainer is not None else self.__dict__.setdefault("logged_metrics", {})
         target[name] = float(value)
 
     def prompt_vocab_size(self) -> int | None:

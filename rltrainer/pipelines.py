@@ -42,6 +42,7 @@ import torch
 
 from rltrainer.call import call_hooks, call_module_hook
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.module import LOG_TARGET
 
 if TYPE_CHECKING:
     from rltrainer.trainer import Trainer
@@ -191,8 +192,14 @@ class Pipeline:
     def _run(self, prompts: Prompts, engine: Any) -> RolloutBatch:
         start, version = time.perf_counter(), engine.weight_version  # rollout_step may tag a later one
         self._drew = False
-        batch = call_module_hook(self.trainer, "rollout_step", with_positions(prompts), engine)
+        logged: dict[str, float] = {}
+        token = LOG_TARGET.set(logged)  # this thread's logs belong to this batch's step
+        try:
+            batch = call_module_hook(self.trainer, "rollout_step", with_positions(prompts), engine)
+        finally:
+            LOG_TARGET.reset(token)
         batch.meta["timing_s/gen"] = time.perf_counter() - start
+        batch.meta["logged"] = {**batch.meta.get("logged", {}), **logged}
         return tag(batch, prompts, version, self.group_size, drew=self._drew)
 
     def _wait(self, future: Future) -> RolloutBatch:

@@ -39,6 +39,20 @@ class RecordingGRPO(GRPO):
                              "responses": batch["responses"].clone()})
         return super().advantage_step(batch)
 
+    def rollout_step(self, batch, engine):
+        self.log("test/loader_batch", batch["prompt_position"][0, 1])  # logged in a pipeline thread
+        return super().rollout_step(batch, engine)
+
+
+class LoggedPerStep(Callback):
+    """The ``test/loader_batch`` each step's metrics carry."""
+
+    def __init__(self):
+        self.seen: list[float] = []
+
+    def on_step_end(self, trainer, module, metrics):
+        self.seen.append(metrics.get("test/loader_batch"))
+
 
 class LaggedGRPO(RecordingGRPO):
     """A sync run made to generate with the previous step's weights: a local engine kept one push
@@ -118,12 +132,15 @@ def test_one_step_off_trains_step_t_on_samples_of_version_t_minus_1(tiny_config,
     runs = {}
     for name, cls, pipeline in (("one_step_off", RecordingGRPO, "one_step_off"), ("lagged", LaggedGRPO, "sync")):
         m = module(cls, tiny_config, bpe_tokenizer, seed=11)
-        with trainer(split(), pipeline=pipeline, max_epochs=1) as t:
+        logged = LoggedPerStep()
+        with trainer(split(), pipeline=pipeline, max_epochs=1, callbacks=[logged]) as t:
             t.fit(m, prompt_dataloader(prompts, batch_size=B))
             runs[name] = (m.records, dict(t.strategy.export_weights()))
             if pipeline == "one_step_off":  # off-policy, one optimizer step: measured inside the update
                 assert "rollout_corr/kl" in t.callback_metrics and "timing_s/old_log_prob" not in t.callback_metrics
                 assert abs(t.callback_metrics["rollout_corr/kl"]) > 0  # the previous version's log-probs
+                # what rollout_step logged (in a thread, during the previous step) is its batch's step's
+                assert logged.seen == [0, 1, 2, 3]
     records, weights = runs["one_step_off"]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for r in records:
