@@ -335,6 +335,15 @@ def response_log_probs(
     without their padding (:mod:`rltrainer.packing`); the LM head sees only the real response
     tokens, and response padding gets 0 in both outputs.
     """
+    from rltrainer.lm_head import embedding_into_grad
+
+    with embedding_into_grad(model):  # inside gradients_into_parameters only (the training step's)
+        return _response_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens, padding_free)
+
+
+def _response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float, with_entropy: bool,
+                        entropy_grad: bool, chunk_tokens: int | None, padding_free: bool | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     responses = batch["responses"]  # [n, T]
     T = responses.shape[1]
     if padding_free is None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rltrainer.lm_head import head_logits
 from rltrainer.models import chunkable_head, head_forward, token_log_probs
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       stop_token_ids)
@@ -289,7 +290,7 @@ class HFEngine(RolloutEngine):
         b, V = len(out), weight.shape[0]
         if self._logits is None or self._logits.shape[0] < b or self._logits.dtype != out.dtype:
             self._logits = out.new_empty((b, V))  # kept through the generate call: one mapping, not one a token
-        logits = torch.mm(out, weight.t(), out=self._logits[:b])  # one product: the head is read once a token
+        logits = head_logits(out, weight, self._logits[:b])  # the head is read once a token
         rows = max(1, SAMPLE_ELEMENTS.get(out.device.type, SAMPLE_ELEMENTS["cuda"]) // V)
         parts = [_sample(logits[lo : lo + rows], sampling, None if u is None else u[lo : lo + rows])
                  for lo in range(0, b, rows)]

@@ -92,7 +92,8 @@ class SingleDeviceStrategy(Strategy):
         micro_batches = self.micro_batches(mini_batch.to(self.device))
         metrics, stepped = run_train_step(self.module, micro_batches, self._models(), self.optimizers, self.schedulers,
                                           self.gradient_clip_val,
-                                          lambda: autocast_context(self.precision, self.device))
+                                          lambda: autocast_context(self.precision, self.device),
+                                          grads_into_parameters=True)
         self.versions.bump(self._view.outputs_of(stepped) if self._view is not None else stepped)
         return metrics
 

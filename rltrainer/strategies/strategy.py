@@ -8,6 +8,7 @@ A Strategy never knows the algorithm: it runs the module's ``compute_step`` (no 
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import torch
 
 from rltrainer.allocator import release_free_heap
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.lm_head import gradients_into_parameters
 from rltrainer.registry import Registry
 from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightTransport
 from rltrainer.weights.versions import ParamVersions, WeightVersions, stepped_parameter_names
@@ -293,12 +295,16 @@ def run_compute(module: RLModule, micro_batches: list[RolloutBatch], stage: str,
 def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: list[torch.nn.Module],
                    optimizers: list[torch.optim.Optimizer], schedulers: list[Any], clip: float | None,
                    autocast_factory: Any, clip_fn: Any = None,
-                   runner: Callable[..., list[Any]] = run_micro_batches) -> tuple[dict[str, float], list[str]]:
+                   runner: Callable[..., list[Any]] = run_micro_batches,
+                   grads_into_parameters: bool = False) -> tuple[dict[str, float], list[str]]:
     """Rank-side: ``policy_step`` + backward per micro-batch, clip, step. Returns the summed metrics
     (with ``actor/grad_norm``, ``actor/lr``) and the policy parameters the step changed.
     ``clip_fn(params, max_norm) -> norm`` replaces :func:`clip_gradients` (e.g. to reduce gradients
     across data-parallel ranks and take a tensor-parallel norm first); ``runner`` replaces
-    :func:`run_micro_batches` (e.g. megatron's forward-backward schedule)."""
+    :func:`run_micro_batches` (e.g. megatron's forward-backward schedule). With
+    ``grads_into_parameters`` (models whose parameters are plain leaves, e.g. the ``single``
+    strategy's) the LM head and the input embedding add their gradients straight into ``.grad``
+    (:func:`rltrainer.lm_head.gradients_into_parameters`)."""
     for m in models:
         m.train()
     for opt in optimizers:
@@ -310,8 +316,10 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
             out = module.policy_step(mb)
         return zero_padding(mb, out)
 
+    with gradients_into_parameters() if grads_into_parameters else contextlib.nullcontext():
+        outputs = runner(step, micro_batches, True)
     totals = combine_metrics({k: v.detach().float() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-                             for _, metrics in runner(step, micro_batches, True))
+                             for _, metrics in outputs)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     grad_norm = (clip_fn or clip_gradients)(params, clip)
     out = {k: float(v) for k, v in totals.items()}
