@@ -68,7 +68,10 @@ class HFEngine(RolloutEngine):
     ``[rows, V]`` buffer kept for the ``generate`` call, and are sampled a few rows at a time
     (:data:`SAMPLE_ELEMENTS`). At a 151k vocabulary the logits, softmax and fp64 CDF of 128 rows
     are 0.4 GB a token, which glibc maps and unmaps at every step (page faults: system time);
-    row chunks stay in the heap it reuses.
+    row chunks stay in the heap it reuses. On CPU the head's product runs in blocks of vocabulary
+    rows (:func:`rltrainer.lm_head.head_logits`), and sampling without top-k / top-p takes a
+    two-level inverse CDF (:func:`_sample_unfiltered`: three passes over the logits, no
+    ``[rows, V]`` fp64 CDF).
     """
 
     def __init__(self, max_batch_size: int = 256, dtype: torch.dtype | str | None = None,
@@ -425,6 +428,8 @@ def _sample(logits: torch.Tensor, sampling: SamplingParams,
         tokens = logits.argmax(-1)
         return tokens, token_log_probs(logits, tokens)
     scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+    if not 0 < sampling.top_k < logits.shape[-1] and not 0 < sampling.top_p < 1:
+        return _sample_unfiltered(scaled, u)
     filtered = _filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
     # inverse CDF: one uniform per row (b x V exponentials, as in multinomial, are slow on CPU); the
     # float64 cumsum keeps each token's interval exact to ~1e-16, so tail tokens keep their probability
@@ -432,6 +437,40 @@ def _sample(logits: torch.Tensor, sampling: SamplingParams,
     u = u * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
     return tokens, token_log_probs(scaled, tokens)
+
+
+#: Vocabulary entries per block of :func:`_sample_unfiltered`'s two-level inverse CDF.
+SAMPLE_BLOCK = 1024
+
+
+def _sample_unfiltered(scaled: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sample` without top-k / top-p, in three passes over ``scaled [b, V]`` (fp32): the
+    maximum, ``e = exp(z - max)``, and ``e``'s sums over blocks of :data:`SAMPLE_BLOCK` entries in
+    fp64. The uniform picks a block on the blocks' cumulative sums, then a token on that block's
+    own (fp64, as the one-level CDF: a tail token keeps its probability); its log-prob is
+    ``z - max - log(sum e)``. No ``[b, V]`` CDF, and no second softmax for the log-prob."""
+    b, V = scaled.shape
+    B = SAMPLE_BLOCK
+    full, n_blocks = V // B, -(-V // B)
+    top = scaled.amax(-1, keepdim=True)  # [b, 1]
+    e = (scaled - top).exp_()  # [b, V]
+    sums = torch.empty((b, n_blocks), dtype=torch.float64, device=e.device)
+    if full:
+        sums[:, :full] = e[:, : full * B].unflatten(1, (full, B)).sum(-1, dtype=torch.float64)
+    if n_blocks > full:
+        sums[:, full] = e[:, full * B :].sum(-1, dtype=torch.float64)
+    cum = sums.cumsum(-1)  # [b, n_blocks]
+    total = cum[:, -1:]
+    target = u * total  # [b, 1]
+    block = torch.searchsorted(cum, target, right=True).clamp_(max=n_blocks - 1)  # [b, 1]
+    before = torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)), 0.0)
+    cols = block * B + torch.arange(B, device=e.device)  # [b, B]
+    inside = e.gather(1, cols.clamp(max=V - 1)).masked_fill_(cols >= V, 0.0).cumsum(-1, dtype=torch.float64)
+    j = torch.searchsorted(inside, target - before, right=True)
+    last = (inside < inside[:, -1:]).sum(-1, keepdim=True)  # the block's last token of probability > 0
+    tokens = (block * B + torch.minimum(j, last)).squeeze(1)  # [b]
+    log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - top.squeeze(1) - total.squeeze(1).log().float()
+    return tokens, log_probs
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

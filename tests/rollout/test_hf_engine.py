@@ -278,6 +278,25 @@ def test_sampling_follows_the_filtered_softmax(temperature, top_k, top_p, keep):
     torch.testing.assert_close(log_probs, probs.log()[tokens])  # before filtering
 
 
+@pytest.mark.parametrize("block", [2, 1024])
+def test_two_level_inverse_cdf_picks_the_one_level_token(block, monkeypatch):
+    """Unfiltered sampling finds the token in blocks (block sums, then one block's CDF): the token the
+    one-level fp64 CDF gives for the same uniform, and log-probs of softmax(logits / T)."""
+    import rltrainer.rollout.hf as hf
+
+    monkeypatch.setattr(hf, "SAMPLE_BLOCK", block)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(256, 5000, generator=g) * 3
+    logits[:, 4321] += 12  # one likely token in a late block
+    u = torch.rand((len(logits), 1), generator=g, dtype=torch.float64)
+    tokens, log_probs = hf._sample(logits, SamplingParams(temperature=0.7), u)
+    scaled = logits / 0.7
+    cdf = torch.softmax(scaled, -1).cumsum(-1, dtype=torch.float64)
+    expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(log_probs, scaled.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_row_chunked_sampling_equals_full_logits(config, tokenizer, policy, prompts, monkeypatch, temperature):
     """With a plain linear head the model returns hidden states and each step's logits are made
