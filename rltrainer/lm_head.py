@@ -133,23 +133,23 @@ def chunk_tokens_for(vocab: int, chunk_tokens: int | None = None, device: str = 
     """Tokens per chunk: ``chunk_tokens`` if given, else :data:`CPU_CHUNK_TOKENS` on CPU and
     ``CHUNK_ELEMENTS[device] // vocab`` (at least 16) elsewhere."""
     if chunk_tokens is not None:
-        if chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens={chunk_tokens}: give a positive number of tokens per chunk, or None "
-                             f"for the default (CHUNK_ELEMENTS[device] // vocabulary size)")
-        return chunk_tokens
+        return _positive("chunk_tokens", chunk_tokens, "tokens per chunk")
     if device == "cpu":
         return CPU_CHUNK_TOKENS
     return max(16, CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cuda"]) // max(vocab, 1))
+
+
+def _positive(name: str, value: int, what: str) -> int:
+    if value < 1:
+        raise ValueError(f"{name}={value}: give a positive number of {what}, or None for the default")
+    return value
 
 
 def vocab_block_for(rows: int, chunk: int, vocab_block: int | None = None, device: str = "cpu") -> int:
     """Vocabulary rows per block of a ``chunk``-token chunk: ``vocab_block`` if given, else
     ``CHUNK_ELEMENTS["cpu"] // chunk`` on CPU (at least 128) and all ``rows`` elsewhere."""
     if vocab_block is not None:
-        if vocab_block < 1:
-            raise ValueError(f"vocab_block={vocab_block}: give a positive number of vocabulary rows per block, or "
-                             f"None for the default")
-        return vocab_block
+        return _positive("vocab_block", vocab_block, "vocabulary rows per block")
     if device == "cpu":
         return max(128, CHUNK_ELEMENTS["cpu"] // chunk)
     return max(rows, 1)
