@@ -140,6 +140,7 @@ def chunk_tokens_for(vocab: int, chunk_tokens: int | None = None, device: str = 
 
 
 def _positive(name: str, value: int, what: str) -> int:
+    """``value``, or a ValueError naming ``name`` if it is below 1."""
     if value < 1:
         raise ValueError(f"{name}={value}: give a positive number of {what}, or None for the default")
     return value

@@ -28,11 +28,12 @@ def make_module(config, tokenizer, cls=GRPO, **kwargs):
 
 class LayoutGRPO(GRPO):
     """GRPO whose AdamW has ``eps=1e-6``: a gradient that cancels to ~0 keeps a float-rounding residue
-    (~1e-9 here) that differs between layouts, and AdamW's first step moves its weight by
-    lr * g / (|g| + eps), which at the default eps=1e-8 turns a 3e-10 difference of residues into
-    ~2e-5 of weight (seen: o_proj[1, 33], gradient 2.1e-9 against a median of 1.6e-3). At eps=1e-6
-    the same residue moves a weight by at most lr * 1e-9 / 1e-6 = 1e-6, while every other gradient
-    (|g| >> 1e-6) still takes Adam's full step, so the comparison tests the layouts, not the
+    (~2e-9 here) that differs between layouts, and AdamW's first step moves its weight by
+    lr * g / (|g| + eps), which at the default eps=1e-8 turns a few 1e-10 of difference into ~2e-5
+    of weight (seen: o_proj[1, 33], gradient -2.1e-9 against a median of 1.6e-3; the single-device
+    residue alone moved from -1.86e-9 to -2.1e-9 when its head began summing in blocks). At eps=1e-6
+    a residue of up to 2e-9 moves a weight by at most lr * 2e-9 / 1e-6 = 2e-6, while every other
+    gradient (|g| >> 1e-6) still takes Adam's full step, so the comparison tests the layouts, not the
     division of rounding noise."""
 
     def configure_optimizers(self):
@@ -81,9 +82,9 @@ def test_ranks_match_one_device(devices, tp, pp, family, overlap, config, bpe_to
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert m_meg[key] == pytest.approx(m_single[key], rel=1e-4, abs=1e-6), key
         after = dict(strategy.export_weights())
-        # LayoutGRPO's eps=1e-6 bounds what a ~0 gradient's rounding residue (<= ~1e-9 apart between
-        # layouts) moves a weight: lr * 1e-9 / 1e-6 = 1e-6 a step, 2e-6 after two; seen at most 7.8e-7
-        # (Qwen3), 2.8e-7 (Qwen2). At eps=1e-8 the same residues gave up to 5e-5 (Qwen3, PP=2)
+        # LayoutGRPO's eps=1e-6 bounds what a ~0 gradient's rounding residue (up to ~2e-9) moves a
+        # weight: 2e-6 a step, 4e-6 after two; seen at most 7.8e-7 (Qwen3), 2.8e-7 (Qwen2). At eps=1e-8
+        # the same residues gave up to 5e-5 (Qwen3, PP=2)
         for name, p in single_module.policy.named_parameters():
             torch.testing.assert_close(after[name], p.detach(), rtol=0, atol=5e-6,
                                        msg=lambda m, name=name: f"{name}: {m}")
