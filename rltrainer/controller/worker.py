@@ -9,11 +9,12 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from typing import Any
 
 import torch
 
-from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
+from rltrainer.rollout.engine import Generation, ModelFiles, RolloutEngine, SamplingParams
 from rltrainer.weights.receiver import WeightReceiver
 
 
@@ -45,6 +46,10 @@ class Worker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def python(self) -> str:
+        """This process's interpreter (an engine may run another Python environment's)."""
+        return sys.executable
 
     def device_type(self) -> str:
         return self.device.type
@@ -98,8 +103,13 @@ class Worker:
         self._own_process_group = False
 
     # -- rollout role ----------------------------------------------------------------------------
-    def setup_engine(self, engine: RolloutEngine, model_config: Any, tokenizer: Any, lora_config: Any = None) -> None:
-        """Set up ``engine`` here; with ``lora_config``, also ready it for that adapter (``enable_adapters``)."""
+    def setup_engine(self, engine: RolloutEngine, model_config: Any, tokenizer: Any = None,
+                     lora_config: Any = None) -> None:
+        """Set up ``engine`` here; with ``lora_config``, also ready it for that adapter (``enable_adapters``).
+        ``model_config`` may be :class:`~rltrainer.rollout.engine.ModelFiles` (config and tokenizer
+        as files, for a process in another Python environment)."""
+        if isinstance(model_config, ModelFiles):
+            model_config, tokenizer = model_config.load()
         engine.setup(model_config, tokenizer, device=self.device)
         if lora_config is not None:
             engine.enable_adapters(lora_config)
@@ -135,6 +145,10 @@ class Worker:
         ``join_group``, ``receive``, ``open_slots``, ``load_slot``, ``group_ranks``...) on this
         process's engine; the controller's transports call this."""
         return getattr(self.receiver, op)(self._require_engine(), *args)
+
+    def engine_weight_groups(self, names: list[str]) -> list[list[str]]:
+        """The weight names this process's engine must receive together (``RolloutEngine.weight_groups``)."""
+        return self._require_engine().weight_groups(names)
 
     def engine_weight_version(self) -> int:
         """The version of the last sync this process's engine loaded completely (-1: none yet)."""

@@ -254,6 +254,7 @@ class RayWorkerGroup(WorkerGroup):
         cpus_per_worker / gpus_per_worker: the resources of each bundle.
         placement: Ray placement strategy: ``"PACK"`` (fill a node first) or ``"SPREAD"``...
         ready_timeout_s: how long to wait for the cluster to grant the resources.
+        runtime_env: Ray's ``runtime_env`` for the actors (e.g. another interpreter: ``py_executable``).
         watchdog: fails a wait that runs past its stage's timeout (``None``: waits have no limit).
     """
 
@@ -261,7 +262,8 @@ class RayWorkerGroup(WorkerGroup):
 
     def __init__(self, worker_cls: type, world_size: int, name: str = "workers", cpus_per_worker: float = 1.0,
                  gpus_per_worker: float = 0.0, placement: str = "PACK", ready_timeout_s: float = 60.0,
-                 watchdog: Watchdog | None = None, **init_kwargs: Any) -> None:
+                 watchdog: Watchdog | None = None, runtime_env: dict[str, Any] | None = None,
+                 **init_kwargs: Any) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -288,6 +290,7 @@ class RayWorkerGroup(WorkerGroup):
                 "cpus_per_worker/gpus_per_worker, start Ray with more logical CPUs (ray.init(num_cpus=...)), "
                 "or add nodes."
             )
+        self.runtime_env = runtime_env
         self.actors = self._start_actors(worker_cls, cpus_per_worker, gpus_per_worker, init_kwargs)
         self.pids = self.execute_all("pid")
 
@@ -304,6 +307,8 @@ class RayWorkerGroup(WorkerGroup):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
             options = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker, "scheduling_strategy": strategy,
                        "name": None}
+            if self.runtime_env:
+                options["runtime_env"] = self.runtime_env
             actors.append(remote_cls.options(**options).remote(rank=rank, world_size=self.world_size, **init_kwargs))
         return actors
 

@@ -121,7 +121,32 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Load ``(hf_name, full_tensor)`` pairs into the inference model; return stats
-        (``tensors``, ``bytes``). Tensors may be reused by the caller afterwards: copy them."""
+        (``tensors``, ``bytes``). Tensors may be reused by the caller afterwards: copy them.
+
+        A sync calls it once per bucket between :meth:`start_weight_update` and
+        :meth:`finish_weight_update`; called outside such a pair, the call is a whole update on its own."""
+
+    # -- one sync as one update session (optional) ------------------------------------------------
+    def start_weight_update(self) -> None:
+        """Before the first bucket of a sync (vLLM: ``LLM.start_weight_update``). Between this and
+        :meth:`finish_weight_update` only :meth:`update_weights` is called, never ``generate``."""
+
+    def finish_weight_update(self) -> None:
+        """After the last bucket of a sync (vLLM: ``LLM.finish_weight_update``, which processes the
+        layers that arrived; then the prefix cache is reset)."""
+
+    def weight_groups(self, names: Sequence[str]) -> list[list[str]]:
+        """Groups of the policy's weight ``names`` that this engine must receive together: in the
+        same sync whenever one of them changed, and in the same bucket (vLLM fuses ``q/k/v_proj``
+        into one ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``, and rebuilds a layer only
+        from all of its tensors). Names in no group travel alone. Default: none."""
+        return []
+
+    @property
+    def runtime_env(self) -> dict[str, Any] | None:
+        """The Ray ``runtime_env`` of a process of its own (split placement), e.g. another Python
+        environment's interpreter (``py_executable``); ``None``: the trainer's environment."""
+        return None
 
     # -- one process: an engine that shares the policy's storage (optional) -----------------------
     #: True: :meth:`bind_weights` may be called instead of :meth:`update_weights` with tensors that
@@ -207,20 +232,60 @@ def free_cached_blocks() -> None:
         torch.cuda.empty_cache()
 
 
-def gpu_engine_files(name: str, device: torch.device | str | None, model_config: Any,
-                     tokenizer: Any) -> Any:
-    """For an engine that builds its model from files on a GPU (vLLM, SGLang): check the device and
-    write the policy's config and tokenizer to a temporary folder (weights come by
+def gpu_engine_files(name: str, device: torch.device | str | None, model_config: Any, tokenizer: Any,
+                     devices: tuple[str, ...] = ("cuda",)) -> Any:
+    """For an engine that builds its model from files (vLLM, SGLang): check the device type against
+    ``devices`` and write the policy's config and tokenizer to a temporary folder (weights come by
     ``update_weights``; the engine loads random ones first). Returns the ``TemporaryDirectory``."""
     import tempfile
 
-    if device is not None and torch.device(device).type != "cuda":
-        raise ValueError(f"rollout={name!r} runs on CUDA devices; this process's device is {device}. "
-                         "Use rollout='hf' on CPU.")
+    if device is not None and torch.device(device).type not in devices:
+        raise ValueError(f"rollout={name!r} runs on {' or '.join(devices)} devices here; this process's device is "
+                         f"{device}. Use rollout='hf', which runs anywhere.")
     folder = tempfile.TemporaryDirectory(prefix=f"rltrainer-{name}-")
+    if not getattr(model_config, "architectures", None):  # a config built in code: the engines read it
+        import copy
+
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_config.model_type)
+        if architecture:
+            model_config = copy.deepcopy(model_config)
+            model_config.architectures = [architecture]
     model_config.save_pretrained(folder.name)
     tokenizer.save_pretrained(folder.name)
     return folder
+
+
+@dataclass
+class ModelFiles:
+    """A policy's config and tokenizer as the files ``save_pretrained`` writes: how they reach an
+    engine whose process runs another Python environment (another transformers, in which the
+    trainer's pickled objects may not load)."""
+
+    files: dict[str, bytes]
+
+    @classmethod
+    def of(cls, model_config: Any, tokenizer: Any) -> ModelFiles:
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory(prefix="rltrainer-model-files-") as folder:
+            model_config.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            return cls({p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()})
+
+    def load(self) -> tuple[Any, Any]:
+        """``(config, tokenizer)`` built from the files by this process's transformers."""
+        import tempfile
+        from pathlib import Path
+
+        from transformers import AutoConfig, AutoTokenizer
+
+        with tempfile.TemporaryDirectory(prefix="rltrainer-model-files-") as folder:
+            for name, data in self.files.items():
+                (Path(folder) / name).write_bytes(data)
+            return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
 
 
 def missing_engine(name: str, version: str) -> ImportError:

@@ -132,10 +132,14 @@ class RemoteEngine(RolloutEngine):
         """Send ``(hf_name, tensor)`` pairs from this process to every replica, bucket by bucket (the
         replicas' ``weight_version`` stays: these are not a sync of the policy)."""
         count = nbytes = 0
-        for bucket in bucketed(weights, DEFAULT_BUCKET_BYTES):
-            stats = self.group.execute_all("receive_weights", "load", Bucket.pack(bucket), None)[0]
+        buckets = bucketed(weights, DEFAULT_BUCKET_BYTES)
+        bucket = next(buckets, None)
+        while bucket is not None:
+            following = next(buckets, None)  # the last bucket ends the replicas' update session
+            stats = self.group.execute_all("receive_weights", "load", Bucket.pack(bucket), None, following is None)[0]
             count += stats["tensors"]
             nbytes += stats["bytes"]
+            bucket = following
         return {"tensors": count, "bytes": nbytes}
 
     def engine_weight_versions(self) -> list[int]:

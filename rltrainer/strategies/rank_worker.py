@@ -149,3 +149,9 @@ class TrainingWorker(Worker):
     def forget_synced(self) -> None:
         """The engines lost their weights: the next sync sends everything."""
         self.sender.forget_synced()
+
+    def set_weight_groups(self, groups: list[list[str]]) -> None:
+        """A new engine: the names it takes together (``RolloutEngine.weight_groups``); the next
+        sync sends everything."""
+        self.versions.set_groups(groups)
+        self.sender.forget_synced()

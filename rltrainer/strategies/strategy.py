@@ -130,8 +130,10 @@ class Strategy(abc.ABC):
     def connect_engine(self, engine: RolloutEngine, tokenizer: Any) -> RolloutEngine:
         """Set up ``engine`` where this strategy places rollout (here: this process, this device)
         and return the engine the controller calls. The next sync sends every weight."""
+        refuse_other_environment(engine, engine.runtime_env, f"in the controller's process (strategy {type(self).__name__})")
         engine.setup(self.model_config(), tokenizer, device=self.device)
         self.set_weight_view(enable_engine_adapters(engine, self.lora_config))
+        self.versions.set_groups(engine.weight_groups(self.weight_names()))
         self.versions.forget_synced()
         return engine
 
@@ -230,6 +232,18 @@ def form_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_tokens: i
         for part in parts:
             part.meta["padding_free"] = True
     return parts
+
+
+def refuse_other_environment(engine: RolloutEngine, runtime_env: dict[str, Any] | None, where: str) -> None:
+    """Raise if ``engine`` runs in another Python environment (its ``runtime_env``) but would be
+    placed ``where`` the trainer's environment is: only processes of its own can have another."""
+    if runtime_env is None:
+        return
+    raise ValueError(
+        f"{type(engine).__name__} runs under another Python environment ({runtime_env.get('py_executable')}), "
+        f"so it needs processes of its own, but it would run {where}. Use split placement, e.g. "
+        "Trainer(strategy=FSDP2Strategy(devices=1, rollout_placement='split'), rollout=...), or install the engine "
+        "in this environment (for vLLM: pip install -e '.[vllm]' on a GPU machine) and leave python= unset.")
 
 
 def check_model_type(model: torch.nn.Module, strategy: str, supported: frozenset[str] | None) -> None:

@@ -33,6 +33,24 @@ class WeightReceiver:
         self.device = device
         self._group: WeightGroup | None = None
         self._slots: SharedSlots | None = None
+        self._updating = False  # between a sync's first and last bucket (the engine's update session)
+
+    def _update(self, engine: Any, views: Any, version: int | None, last: bool | None = None) -> dict[str, float]:
+        """Load one bucket's ``(name, tensor)`` views: the sync's first bucket opens the engine's
+        update session (``start_weight_update``), its last (``last``; by default: ``version`` given)
+        closes it (``finish_weight_update``)."""
+        if not self._updating:
+            engine.start_weight_update()
+            self._updating = True
+        try:
+            stats = engine.update_weights(views)
+            if last or (last is None and version is not None):
+                self._updating = False
+                engine.finish_weight_update()
+        except BaseException:
+            self._updating = False
+            raise
+        return self._loaded(engine, stats, version)
 
     @staticmethod
     def _loaded(engine: Any, stats: dict[str, float] | None, version: int | None) -> dict[str, float]:
@@ -41,9 +59,10 @@ class WeightReceiver:
         stats = dict(stats or {})
         return {"tensors": stats.get("tensors", 0), "bytes": stats.get("bytes", 0)}
 
-    def load(self, engine: Any, bucket: Bucket, version: int | None) -> dict[str, float]:
-        """Load a bucket value (the object store's, or one the controller packed)."""
-        return self._loaded(engine, engine.update_weights(bucket.views()), version)
+    def load(self, engine: Any, bucket: Bucket, version: int | None, last: bool | None = None) -> dict[str, float]:
+        """Load a bucket value (the object store's, or one the controller packed); ``last`` ends the
+        update (by default the bucket that carries a ``version`` does)."""
+        return self._update(engine, bucket.views(), version, last)
 
     def commit(self, engine: Any, version: int) -> dict[str, float]:
         """A sync with nothing to send still moves the engine's version."""
@@ -83,7 +102,7 @@ class WeightReceiver:
             raise RuntimeError("receive before join_group (the broadcast transport was not connected)")
         buffer = empty_bucket(entries, self.device)
         self._group.broadcast(buffer)
-        return self._loaded(engine, engine.update_weights(bucket_views(buffer, entries)), version)
+        return self._update(engine, bucket_views(buffer, entries), version)
 
     def leave_group(self, engine: Any) -> None:
         if engine is not None and engine.native_weight_broadcast:
@@ -104,7 +123,7 @@ class WeightReceiver:
         if self._slots is None:
             raise RuntimeError("load_slot before open_slots (the shared-memory transport was not connected)")
         views = bucket_views(self._slots.slot(index, bucket_nbytes(entries)), entries)
-        return self._loaded(engine, engine.update_weights(views), version)
+        return self._update(engine, views, version)
 
     def close_slots(self) -> None:
         if self._slots is not None:

@@ -72,7 +72,7 @@ class WeightSender:
             shape, own_dtype = specs[name]
             return math.prod(shape) * itemsize(dtype or own_dtype)
 
-        self._plan = plan_buckets([(n, nbytes(n)) for n in names], self.bucket_bytes)
+        self._plan = plan_buckets([(n, nbytes(n)) for n in names], self.bucket_bytes, self.versions.groups)
         self._dtype, self._marks_synced = dtype, only_changed
         return len(self._plan), len(specs) - len(names)
 
@@ -118,9 +118,13 @@ class WeightSender:
                                "connect_engine)")
         buckets, skipped = self.plan(dtype, only_changed=True)
         count = nbytes = 0
+        if buckets:
+            engine.start_weight_update()
         for index in range(buckets):
             stats = engine.update_weights(self._gather(index))
             count, nbytes = count + stats.get("tensors", 0), nbytes + stats.get("bytes", 0)
+        if buckets:
+            engine.finish_weight_update()
         self.finish()
         engine.weight_version = version
         return {"tensors": count, "bytes": nbytes, "skipped": skipped, "buckets": buckets}

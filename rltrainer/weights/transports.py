@@ -153,8 +153,12 @@ class InProcessTransport(WeightTransport):
                 yield name, tensor
 
         share = getattr(self.source, "exports_live_parameters", False) and getattr(self.engine, "shares_weights", False)
-        load = self.engine.bind_weights if share else self.engine.update_weights
-        loaded = dict(load(stream()) or {})
+        if share:
+            loaded = dict(self.engine.bind_weights(stream()) or {})
+        else:
+            self.engine.start_weight_update()
+            loaded = dict(self.engine.update_weights(stream()) or {})
+            self.engine.finish_weight_update()
         self.engine.weight_version = version
         stats = {"tensors": loaded.get("tensors", sent), "bytes": loaded.get("bytes", 0),
                  "skipped": len(self.source.weight_names()) - sent, "buckets": int(sent > 0)}

@@ -28,14 +28,25 @@ class ParamVersions:
     def __init__(self) -> None:
         self.current: dict[str, int] = {}
         self.synced: dict[str, int] = {}
+        self.groups: list[list[str]] = []  # names the engine takes together (RolloutEngine.weight_groups)
+        self._group_of: dict[str, int] = {}
+
+    def set_groups(self, groups: Iterable[Iterable[str]]) -> None:
+        """Names that travel together: when one changed, :meth:`changed` returns them all."""
+        self.groups = [list(g) for g in groups]
+        self._group_of = {name: i for i, group in enumerate(self.groups) for name in group}
 
     def bump(self, names: Iterable[str]) -> None:
         for name in names:
             self.current[name] = self.current.get(name, 0) + 1
 
     def changed(self, names: Iterable[str]) -> list[str]:
-        """Names never synced, or changed since the last sync."""
-        return [n for n in names if self.synced.get(n, -1) != self.current.get(n, 0)]
+        """Names never synced, or changed since the last sync, or in a group (:meth:`set_groups`)
+        with such a name; in the order of ``names``."""
+        names = list(names)
+        moved = {n for n in names if self.synced.get(n, -1) != self.current.get(n, 0)}
+        touched = {self._group_of[n] for n in moved if n in self._group_of}
+        return [n for n in names if n in moved or self._group_of.get(n, -1) in touched]
 
     def mark_synced(self, names: Iterable[str]) -> None:
         for name in names:

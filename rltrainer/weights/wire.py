@@ -17,7 +17,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -47,9 +47,17 @@ def bucket_by_bytes(items: Iterable[T], nbytes: Callable[[T], int], bucket_bytes
         yield bucket
 
 
-def plan_buckets(named_nbytes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """The names of each bucket, for ``(name, nbytes)`` in export order."""
-    return [[name for name, _ in bucket] for bucket in bucket_by_bytes(named_nbytes, lambda x: x[1], bucket_bytes)]
+def plan_buckets(named_nbytes: Sequence[tuple[str, int]], bucket_bytes: int,
+                 groups: Iterable[Iterable[str]] = ()) -> list[list[str]]:
+    """The names of each bucket, for ``(name, nbytes)`` in export order. The names of one of
+    ``groups`` share a bucket (placed where the group's first name comes; a group larger than
+    ``bucket_bytes`` travels alone)."""
+    group_of = {name: i for i, group in enumerate(groups) for name in group}
+    units: dict[Any, list[tuple[str, int]]] = {}  # a group, or one name, in order of first appearance
+    for name, nbytes in named_nbytes:
+        units.setdefault(("group", group_of[name]) if name in group_of else name, []).append((name, nbytes))
+    buckets = bucket_by_bytes(units.values(), lambda unit: sum(n for _, n in unit), bucket_bytes)
+    return [[name for unit in bucket for name, _ in unit] for bucket in buckets]
 
 
 def bucketed(weights: Iterable[tuple[str, torch.Tensor]],

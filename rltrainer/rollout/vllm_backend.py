@@ -1,0 +1,94 @@
+"""vLLM's side of a weight sync, through vLLM's public weight-transfer API.
+
+vLLM (0.32 and 0.33 alike) updates weights in sessions: ``LLM.start_weight_update()``, one
+``LLM.update_weights(...)`` per chunk, ``LLM.finish_weight_update()``. Each call goes through the
+executor's ``collective_rpc`` to the worker's :class:`~vllm.distributed.weight_transfer.base.WeightTransferEngine`,
+chosen by ``LLM(weight_transfer_config={"backend": ...})`` from vLLM's
+``WeightTransferEngineFactory``, whose registry takes backends of other libraries by name.
+
+vLLM's own backends move the bytes themselves (``nccl``: a broadcast from the trainer; ``ipc``:
+CUDA IPC handles); :mod:`rltrainer.weights` has already moved them into this process (a
+broadcast, a shared-memory slot, Ray's object store), so :class:`LocalWeightTransferEngine`
+takes the tensors as they are. Loading is what vLLM's ``ipc`` backend does: the session runs
+vLLM's layerwise reload (``initialize_layerwise_reload`` at the start, the model's own
+``load_weights`` per chunk, ``finalize_layerwise_reload`` at the end), which restores each layer
+to its checkpoint form, buffers what arrives and re-runs the layer's post-load processing once
+all of its tensors are in (the CPU build repacks linear weights there). So a fused layer
+(``qkv_proj``, ``gate_up_proj``) may arrive over several chunks of one session, but it must arrive
+whole: a layer given only some of its tensors is rebuilt from those alone
+(:meth:`~rltrainer.rollout.vllm.VLLMEngine.weight_groups` tells the sender which names go together).
+
+This module imports vLLM; :mod:`rltrainer.rollout.vllm` imports it only when an engine is set up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+BACKEND = "rltrainer_local"
+
+
+@dataclass
+class LocalInitInfo(WeightTransferInitInfo):
+    """Nothing to connect: the tensors are in this process already."""
+
+
+@dataclass
+class LocalUpdateInfo(WeightTransferUpdateInfo):
+    """One chunk: ``(hf_name, tensor)`` pairs in the policy's (checkpoint) names."""
+
+    weights: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateInfo]):
+    """Loads chunks of tensors already in the worker's process, in one layerwise-reload session."""
+
+    init_info_cls = LocalInitInfo
+    update_info_cls = LocalUpdateInfo
+
+    def init_transfer_engine(self, init_info: LocalInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: LocalUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():
+            self.model.load_weights(update_info.weights)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def register() -> str:
+    """Register the backend in this process (once); returns its name for ``weight_transfer_config``."""
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, LocalWeightTransferEngine)
+    except ValueError:  # registered by an earlier engine in this process
+        pass
+    return BACKEND
+
+
+def model_facts(model: Any) -> dict[str, Any]:
+    """What the adapter needs to know of the worker's model (run through ``LLM.apply_model``): the
+    fused modules (``packed_modules_mapping``) and whether the LM head keeps weights of its own
+    beside the input embedding (the CPU build does, even when the config ties them)."""
+    inner = getattr(model, "model", None)
+    head, embed = getattr(model, "lm_head", None), getattr(inner, "embed_tokens", None)
+    return {"packed_modules_mapping": {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {})).items()},
+            "separate_lm_head": head is not None and embed is not None and head is not embed}

