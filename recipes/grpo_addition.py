@@ -80,6 +80,7 @@ class Config:
     num_val: int = 500  # held-out problems
     hidden_size: int = 64
     num_layers: int = 2
+    num_heads: int = 4  # --rollout vllm needs head_dim = hidden_size / num_heads >= 32 on CPU: --num-heads 2
     # supervised warm-up
     warmup_target: float = 0.1  # stop at this greedy accuracy on the last 10 training batches...
     warmup_min_digit_accuracy: float = 0.3  # ...once every answer digit is right this often (chance: 0.1)
@@ -95,6 +96,7 @@ class Config:
     micro_batch_size: int = 64  # rows per forward/backward: the model is tiny, so one pass per update
     lr: float = 3e-4
     temperature: float = 0.7
+    rollout: str = "hf"  # "vllm": the real vLLM engine (on CPU: python -m rltrainer.rollout.vllm_env), in a process of its own
     pipeline: str = "sync"  # "one_step_off" / "async": the engine generates in a process of its own meanwhile
     max_staleness: int = 1  # async: policy versions a trained row may lag
     placement: str = "auto"  # "auto": in-process for sync, split otherwise; "split": also sync on FSDP2 + a Ray engine process
@@ -194,7 +196,8 @@ def warm_up(config: Config, problems: Problems, tokenizer: Any) -> tuple[torch.n
 
     torch.manual_seed(config.seed)
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(
-        len(tokenizer), hidden_size=config.hidden_size, num_layers=config.num_layers, max_positions=64))
+        len(tokenizer), hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
+        num_kv_heads=max(1, config.num_heads // 2), max_positions=64))
     opt = torch.optim.AdamW(model.parameters(), lr=config.warmup_lr, weight_decay=0.01)
     model.train()
     recent: list[torch.Tensor] = []  # per batch: [T] digit accuracies, then the exact-match rate
@@ -234,9 +237,12 @@ class PrintProgress(rltrainer.Callback):
 
     def __init__(self, every: int) -> None:
         self.every, self.history = every, []
+        self.gen_s = self.gen_tokens = 0.0  # the engine's generation time and tokens over the run
 
     def on_step_end(self, trainer: rltrainer.Trainer, module: rltrainer.RLModule, metrics: dict[str, float]) -> None:
         self.history.append({k: metrics[k] for k in PRINTED})
+        self.gen_s += metrics["timing_s/gen"]  # rollout_step's wall time, the engine call included
+        self.gen_tokens += metrics["response_length/mean"] * module.sampling.n * trainer.plan.prompts_per_step
         if self.every and trainer.global_step % self.every == 0:
             means = {k: sum(h[k] for h in self.history[-self.every:]) / self.every for k in PRINTED}
             print(f"step {trainer.global_step}: " + ", ".join(f"{label} {means[k]:.3f}" for k, label in PRINTED.items())
@@ -294,6 +300,20 @@ def build_module(config: Config, model_dir: str, tokenizer: Any) -> rltrainer.RL
     )
 
 
+def build_engine(config: Config) -> Any:
+    """``--rollout``: ``hf`` (transformers, this process or a Ray one), or the real vLLM in a Ray
+    process of its own, in fp32 like the policy (its log-probs are then the trainer's)."""
+    if config.rollout == "hf":
+        return "hf"
+    if config.rollout != "vllm":
+        raise ValueError(f"--rollout {config.rollout!r}; choose from hf, vllm")
+    if config.hidden_size // config.num_heads < 32:
+        raise ValueError(f"--rollout vllm: vLLM's CPU attention needs a head size of at least 32; hidden size "
+                         f"{config.hidden_size} / {config.num_heads} heads is {config.hidden_size // config.num_heads}. "
+                         f"Use --num-heads {max(1, config.hidden_size // 32)}.")
+    return rltrainer.VLLMEngine(dtype=torch.float32)
+
+
 def run(config: Config) -> dict[str, Any]:
     """Warm up, then GRPO; returns held-out accuracy before and after GRPO, the total seconds, and
     ``log_dir`` (where the metrics went; ``None`` without ``output_dir``)."""
@@ -315,17 +335,19 @@ def run(config: Config) -> dict[str, Any]:
             module = build_module(config, model_dir, tokenizer)
             if config.placement not in ("auto", "split"):
                 raise ValueError(f"--placement {config.placement!r}; choose from auto, split")
-            if config.pipeline == "sync" and config.placement == "auto":
+            if config.pipeline == "sync" and config.placement == "auto" and config.rollout == "hf":
                 strategy: Any = SingleDeviceStrategy(micro_batch_size=config.micro_batch_size)
             else:  # the policy trains in this process, the engine generates in a Ray process of its own
                 strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=config.micro_batch_size,
                                          threads_per_worker=config.threads)
+            progress = PrintProgress(config.print_every)
             trainer = rltrainer.Trainer(
-                strategy=strategy, rollout="hf", pipeline=config.pipeline, max_staleness=config.max_staleness,
+                strategy=strategy, rollout=build_engine(config), pipeline=config.pipeline,
+                max_staleness=config.max_staleness,
                 max_steps=config.steps, seed=config.seed if config.sampling_seed < 0 else config.sampling_seed,
                 val_check_interval=config.val_every or None, logger="csv" if config.output_dir else False,
                 default_root_dir=config.output_dir or None,
-                enable_progress_bar=config.progress_bar, callbacks=[PrintProgress(config.print_every)],
+                enable_progress_bar=config.progress_bar, callbacks=[progress],
             )
             acc_before = trainer.validate(module, val_loader)["val/accuracy"]
             print(f"warm-up: {warmup['steps']} steps in {warmup_s:.0f}s (digits right: {warmup['digits']}); "
@@ -340,10 +362,12 @@ def run(config: Config) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     seconds = time.perf_counter() - start
+    tokens_per_s = progress.gen_tokens / max(progress.gen_s, 1e-9)
     print(f"held-out accuracy {acc_before:.1%} -> {acc_after:.1%} ({100 * (acc_after - acc_before):+.1f} points; "
-          f"greedy, {config.num_val} problems never trained on); {steps} GRPO steps, {seconds:.0f}s in all", flush=True)
+          f"greedy, {config.num_val} problems never trained on); {steps} GRPO steps, {seconds:.0f}s in all; "
+          f"generation ({config.rollout}): {tokens_per_s:.0f} tokens/s", flush=True)
     return {"acc_before": acc_before, "acc_after": acc_after, "seconds": seconds, "warmup_steps": warmup["steps"],
-            "steps": steps, "log_dir": log_dir}
+            "steps": steps, "log_dir": log_dir, "gen_tokens_per_s": tokens_per_s}
 
 
 #: What the end of a command-line run suggests next.

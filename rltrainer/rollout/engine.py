@@ -271,9 +271,9 @@ class ModelFiles:
         from pathlib import Path
 
         with tempfile.TemporaryDirectory(prefix="rltrainer-model-files-") as folder:
-            model_config.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-            return cls({p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()})
+            model_config.save_pretrained(Path(folder) / "config")
+            tokenizer.save_pretrained(Path(folder) / "tokenizer")
+            return cls({str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()})
 
     def load(self) -> tuple[Any, Any]:
         """``(config, tokenizer)`` built from the files by this process's transformers."""
@@ -284,8 +284,10 @@ class ModelFiles:
 
         with tempfile.TemporaryDirectory(prefix="rltrainer-model-files-") as folder:
             for name, data in self.files.items():
+                (Path(folder) / name).parent.mkdir(parents=True, exist_ok=True)
                 (Path(folder) / name).write_bytes(data)
-            return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+            # apart: beside a config.json, AutoTokenizer would pick the model family's tokenizer class
+            return AutoConfig.from_pretrained(Path(folder) / "config"), AutoTokenizer.from_pretrained(Path(folder) / "tokenizer")
 
 
 def missing_engine(name: str, version: str) -> ImportError:

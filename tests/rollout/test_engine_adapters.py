@@ -20,11 +20,12 @@ def test_vllm_outputs_become_a_generation():
     outputs = [SimpleNamespace(outputs=[completion(1, [7, 8], [-0.5, -0.25], "length"),
                                         completion(0, [5, 6, 2], [-1.0, -2.0, -3.0], "stop")]),
                SimpleNamespace(outputs=[completion(0, [9], [-0.1], "stop"), completion(1, [4, 4], [-0.3, -0.4], "length")])]
-    gen = generation_from_outputs(outputs, pad_token_id=0, tokenizer=None)
+    decoder = SimpleNamespace(batch_decode=lambda rows, skip_special_tokens: [f"c{len(r)}" for r in rows])
+    gen = generation_from_outputs(outputs, pad_token_id=0, tokenizer=decoder)  # texts: the trainer's tokenizer's
     assert gen.response_ids.tolist() == [[5, 6, 2], [7, 8, 0], [9, 0, 0], [4, 4, 0]]  # samples in index order
     assert gen.response_mask.tolist() == [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0]]
     torch.testing.assert_close(gen.log_probs[1], torch.tensor([-0.5, -0.25, 0.0]))
-    assert gen.finish_reason == ["stop", "length", "stop", "length"] and gen.text == ["c0", "c1", "c0", "c1"]
+    assert gen.finish_reason == ["stop", "length", "stop", "length"] and gen.text == ["c3", "c2", "c1", "c2"]
 
 
 def test_sglang_requests_and_outputs():
@@ -229,7 +230,8 @@ def vllm_engine(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=FakeVLLMSamplingParams))
     engine = VLLMEngine()
-    engine.llm, engine.tokenizer = FakeLLM(), SimpleNamespace(eos_token_id=EOS, pad_token_id=0)
+    engine.llm = FakeLLM()
+    engine.tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=0, batch_decode=lambda rows, **_: [""] * len(rows))
     return engine
 
 

@@ -107,3 +107,27 @@ def test_sync_handle_waits_once_and_repeats_its_error():
         with pytest.raises(ZeroDivisionError):
             failing.wait()
     assert loaded == [4]
+
+
+def test_groups_share_a_bucket_where_their_first_name_comes():
+    sizes = [("a", 4), ("q", 4), ("x", 4), ("k", 4), ("v", 4), ("b", 4)]
+    plain = plan_buckets(sizes, 8)
+    assert plain == [["a", "q"], ["x", "k"], ["v", "b"]]  # q/k/v spread over three buckets
+    grouped = plan_buckets(sizes, 8, groups=[["q", "k", "v"]])
+    assert grouped == [["a"], ["q", "k", "v"], ["x", "b"]]  # one bucket (over the bound: a group is one unit)
+    assert sorted(n for b in grouped for n in b) == sorted(n for n, _ in sizes)
+
+
+def test_versions_send_a_whole_group_when_one_member_changed():
+    from rltrainer.weights.versions import ParamVersions
+
+    versions = ParamVersions()
+    names = ["embed", "q", "k", "v", "o", "norm"]
+    versions.set_groups([["q", "k", "v"]])
+    assert versions.changed(names) == names  # never synced
+    versions.mark_synced(names)
+    versions.bump(["q", "norm"])  # e.g. LoRA on q only: k and v did not move
+    assert versions.changed(names) == ["q", "k", "v", "norm"]
+    versions.mark_synced(versions.changed(names))
+    versions.bump(["o"])
+    assert versions.changed(names) == ["o"]

@@ -1,0 +1,156 @@
+"""The vLLM adapter's own logic, without vLLM (a recording fake ``LLM``): the platform decisions in
+one place, one weight-transfer session per sync, the fused groups, the tied head, sleep on a
+platform without sleep mode, the refusals at setup, and the engine's own Python environment.
+The real engine: test_vllm_engine.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from rltrainer.rollout.engine import ModelFiles
+from rltrainer.rollout.vllm import VLLMEngine, VLLMPlatform, fused_groups
+from rltrainer.rollout.vllm_env import ENV_VAR, resolve_python
+
+QWEN2 = [f"model.layers.0.{m}" for m in ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                                          "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+                                          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                          "mlp.down_proj.weight", "input_layernorm.weight", "self_attn.q_norm.weight")]
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class FakeLLM:
+    """Records the calls the adapter makes on ``vllm.LLM``."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+        return call
+
+
+def engine_with(platform: VLLMPlatform, tied: bool = False, separate_head: bool = False, **kwargs) -> VLLMEngine:
+    engine = VLLMEngine(**kwargs)
+    engine.llm, engine.platform = FakeLLM(), platform
+    engine._facts = {"packed_modules_mapping": PACKED, "separate_lm_head": separate_head}
+    engine._tied = tied
+    return engine
+
+
+def names_sent(llm: FakeLLM) -> list[list[str]]:
+    return [[n for n, _ in kw["update_info"]["weights"]] for name, args, _ in llm.calls if name == "update_weights"
+            for kw in args]
+
+
+def test_fused_modules_and_their_biases_are_groups():
+    groups = fused_groups(QWEN2, PACKED)
+    assert groups == [QWEN2[:6], ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]]
+    assert fused_groups(["lm_head.weight", "model.norm.weight"], PACKED) == []  # one tensor per module
+
+
+def test_the_platform_decides_memory_eager_mode_and_sleep():
+    cpu, gpu = VLLMPlatform("cpu", sleep_mode=False), VLLMPlatform("cuda", sleep_mode=True)
+    engine = VLLMEngine(gpu_memory_utilization=0.3)
+    assert cpu.llm_kwargs(engine) == {"enforce_eager": True, "enable_sleep_mode": False, "kv_cache_memory_bytes": 1 << 30}
+    assert gpu.llm_kwargs(engine) == {"enforce_eager": False, "enable_sleep_mode": True, "gpu_memory_utilization": 0.3}
+    assert cpu.environment() == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} and gpu.environment() == {}
+    sized = VLLMEngine(kv_cache_memory_bytes=2 << 30, enforce_eager=False, enable_sleep_mode=False)
+    assert cpu.llm_kwargs(sized)["kv_cache_memory_bytes"] == 2 << 30 and not cpu.llm_kwargs(sized)["enforce_eager"]
+    assert gpu.llm_kwargs(sized)["kv_cache_memory_bytes"] == 2 << 30 and not gpu.llm_kwargs(sized)["enable_sleep_mode"]
+
+
+def test_a_sync_is_one_session_and_a_lone_update_is_its_own():
+    engine = engine_with(VLLMPlatform("cpu", False))
+    w = torch.zeros(2)
+    engine.start_weight_update()
+    engine.update_weights([("a", w)])
+    engine.update_weights([("b", w), ("c", w)])
+    engine.finish_weight_update()
+    assert [c[0] for c in engine.llm.calls] == ["start_weight_update", "update_weights", "update_weights",
+                                                "finish_weight_update", "reset_prefix_cache"]
+    engine.llm.calls.clear()
+    stats = engine.update_weights([("a", w)])
+    assert [c[0] for c in engine.llm.calls] == ["start_weight_update", "update_weights", "finish_weight_update",
+                                                "reset_prefix_cache"]
+    assert stats == {"tensors": 1, "bytes": 8}
+
+
+def test_a_tied_embedding_also_loads_the_head_where_vllm_keeps_its_own():
+    w = torch.zeros(3)
+    separate = engine_with(VLLMPlatform("cpu", False), tied=True, separate_head=True)
+    separate.update_weights([("model.embed_tokens.weight", w), ("model.norm.weight", w)])
+    assert names_sent(separate.llm) == [["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]]
+    shared = engine_with(VLLMPlatform("cuda", True), tied=True, separate_head=False)
+    shared.update_weights([("model.embed_tokens.weight", w)])
+    assert names_sent(shared.llm) == [["model.embed_tokens.weight"]]
+
+
+def test_sleep_is_a_no_op_without_sleep_mode_and_weights_wake_once_per_sync():
+    w = torch.zeros(1)
+    cpu = engine_with(VLLMPlatform("cpu", sleep_mode=False))
+    cpu.sleep(2)
+    cpu.wake_up()
+    assert cpu.llm.calls == [] and not cpu.weights_discarded
+    gpu = engine_with(VLLMPlatform("cuda", sleep_mode=True))
+    gpu.sleep(1)
+    gpu.start_weight_update()
+    for name in "abc":  # three buckets of one sync: the weights wake once
+        gpu.update_weights([(name, w)])
+    gpu.finish_weight_update()
+    gpu.update_weights([("d", w)])  # a second update before generating: still awake
+    gpu.wake_up()  # generate: only the KV cache is left to wake
+    wakes = [c for c in gpu.llm.calls if c[0] == "wake_up"]
+    assert wakes == [("wake_up", (), {"tags": ["weights"]}), ("wake_up", (), {"tags": ["kv_cache"]})]
+    gpu.wake_up()
+    assert len([c for c in gpu.llm.calls if c[0] == "wake_up"]) == 2  # awake: nothing more
+
+
+def test_tensor_parallel_outside_a_distributed_group_is_refused_at_setup(tiny_config, bpe_tokenizer):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\) outside a torch.distributed group"):
+        VLLMEngine(tensor_parallel_size=2).setup(tiny_config, bpe_tokenizer, device="cpu")
+    for bad in ({"tensor_parallel_size": 0}, {"gpu_memory_utilization": 1.5}, {"kv_cache_memory_bytes": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            VLLMEngine(**bad)
+
+
+def test_the_engines_python_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_python(sys.executable) is None  # this interpreter: no environment of its own
+    with pytest.raises(ValueError, match="not an executable Python interpreter"):
+        resolve_python(str(tmp_path / "nowhere" / "python"))
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    monkeypatch.setenv(ENV_VAR, str(python))
+    assert resolve_python() == str(python)
+    env = VLLMEngine().runtime_env
+    assert env["py_executable"] == str(python)
+    import rltrainer
+
+    source = os.path.dirname(os.path.dirname(os.path.abspath(rltrainer.__file__)))
+    assert env["env_vars"]["PYTHONPATH"].split(os.pathsep)[0] == source  # the engine imports this rltrainer
+
+
+def test_an_engine_of_another_environment_needs_processes_of_its_own(tiny_config, bpe_tokenizer, monkeypatch):
+    from rltrainer.rollout.hf import HFEngine
+    from rltrainer.strategies import SingleDeviceStrategy
+
+    class Elsewhere(HFEngine):
+        runtime_env = {"py_executable": "/opt/vllm/bin/python"}
+
+    strategy = SingleDeviceStrategy()
+    with pytest.raises(ValueError, match="needs processes of its own.*rollout_placement='split'"):
+        strategy.connect_engine(Elsewhere(), bpe_tokenizer)
+
+
+def test_model_files_carry_config_and_tokenizer(tiny_config, bpe_tokenizer):
+    files = ModelFiles.of(tiny_config, bpe_tokenizer)
+    assert "config/config.json" in files.files and "tokenizer/tokenizer.json" in files.files
+    config, tokenizer = files.load()
+    assert config.model_type == "qwen2" and config.hidden_size == tiny_config.hidden_size
+    assert tokenizer("What is 3 + 4?")["input_ids"] == bpe_tokenizer("What is 3 + 4?")["input_ids"]
