@@ -217,10 +217,34 @@ def gpu_engine_files(name: str, device: torch.device | str | None, model_config:
     if device is not None and torch.device(device).type != "cuda":
         raise ValueError(f"rollout={name!r} runs on CUDA devices; this process's device is {device}. "
                          "Use rollout='hf' on CPU.")
+    config = with_architectures(name, model_config)  # checked before the folder exists
     folder = tempfile.TemporaryDirectory(prefix=f"rltrainer-{name}-")
-    model_config.save_pretrained(folder.name)
+    config.save_pretrained(folder.name)
     tokenizer.save_pretrained(folder.name)
     return folder
+
+
+def with_architectures(name: str, model_config: Any) -> Any:
+    """``model_config`` with ``architectures`` set, which vLLM and SGLang read to pick the model
+    class (SGLang indexes ``architectures[0]``). A config built in code has none (transformers
+    fills it in when a *model* is saved); it gets its causal LM class from transformers' mapping of
+    ``model_type`` (``"qwen2"`` -> ``Qwen2ForCausalLM``), on a copy: the caller's config is unchanged."""
+    if getattr(model_config, "architectures", None):
+        return model_config
+    import copy
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(model_config, "model_type", None)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type or "")
+    if cls is None:
+        raise ValueError(f"rollout={name!r} picks the model class from the policy config's architectures, which is "
+                         f"empty, and model_type={model_type!r} has no transformers causal LM class to fill it in. "
+                         "Set config.architectures = ['<Name>ForCausalLM'] (the class the engine serves) on the "
+                         "policy's config, or load the policy from a saved checkpoint (its config.json names it).")
+    config = copy.deepcopy(model_config)
+    config.architectures = [cls if isinstance(cls, str) else cls[0]]
+    return config
 
 
 def missing_engine(name: str, version: str) -> ImportError:

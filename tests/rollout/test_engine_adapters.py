@@ -256,3 +256,55 @@ def test_vllm_seeds_differ_per_prompt_and_reproduce(vllm_engine):
 def test_sglang_and_vllm_seed_each_sample_alike():
     _, params = sglang_requests([[1], [2]], SamplingParams(n=2, seed=5), [EOS])
     assert [p["sampling_seed"] for p in params] == [5, 6, 7, 8]
+
+
+# -- issue 30: defects found by reading the wheels ----------------------------------------------------
+def llama_config(vocab_size):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("family, expected", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+                                              ("llama", "LlamaForCausalLM")])
+def test_engine_files_name_the_architecture_of_a_config_built_policy(family, expected, bpe_tokenizer):
+    """Issue 30.8: a policy built from a config has ``architectures=None``; SGLang indexes
+    ``hf_config.architectures[0]`` (sglang/srt/configs/model_config.py) and vLLM resolves the
+    model class from the list, so the engine's config.json must name it."""
+    import json
+
+    from rltrainer.models import build_causal_lm
+    from rltrainer.rollout.engine import gpu_engine_files
+    from rltrainer.testing import tiny_qwen2_config, tiny_qwen3_config
+
+    make = {"qwen2": lambda v: tiny_qwen2_config(v, hidden_size=32, num_layers=1),
+            "qwen3": lambda v: tiny_qwen3_config(v, hidden_size=32, num_layers=1), "llama": llama_config}[family]
+    config = build_causal_lm(make(len(bpe_tokenizer)), seed=0).config  # what the strategy hands the engine
+    assert not config.architectures
+    folder = gpu_engine_files("sglang", "cuda:0", config, bpe_tokenizer)
+    try:
+        with open(f"{folder.name}/config.json") as f:
+            written = json.load(f)
+    finally:
+        folder.cleanup()
+    assert written["architectures"] == [expected] and written["model_type"] == family
+    assert not config.architectures  # the caller's config is left as it was
+
+
+def test_engine_files_keep_given_architectures_and_refuse_unknown_ones(bpe_tokenizer):
+    import json
+
+    from transformers import PretrainedConfig
+
+    from rltrainer.rollout.engine import gpu_engine_files
+    from rltrainer.testing import tiny_qwen2_config
+
+    config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=1, architectures=["MyQwen2"])
+    folder = gpu_engine_files("vllm", None, config, bpe_tokenizer)
+    with open(f"{folder.name}/config.json") as f:
+        assert json.load(f)["architectures"] == ["MyQwen2"]
+    folder.cleanup()
+    with pytest.raises(ValueError, match=r"rollout='sglang' .* model_type='' has no transformers causal LM class.*"
+                                         r"config.architectures = "):
+        gpu_engine_files("sglang", None, PretrainedConfig(), bpe_tokenizer)
