@@ -81,7 +81,11 @@ def sglang_requests(prompts: Sequence[Sequence[int]], sampling: SamplingParams,
 
 
 def generation_from_sglang(outputs: Sequence[dict[str, Any]], pad_token_id: int) -> Generation:
-    """SGLang's output dicts (``output_ids``, ``meta_info``) as a :class:`Generation`."""
+    """SGLang's output dicts (``output_ids``, ``meta_info``) as a :class:`Generation`.
+
+    A request with no output tokens (aborted) still carries one log-prob entry: SGLang sends
+    ``max(len(output_ids), 1)`` of them (``output_streamer.py``), so only the first ``len(output_ids)``
+    entries count (the row is then all padding)."""
     width = max((len(o["output_ids"]) for o in outputs), default=0) or 1
     n = len(outputs)
     ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -92,8 +96,8 @@ def generation_from_sglang(outputs: Sequence[dict[str, Any]], pad_token_id: int)
         tokens = list(out["output_ids"])
         ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         mask[row, :len(tokens)] = 1
-        entries = out["meta_info"].get("output_token_logprobs") or []
-        log_probs[row, :len(entries)] = torch.tensor([float(e[0]) for e in entries[:len(tokens)]])
+        entries = (out["meta_info"].get("output_token_logprobs") or [])[:len(tokens)]
+        log_probs[row, :len(entries)] = torch.tensor([float(e[0]) for e in entries], dtype=torch.float32)
         finish = out["meta_info"].get("finish_reason") or {}
         reasons.append("length" if (finish.get("type") if isinstance(finish, dict) else finish) == "length" else "stop")
     return Generation(ids, mask, log_probs, [o.get("text", "") for o in outputs], reasons,

@@ -209,3 +209,10 @@ def test_sglang_behaviour_the_adapter_works_around(sglang):
     text = sglang.text("sglang/srt/managers/schedule_batch.py")
     assert '"type": "length"' in text and '"type": "stop"' in text
     assert "output_token_logprobs" in sglang.text("sglang/srt/managers/tokenizer_manager.py")
+
+
+def test_sglang_sends_a_log_prob_for_an_output_without_tokens(sglang):
+    """Issue 30.12 (test_engine_adapters.py fakes it): a request with no output tokens (aborted)
+    still gets one log-prob entry."""
+    streamer = sglang.text("sglang/srt/managers/scheduler_components/output_streamer.py")
+    assert "len(output_ids_) if req.is_retracted else max(len(output_ids_), 1)" in streamer

@@ -308,3 +308,18 @@ def test_engine_files_keep_given_architectures_and_refuse_unknown_ones(bpe_token
     with pytest.raises(ValueError, match=r"rollout='sglang' .* model_type='' has no transformers causal LM class.*"
                                          r"config.architectures = "):
         gpu_engine_files("sglang", None, PretrainedConfig(), bpe_tokenizer)
+
+
+def test_sglang_output_with_no_tokens_is_an_empty_row():
+    """Issue 30.12: an aborted request has no output tokens but one log-prob entry (SGLang sends
+    ``max(len(output_ids), 1)``: scheduler_components/output_streamer.py); it was a shape mismatch."""
+    aborted = {"output_ids": [], "text": "", "meta_info": {"output_token_logprobs": [(-0.3, 7, None)],
+                                                           "finish_reason": {"type": "abort", "message": "aborted"}}}
+    done = {"output_ids": [4, 2], "text": "a",
+            "meta_info": {"output_token_logprobs": [(-0.5, 4, None), (-1.5, 2, None)],
+                          "finish_reason": {"type": "stop", "matched": 2}}}
+    gen = generation_from_sglang([done, aborted], pad_token_id=0)
+    assert gen.response_ids.tolist() == [[4, 2], [0, 0]] and gen.response_mask.tolist() == [[1, 1], [0, 0]]
+    torch.testing.assert_close(gen.log_probs, torch.tensor([[-0.5, -1.5], [0.0, 0.0]]))
+    only = generation_from_sglang([aborted], pad_token_id=0)  # every request aborted: one padding column
+    assert only.response_mask.tolist() == [[0]] and only.log_probs.tolist() == [[0.0]]
