@@ -357,9 +357,11 @@ def _counted(weights: Iterable[tuple[str, torch.Tensor]], stats: dict[str, float
 
 def _checked(result: Any, call: str) -> Any:
     """SGLang's control calls answer ``(success, message)`` (or an object with ``success``): raise on
-    a failure instead of letting it pass silently."""
+    a failure instead of letting it pass silently. The LoRA calls answer a ``LoRAUpdateOutput``,
+    whose text is in ``error_message`` (sglang/srt/managers/io_struct.py), the others' in ``message``."""
     if hasattr(result, "success"):
-        success, message = result.success, getattr(result, "message", "")
+        success = result.success
+        message = getattr(result, "message", None) or getattr(result, "error_message", None) or "(no message)"
     elif isinstance(result, tuple) and len(result) == 2:
         success, message = result
     else:

@@ -216,3 +216,19 @@ def test_sglang_sends_a_log_prob_for_an_output_without_tokens(sglang):
     still gets one log-prob entry."""
     streamer = sglang.text("sglang/srt/managers/scheduler_components/output_streamer.py")
     assert "len(output_ids_) if req.is_retracted else max(len(output_ids_), 1)" in streamer
+
+
+def test_sglang_lora_calls_answer_error_message(sglang):
+    """Issue 30.13: the LoRA calls answer a LoRAUpdateOutput, whose text is in ``error_message``."""
+    engine = "sglang/srt/entrypoints/engine.py"
+    accepts(sglang.method(engine, "Engine", "load_lora_adapter"), "lora_name", "lora_path")
+    accepts(sglang.method(engine, "Engine", "unload_lora_adapter"), "lora_name")
+    io = "sglang/srt/managers/io_struct.py"
+    assert {"success", "error_message"} <= sglang.fields(io, "LoRAUpdateOutput")
+    assert "message" not in sglang.fields(io, "LoRAUpdateOutput")
+    assert "LoadLoRAAdapterReqOutput = UnloadLoRAAdapterReqOutput = (" in sglang.text(io)
+    control = sglang.text("sglang/srt/managers/tokenizer_control_mixin.py")
+    load_refusal = ("return LoadLoRAAdapterReqOutput(\n                success=False,\n"
+                    "                error_message=str(e),")
+    assert load_refusal in control
+    assert "return UnloadLoRAAdapterReqOutput(success=False, error_message=str(e))" in control

@@ -323,3 +323,64 @@ def test_sglang_output_with_no_tokens_is_an_empty_row():
     torch.testing.assert_close(gen.log_probs, torch.tensor([[-0.5, -1.5], [0.0, 0.0]]))
     only = generation_from_sglang([aborted], pad_token_id=0)  # every request aborted: one padding column
     assert only.response_mask.tolist() == [[0]] and only.log_probs.tolist() == [[0.0]]
+
+
+class LoRASGLang(ScriptedSGLang):
+    """``sglang.Engine`` with LoRA: weight-update calls answer ``(success, message)``; the LoRA calls
+    answer a ``LoRAUpdateOutput`` (``success``, ``error_message``, ``loaded_adapters``: no
+    ``message``; sglang/srt/managers/io_struct.py), as ``TokenizerManager.load_lora_adapter`` does
+    when it refuses (tokenizer_control_mixin.py)."""
+
+    def __init__(self, load_error: str | None = None, unload_error: str | None = None):
+        super().__init__([5, EOS])
+        self.errors = {"load_lora_adapter": load_error, "unload_lora_adapter": unload_error}
+
+    def generate(self, input_ids, sampling_params, return_logprob, lora_path=None):
+        return super().generate(input_ids, sampling_params, return_logprob)
+
+    def _lora(self, call, name):
+        self.calls.append((call, name))
+        error = self.errors[call]
+        return SimpleNamespace(success=error is None, error_message=error, loaded_adapters=None)
+
+    def load_lora_adapter(self, lora_name, lora_path, pinned=False):
+        return self._lora("load_lora_adapter", lora_name)
+
+    def unload_lora_adapter(self, lora_name):
+        return self._lora("unload_lora_adapter", lora_name)
+
+    def __getattr__(self, call):  # begin/end_weight_update, update_weights_from_tensor, flush_cache
+        return lambda *args, **kwargs: (True, "Success")
+
+
+def lora_sglang(fake):
+    import peft
+
+    engine = sglang_engine(fake, enable_lora=True, max_lora_rank=8)
+    engine.enable_adapters(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    return engine
+
+
+ADAPTER = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 8))]
+
+
+def test_sglang_lora_failures_say_why():
+    """Issue 30.13a: the LoRA calls' text is in ``error_message``; the error used to end in an empty message."""
+    message = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+    refused = lora_sglang(LoRASGLang(load_error=message))
+    refused.update_weights(ADAPTER)
+    with pytest.raises(RuntimeError, match=r"load_lora_adapter\(\) failed: LoRA is not enabled\. Please set"):
+        refused.generate([[1]], SamplingParams(max_new_tokens=2))
+    refused.teardown()
+    in_use = lora_sglang(LoRASGLang(unload_error="LoRA adapter 'rltrainer-policy-v1' is in use"))
+    in_use.update_weights(ADAPTER)
+    in_use.generate([[1]], SamplingParams(max_new_tokens=2))  # loads v1
+    in_use.update_weights(ADAPTER)  # v2 replaces it: unloading v1 fails
+    with pytest.raises(RuntimeError, match=r"unload_lora_adapter\(\) failed: LoRA adapter 'rltrainer-policy-v1' "
+                                           r"is in use"):
+        in_use.generate([[1]], SamplingParams(max_new_tokens=2))
+    in_use.teardown()
+    from rltrainer.rollout.sglang import _checked
+
+    with pytest.raises(RuntimeError, match=r"flush_cache\(\) failed: \(no message\)"):
+        _checked(SimpleNamespace(success=False), "flush_cache")
