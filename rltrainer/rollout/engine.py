@@ -144,6 +144,11 @@ class RolloutEngine(abc.ABC):
         """Prepare to serve a LoRA adapter of ``lora_config`` (a ``peft.LoraConfig``) on the base model."""
         raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters (loads_adapters=False)")
 
+    def check_split_transport(self, transport: str, adapter: bool) -> None:
+        """Split placement, before any replica starts: raise if this engine cannot receive syncs by
+        ``transport`` (the resolved ``weight_transport``); ``adapter``: they carry a LoRA adapter
+        (:attr:`loads_adapters`). Default: every transport."""
+
     # -- split placement, broadcast transport: an engine's own receiving path (optional) --------
     native_weight_broadcast: bool = False  # True: the hooks below receive; else rltrainer.weights does
 

@@ -118,8 +118,8 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
             ``max_lora_rank``, ``lora_target_modules``): the base weights are synced once, then each
             sync brings only the adapter, written to a local directory and loaded with
             ``Engine.load_lora_adapter`` before the next generation (the previous one unloaded);
-            requests name it in ``lora_path``. Colocated only (the broadcast of split placement
-            carries base weights). Off: a LoRA policy arrives merged, like any policy.
+            requests name it in ``lora_path``. Not with split placement's broadcast transport (it
+            carries base weights only; refused at setup). Off: a LoRA policy arrives merged, like any policy.
         max_lora_rank, lora_target_modules: SGLang's (the rank must be at least the policy's ``r``;
             ``"all"``: every linear layer SGLang supports).
         engine_kwargs: anything else for ``sglang.Engine`` (``ServerArgs`` fields).
@@ -265,7 +265,9 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
 
     def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
                           backend: str, device: torch.device | str, timeout_s: float) -> None:
-        """SGLang's schedulers join as ranks ``rank_offset + tp_rank`` (SGLang's own timeout applies)."""
+        """SGLang's schedulers join as ranks ``rank_offset + tp_rank`` (SGLang's own timeout applies).
+        A LoRA engine is refused (the strategy asks :meth:`check_split_transport` before any replica starts)."""
+        self.check_split_transport("broadcast", adapter=self._adapter is not None)
         self.close_weight_group()
         _checked(self.engine.init_weights_update_group(master_address=address, master_port=port,
                                                        rank_offset=rank_offset, world_size=world_size,
@@ -274,10 +276,7 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
         self._group_name = group_name
 
     def receive_weights(self, entries: Sequence[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
-        if self._adapter is not None:
-            raise NotImplementedError("SGLangEngine(enable_lora=True) loads the adapter colocated only; split placement "
-                                      "broadcasts into SGLang's weights. Use rollout_placement='colocated', or "
-                                      "enable_lora=False (the merged weights are broadcast).")
+        self.check_split_transport("broadcast", adapter=self._adapter is not None)
         if self._group_name is None:
             raise RuntimeError("SGLangEngine.receive_weights before init_weight_group")
         self._begin_update()
@@ -288,6 +287,17 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
         if last:
             self._end_update()
         return {"tensors": len(entries), "bytes": sum(entry_nbytes(e) for e in entries)}
+
+    def check_split_transport(self, transport: str, adapter: bool) -> None:
+        """SGLang's broadcast receive (``update_weights_from_distributed``) loads base weights only; an
+        adapter arrives through :meth:`update_weights`, which the other transports call."""
+        if transport == "broadcast" and adapter:
+            raise ValueError(
+                "SGLangEngine(enable_lora=True) loads the LoRA adapter through update_weights, and the broadcast "
+                "weight transport of split placement (weight_transport='broadcast', which 'auto' picks on GPUs) "
+                "receives into SGLang's base weights only. Use rollout_placement='colocated', "
+                "weight_transport='shared_memory' or 'object_store', or enable_lora=False (the merged weights are "
+                "broadcast).")
 
     def close_weight_group(self) -> None:
         if self._group_name is not None and self.engine is not None:

@@ -147,13 +147,15 @@ class WorkerGroupStrategy(Strategy):
             raise ValueError(f"A {type(engine).__name__} replica spans {k} processes; colocated, that must divide "
                              f"the {self.world_size} training ranks")
         view = engine_view(self.lora_config, engine)
+        dtype = getattr(engine, "dtype", None)
+        if self.rollout_placement == "split":  # resolved, and checked with the engine, before it starts
+            self.transport = self._split_transport(group, dtype)
+            engine.check_split_transport(self.transport.name, adapter=view == "adapter")
         group.execute_all("setup_engine", engine, self._config, tokenizer,
                           self.lora_config if view == "adapter" else None)
         self.set_weight_view(view)
         self.group.execute_all("forget_synced")
-        dtype = getattr(engine, "dtype", None)
         if self.rollout_placement == "split":
-            self.transport = self._split_transport(group, dtype)
             self.transport.connect()
         else:
             self.transport = ColocatedTransport(self.group, dtype)

@@ -384,3 +384,23 @@ def test_sglang_lora_failures_say_why():
 
     with pytest.raises(RuntimeError, match=r"flush_cache\(\) failed: \(no message\)"):
         _checked(SimpleNamespace(success=False), "flush_cache")
+
+
+def test_sglang_lora_refuses_the_broadcast_transport():
+    """Issue 30.13b: split placement's broadcast loads SGLang's base weights only, so a LoRA engine is
+    refused when the strategy resolves the transport, before any replica starts (it was refused at the
+    first sync, after the replicas had started and joined the group)."""
+    from rltrainer.rollout.sglang import SGLangEngine
+
+    engine = SGLangEngine(enable_lora=True)
+    with pytest.raises(ValueError, match=r"enable_lora=True\) .* broadcast .* Use rollout_placement='colocated', "
+                                         r"weight_transport='shared_memory' or 'object_store', or enable_lora=False"):
+        engine.check_split_transport("broadcast", adapter=True)
+    engine.check_split_transport("shared_memory", adapter=True)  # these call update_weights, which splits the adapter
+    engine.check_split_transport("object_store", adapter=True)
+    engine.check_split_transport("broadcast", adapter=False)  # a full policy: merged weights are broadcast
+    ENGINES.build("hf").check_split_transport("broadcast", adapter=True)  # the default accepts every transport
+    engine = lora_sglang(LoRASGLang())
+    with pytest.raises(ValueError, match="broadcast"):  # and the engine's own hooks refuse as a backstop
+        engine.receive_weights([("w", "float32", (2,))], last=True)
+    engine.teardown()
