@@ -122,6 +122,7 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         self._lora_request: Any = None  # the LoRARequest generation uses
         self.llm: Any = None
         self._asleep = 0
+        self._weights_awake = False  # asleep, but update_weights has woken the weights
         self._model_dir: tempfile.TemporaryDirectory | None = None
 
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
@@ -185,8 +186,9 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         return self._lora_request
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        if self._asleep:
+        if self._asleep and not self._weights_awake:  # once per sleep, not once per bucket
             self.llm.wake_up(tags=["weights"])  # load into mapped memory, never into freed pages
+            self._weights_awake = True
         count = nbytes = 0
 
         def counted() -> Iterable[tuple[str, torch.Tensor]]:
@@ -205,7 +207,7 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         check_sleep_level("VLLMEngine", level)
         if self.enable_sleep_mode and self.llm is not None and not self._asleep:
             self.llm.sleep(level=level)
-            self._asleep = level
+            self._asleep, self._weights_awake = level, False
             if level == 2:
                 self.weights_discarded = True  # vLLM kept only the buffers: the next sync sends every weight
 
