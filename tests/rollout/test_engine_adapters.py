@@ -253,6 +253,14 @@ def test_vllm_seeds_differ_per_prompt_and_reproduce(vllm_engine):
     assert [tuple(r) for r in one.response_ids.tolist()] == rows  # seed + i * n + j, as one request of 4
 
 
+def test_vllm_generate_refuses_a_temperature_vllm_would_raise(vllm_engine):
+    """Issue 30.11: vLLM raises 0 < T < 0.01 to 0.01 with a warning (vllm/sampling_params.py), so the
+    samples and log-probs would not be at the requested temperature: refused before vLLM sees it."""
+    with pytest.raises(ValueError, match=r"temperature=0.005; vLLM samples with 0 \(greedy\) or a temperature in"):
+        vllm_engine.generate([[1]], SamplingParams(temperature=0.005, max_new_tokens=3))
+    assert vllm_engine.generate([[1]], SamplingParams(temperature=0.01, max_new_tokens=3)).response_ids.shape == (1, 3)
+
+
 def test_sglang_and_vllm_seed_each_sample_alike():
     _, params = sglang_requests([[1], [2]], SamplingParams(n=2, seed=5), [EOS])
     assert [p["sampling_seed"] for p in params] == [5, 6, 7, 8]
