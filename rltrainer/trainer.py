@@ -30,7 +30,7 @@ from rltrainer.loop import batch_metrics, check_skipped_steps, training_step, va
 from rltrainer.module import RLModule, check_hooks
 from rltrainer.pipelines import Pipeline, build_pipeline, check_module_pipeline, check_pipeline
 from rltrainer.plan import RunPlan, build_plan, log_plan
-from rltrainer.rollout.engine import RolloutEngine, build_engine
+from rltrainer.rollout.engine import RolloutEngine, build_engine, check_engine_sampling
 from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, resolve_strategy
 
@@ -206,6 +206,8 @@ class Trainer:
         ``dirpath``; a fresh run with none warns and starts from scratch), resume from it."""
         check_hooks(module)
         check_module_pipeline(module, self.pipeline)  # before setup: nothing is built for a refused pairing
+        check_engine_sampling(self._engine_spec, module.sampling, getattr(module, "rollout_correction", None),
+                              type(module).__name__)
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self.estimated_total_steps = self._estimate_total_steps(train_loader)
         self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps)

@@ -110,6 +110,8 @@ class GRPO(RLModule):
             :data:`~rltrainer.algorithms.rollout_corr.ROLLOUT_CORRECTIONS` (verl's rollout
             correction): ``"token_tis"``, ``"seq_tis"``, ``"token_rs"``, ``"seq_rs"``, ``"geo_rs"``,
             ``"token_mis"``, ``"seq_mis"``, ``"geo_rs_token_tis"``, ``"icepop"``; ``None``: off.
+            ``fit`` refuses one with an engine whose log-probs are not the full softmax at the
+            temperature for this sampling (vLLM with ``top_p < 1`` or ``top_k > 0``).
         rollout_correction_kwargs: that entry's parameters (``threshold``, the IS weight cap;
             ``low``, ``high``, the kept range of the ratio ``pi_old / pi_rollout``), overriding its
             defaults. Checked here: an unknown name, parameter or bad value raises.

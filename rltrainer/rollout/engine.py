@@ -15,6 +15,7 @@ hooks, which that layer drives.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from rltrainer.registry import Registry
+
+log = logging.getLogger(__name__)
 
 ENGINES: Registry[RolloutEngine] = Registry("rollout engine")
 
@@ -74,7 +77,9 @@ class Generation:
 
     response_ids: torch.Tensor  # [R, T] int64, right-padded with pad_token_id
     response_mask: torch.Tensor  # [R, T] int64, 1 on generated tokens (a final EOS included)
-    log_probs: torch.Tensor  # [R, T] float32, log p(token) under softmax(raw_logits / temperature)
+    # [R, T] float32, log p(token) under softmax(raw_logits / temperature), over the whole vocabulary
+    # unless RolloutEngine.full_softmax_log_probs(sampling) says otherwise (vLLM with top-k / top-p)
+    log_probs: torch.Tensor
     text: list[str]  # [R] decoded responses, special tokens skipped
     finish_reason: list[str]  # [R] "stop" (hit a stop token) or "length" (hit max_new_tokens)
     metrics: dict[str, float] = field(default_factory=dict)
@@ -103,6 +108,18 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
         """Build the inference model from a transformers config (weights arrive by ``update_weights``)."""
+
+    # -- what a request means on this engine (checked before any model is built) ----------------
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Raise a ``ValueError`` if this engine cannot sample as ``sampling`` asks (vLLM: its
+        temperature range). Default: any valid :class:`SamplingParams`."""
+
+    def full_softmax_log_probs(self, sampling: SamplingParams) -> bool:
+        """Whether :attr:`Generation.log_probs` under ``sampling`` are ``log softmax(logits /
+        temperature)`` over the whole vocabulary: what the trainer's ``response_log_probs`` computes
+        and what a rollout correction compares them with. ``hf`` and SGLang: always (before top-k /
+        top-p); vLLM: not with top-k / top-p (renormalised over the kept tokens)."""
+        return True
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
@@ -169,6 +186,11 @@ class RolloutEngine(abc.ABC):
         """Prepare to serve a LoRA adapter of ``lora_config`` (a ``peft.LoraConfig``) on the base model."""
         raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters (loads_adapters=False)")
 
+    def check_split_transport(self, transport: str, adapter: bool) -> None:
+        """Split placement, before any replica starts: raise if this engine cannot receive syncs by
+        ``transport`` (the resolved ``weight_transport``); ``adapter``: they carry a LoRA adapter
+        (:attr:`loads_adapters`). Default: every transport."""
+
     # -- split placement, broadcast transport: an engine's own receiving path (optional) --------
     native_weight_broadcast: bool = False  # True: the hooks below receive; else rltrainer.weights does
 
@@ -208,6 +230,32 @@ class RolloutEngine(abc.ABC):
         """Free everything; the engine is not used again."""
 
 
+def check_engine_sampling(engine: RolloutEngine, sampling: SamplingParams, rollout_correction: str | None,
+                          module: str) -> None:
+    """Before any model is built (``Trainer.fit``): ``engine`` can sample as ``sampling`` asks, and a
+    ``rollout_correction`` (of the module named ``module``) compares like with like: its IS ratios
+    divide the trainer's full-vocabulary softmax by the engine's log-probs, so an engine whose
+    log-probs are renormalised by top-k / top-p is refused (the ratios would measure the filter,
+    not the policy lag). Without a correction that only skews the logged ``rollout_corr/*``
+    mismatch metrics: a warning."""
+    engine.check_sampling(sampling)
+    if engine.full_softmax_log_probs(sampling):
+        return
+    name = type(engine).__name__
+    settings = f"top_p={sampling.top_p}, top_k={sampling.top_k}"
+    if rollout_correction is not None:
+        raise ValueError(
+            f"{module}(rollout_correction={rollout_correction!r}) divides the trainer's log softmax(logits / "
+            f"temperature) over the whole vocabulary by the engine's log-probs, and {name}'s log-probs with "
+            f"{settings} are renormalised over the tokens top-k / top-p keep, so the IS ratios would measure the "
+            "filter, not the policy lag. Turn the filters off (top_p=1.0, top_k=0), or the correction off "
+            "(rollout_correction=None), or use an engine whose log-probs are the full softmax (rollout='hf' or "
+            "'sglang').")
+    log.warning("%s's log-probs with %s are renormalised over the tokens top-k / top-p keep, not the trainer's "
+                "full-vocabulary softmax: the rollout_corr/* mismatch metrics include that difference (top_p=1.0, "
+                "top_k=0 make them comparable; a rollout_correction would be refused).", name, settings)
+
+
 def check_sleep_level(engine: str, level: int) -> None:
     if level not in (1, 2):
         raise ValueError(f"{engine}.sleep(level={level!r}): level must be 1 (KV cache) or 2 (KV cache and weights)")
@@ -242,17 +290,9 @@ def gpu_engine_files(name: str, device: torch.device | str | None, model_config:
     if device is not None and torch.device(device).type not in devices:
         raise ValueError(f"rollout={name!r} runs on {' or '.join(devices)} devices here; this process's device is "
                          f"{device}. Use rollout='hf', which runs anywhere.")
+    config = with_architectures(name, model_config)  # checked before the folder exists
     folder = tempfile.TemporaryDirectory(prefix=f"rltrainer-{name}-")
-    if not getattr(model_config, "architectures", None):  # a config built in code: the engines read it
-        import copy
-
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_config.model_type)
-        if architecture:
-            model_config = copy.deepcopy(model_config)
-            model_config.architectures = [architecture]
-    model_config.save_pretrained(folder.name)
+    config.save_pretrained(folder.name)
     tokenizer.save_pretrained(folder.name)
     return folder
 
@@ -288,6 +328,29 @@ class ModelFiles:
                 (Path(folder) / name).write_bytes(data)
             # apart: beside a config.json, AutoTokenizer would pick the model family's tokenizer class
             return AutoConfig.from_pretrained(Path(folder) / "config"), AutoTokenizer.from_pretrained(Path(folder) / "tokenizer")
+
+
+def with_architectures(name: str, model_config: Any) -> Any:
+    """``model_config`` with ``architectures`` set, which vLLM and SGLang read to pick the model
+    class (SGLang indexes ``architectures[0]``). A config built in code has none (transformers
+    fills it in when a *model* is saved); it gets its causal LM class from transformers' mapping of
+    ``model_type`` (``"qwen2"`` -> ``Qwen2ForCausalLM``), on a copy: the caller's config is unchanged."""
+    if getattr(model_config, "architectures", None):
+        return model_config
+    import copy
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(model_config, "model_type", None)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type or "")
+    if cls is None:
+        raise ValueError(f"rollout={name!r} picks the model class from the policy config's architectures, which is "
+                         f"empty, and model_type={model_type!r} has no transformers causal LM class to fill it in. "
+                         "Set config.architectures = ['<Name>ForCausalLM'] (the class the engine serves) on the "
+                         "policy's config, or load the policy from a saved checkpoint (its config.json names it).")
+    config = copy.deepcopy(model_config)
+    config.architectures = [cls if isinstance(cls, str) else cls[0]]
+    return config
 
 
 def missing_engine(name: str, version: str) -> ImportError:

@@ -81,7 +81,11 @@ def sglang_requests(prompts: Sequence[Sequence[int]], sampling: SamplingParams,
 
 
 def generation_from_sglang(outputs: Sequence[dict[str, Any]], pad_token_id: int) -> Generation:
-    """SGLang's output dicts (``output_ids``, ``meta_info``) as a :class:`Generation`."""
+    """SGLang's output dicts (``output_ids``, ``meta_info``) as a :class:`Generation`.
+
+    A request with no output tokens (aborted) still carries one log-prob entry: SGLang sends
+    ``max(len(output_ids), 1)`` of them (``output_streamer.py``), so only the first ``len(output_ids)``
+    entries count (the row is then all padding)."""
     width = max((len(o["output_ids"]) for o in outputs), default=0) or 1
     n = len(outputs)
     ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -92,8 +96,8 @@ def generation_from_sglang(outputs: Sequence[dict[str, Any]], pad_token_id: int)
         tokens = list(out["output_ids"])
         ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         mask[row, :len(tokens)] = 1
-        entries = out["meta_info"].get("output_token_logprobs") or []
-        log_probs[row, :len(entries)] = torch.tensor([float(e[0]) for e in entries[:len(tokens)]])
+        entries = (out["meta_info"].get("output_token_logprobs") or [])[:len(tokens)]
+        log_probs[row, :len(entries)] = torch.tensor([float(e[0]) for e in entries], dtype=torch.float32)
         finish = out["meta_info"].get("finish_reason") or {}
         reasons.append("length" if (finish.get("type") if isinstance(finish, dict) else finish) == "length" else "stop")
     return Generation(ids, mask, log_probs, [o.get("text", "") for o in outputs], reasons,
@@ -114,8 +118,8 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
             ``max_lora_rank``, ``lora_target_modules``): the base weights are synced once, then each
             sync brings only the adapter, written to a local directory and loaded with
             ``Engine.load_lora_adapter`` before the next generation (the previous one unloaded);
-            requests name it in ``lora_path``. Colocated only (the broadcast of split placement
-            carries base weights). Off: a LoRA policy arrives merged, like any policy.
+            requests name it in ``lora_path``. Not with split placement's broadcast transport (it
+            carries base weights only; refused at setup). Off: a LoRA policy arrives merged, like any policy.
         max_lora_rank, lora_target_modules: SGLang's (the rank must be at least the policy's ``r``;
             ``"all"``: every linear layer SGLang supports).
         engine_kwargs: anything else for ``sglang.Engine`` (``ServerArgs`` fields).
@@ -261,7 +265,9 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
 
     def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
                           backend: str, device: torch.device | str, timeout_s: float) -> None:
-        """SGLang's schedulers join as ranks ``rank_offset + tp_rank`` (SGLang's own timeout applies)."""
+        """SGLang's schedulers join as ranks ``rank_offset + tp_rank`` (SGLang's own timeout applies).
+        A LoRA engine is refused (the strategy asks :meth:`check_split_transport` before any replica starts)."""
+        self.check_split_transport("broadcast", adapter=self._adapter is not None)
         self.close_weight_group()
         _checked(self.engine.init_weights_update_group(master_address=address, master_port=port,
                                                        rank_offset=rank_offset, world_size=world_size,
@@ -270,10 +276,7 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
         self._group_name = group_name
 
     def receive_weights(self, entries: Sequence[tuple[str, str, tuple[int, ...]]], last: bool) -> dict[str, float]:
-        if self._adapter is not None:
-            raise NotImplementedError("SGLangEngine(enable_lora=True) loads the adapter colocated only; split placement "
-                                      "broadcasts into SGLang's weights. Use rollout_placement='colocated', or "
-                                      "enable_lora=False (the merged weights are broadcast).")
+        self.check_split_transport("broadcast", adapter=self._adapter is not None)
         if self._group_name is None:
             raise RuntimeError("SGLangEngine.receive_weights before init_weight_group")
         self._begin_update()
@@ -284,6 +287,17 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
         if last:
             self._end_update()
         return {"tensors": len(entries), "bytes": sum(entry_nbytes(e) for e in entries)}
+
+    def check_split_transport(self, transport: str, adapter: bool) -> None:
+        """SGLang's broadcast receive (``update_weights_from_distributed``) loads base weights only; an
+        adapter arrives through :meth:`update_weights`, which the other transports call."""
+        if transport == "broadcast" and adapter:
+            raise ValueError(
+                "SGLangEngine(enable_lora=True) loads the LoRA adapter through update_weights, and the broadcast "
+                "weight transport of split placement (weight_transport='broadcast', which 'auto' picks on GPUs) "
+                "receives into SGLang's base weights only. Use rollout_placement='colocated', "
+                "weight_transport='shared_memory' or 'object_store', or enable_lora=False (the merged weights are "
+                "broadcast).")
 
     def close_weight_group(self) -> None:
         if self._group_name is not None and self.engine is not None:
@@ -353,9 +367,11 @@ def _counted(weights: Iterable[tuple[str, torch.Tensor]], stats: dict[str, float
 
 def _checked(result: Any, call: str) -> Any:
     """SGLang's control calls answer ``(success, message)`` (or an object with ``success``): raise on
-    a failure instead of letting it pass silently."""
+    a failure instead of letting it pass silently. The LoRA calls answer a ``LoRAUpdateOutput``,
+    whose text is in ``error_message`` (sglang/srt/managers/io_struct.py), the others' in ``message``."""
     if hasattr(result, "success"):
-        success, message = result.success, getattr(result, "message", "")
+        success = result.success
+        message = getattr(result, "message", None) or getattr(result, "error_message", None) or "(no message)"
     elif isinstance(result, tuple) and len(result) == 2:
         success, message = result
     else:

@@ -69,11 +69,28 @@ from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, Sampli
 log = logging.getLogger(__name__)
 
 
+#: vLLM's temperature range: it raises ``0 < T < 0.01`` to 0.01 with a warning (``_MAX_TEMP``) and
+#: refuses ``T > 2`` (``SamplingParams.__post_init__`` / ``_verify_args``, vllm/sampling_params.py).
+VLLM_MIN_TEMPERATURE, VLLM_MAX_TEMPERATURE = 0.01, 2.0
+
+
+def check_vllm_temperature(temperature: float) -> None:
+    """Refuse a temperature vLLM would change (sampling and reporting log-probs at 0.01 instead of
+    the trainer's temperature) or reject deep inside ``generate``."""
+    if 0 < temperature < VLLM_MIN_TEMPERATURE or temperature > VLLM_MAX_TEMPERATURE:
+        raise ValueError(
+            f"rollout='vllm' got temperature={temperature}; vLLM samples with 0 (greedy) or a temperature in "
+            f"[{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] (it raises smaller ones to {VLLM_MIN_TEMPERATURE}, so "
+            "its samples and log-probs would not be at the trainer's temperature, and refuses larger ones). Use "
+            f"temperature=0 or {VLLM_MIN_TEMPERATURE} <= temperature <= {VLLM_MAX_TEMPERATURE}, or rollout='hf'.")
+
+
 def vllm_sampling_params(sampling: SamplingParams, stop_token_ids: list[int], prompts: int) -> list[Any]:
     """Our :class:`SamplingParams` as vLLM's, one per prompt (same names; one log-prob per sampled
     token; no detokenizing: the texts are the trainer's tokenizer's). With a seed, prompt ``i`` gets
     ``seed + i * n`` (vLLM adds ``j`` for its sample ``j``).
     ``ignore_eos`` with ``stop_token_ids``: vLLM still stops at those, so the stops are exactly them."""
+    check_vllm_temperature(sampling.temperature)
     from vllm import SamplingParams as VLLMSamplingParams
 
     return [VLLMSamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -278,6 +295,14 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
     @property
     def ranks_per_replica(self) -> int:
         return self.tensor_parallel_size  # external_launcher: one process per tensor-parallel rank
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        check_vllm_temperature(sampling.temperature)
+
+    def full_softmax_log_probs(self, sampling: SamplingParams) -> bool:
+        """``processed_logprobs`` are taken after top-k / top-p, renormalised over the kept tokens
+        (vllm/v1/sample/ops/topk_topp_sampler.py); greedy ones are of the raw logits, as the trainer's."""
+        return sampling.temperature == 0 or (sampling.top_p >= 1.0 and sampling.top_k <= 0)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
         if sampling.temperature == 0 and sampling.n > 1:  # vLLM: "n must be 1 when using greedy sampling"

@@ -153,15 +153,17 @@ class WorkerGroupStrategy(Strategy):
         else:
             refuse_other_environment(engine, runtime_env, "colocated with the training ranks")
         view = engine_view(self.lora_config, engine)
+        dtype = getattr(engine, "dtype", None)
+        if self.rollout_placement == "split":  # resolved, and checked with the engine, before it starts
+            self.transport = self._split_transport(group, dtype)
+            engine.check_split_transport(self.transport.name, adapter=view == "adapter")
         files = runtime_env is not None and self.rollout_placement == "split"  # another transformers, maybe
         config, tok = (ModelFiles.of(self._config, tokenizer), None) if files else (self._config, tokenizer)
         group.execute_all("setup_engine", engine, config, tok, self.lora_config if view == "adapter" else None)
         self.set_weight_view(view)
         groups = group.execute_rank_zero("engine_weight_groups", self._weight_names)
         self.group.execute_all("set_weight_groups", groups)  # the sender keeps them whole (and forgets the synced)
-        dtype = getattr(engine, "dtype", None)
         if self.rollout_placement == "split":
-            self.transport = self._split_transport(group, dtype)
             self.transport.connect()
         else:
             self.transport = ColocatedTransport(self.group, dtype)

@@ -111,6 +111,14 @@ def test_vllm_surface(vllm):
     assert eos in vllm.text("vllm/sampling_params.py")
     assert "Level 2: Discard all GPU memory (weights + KV cache)." in vllm.text(llm)
     assert '"processed_logprobs"' in vllm.text("vllm/config/model.py")
+    # issue 30.11: processed log-probs come after top-k / top-p (renormalised over the kept tokens);
+    # temperatures in (0, 0.01) are raised to 0.01 and those above 2 refused
+    native = ast.unparse(vllm.method("vllm/v1/sample/ops/topk_topp_sampler.py", "TopKTopPSampler", "forward_native"))
+    assert native.index("apply_top_k_top_p(logits, k, p)") < native.index("logits.log_softmax(dim=-1")
+    params = vllm.text("vllm/sampling_params.py")
+    assert "_MAX_TEMP = 0.01" in params.replace("1e-2", "0.01") and "if 0 < self.temperature < _MAX_TEMP:" in params
+    assert "self.temperature = max(self.temperature, _MAX_TEMP)" in params
+    assert "if self.temperature > 2.0:" in params and "temperature must be in [0, 2]" in params
     assert '"external_launcher"' in vllm.text("vllm/config/parallel.py")
     assert '"dummy"' in vllm.text("vllm/model_executor/model_loader/__init__.py")
     # llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)
@@ -209,3 +217,35 @@ def test_sglang_behaviour_the_adapter_works_around(sglang):
     text = sglang.text("sglang/srt/managers/schedule_batch.py")
     assert '"type": "length"' in text and '"type": "stop"' in text
     assert "output_token_logprobs" in sglang.text("sglang/srt/managers/tokenizer_manager.py")
+
+
+def test_sglang_sends_a_log_prob_for_an_output_without_tokens(sglang):
+    """Issue 30.12 (test_engine_adapters.py fakes it): a request with no output tokens (aborted)
+    still gets one log-prob entry."""
+    streamer = sglang.text("sglang/srt/managers/scheduler_components/output_streamer.py")
+    assert "len(output_ids_) if req.is_retracted else max(len(output_ids_), 1)" in streamer
+
+
+def test_sglang_lora_calls_answer_error_message(sglang):
+    """Issue 30.13: the LoRA calls answer a LoRAUpdateOutput, whose text is in ``error_message``."""
+    engine = "sglang/srt/entrypoints/engine.py"
+    accepts(sglang.method(engine, "Engine", "load_lora_adapter"), "lora_name", "lora_path")
+    accepts(sglang.method(engine, "Engine", "unload_lora_adapter"), "lora_name")
+    io = "sglang/srt/managers/io_struct.py"
+    assert {"success", "error_message"} <= sglang.fields(io, "LoRAUpdateOutput")
+    assert "message" not in sglang.fields(io, "LoRAUpdateOutput")
+    assert "LoadLoRAAdapterReqOutput = UnloadLoRAAdapterReqOutput = (" in sglang.text(io)
+    control = sglang.text("sglang/srt/managers/tokenizer_control_mixin.py")
+    load_refusal = ("return LoadLoRAAdapterReqOutput(\n                success=False,\n"
+                    "                error_message=str(e),")
+    assert load_refusal in control
+    assert "return UnloadLoRAAdapterReqOutput(success=False, error_message=str(e))" in control
+
+
+def test_sglang_log_probs_are_the_full_softmax_at_the_temperature(sglang):
+    """Issue 30.11: SGLang's log-probs are taken before top-k / top-p, as the trainer's."""
+    forward = ast.unparse(sglang.method("sglang/srt/layers/sampler.py", "Sampler", "forward"))
+    divide, log = forward.index("logits.div_(sampling_info.temperatures)"), forward.index("else torch.log(probs)")
+    assert divide < forward.index("self._sample_from_probs(") < log  # probs: softmax(logits / T), unfiltered
+    sample = ast.unparse(sglang.method("sglang/srt/layers/sampler.py", "Sampler", "_sample_from_probs"))
+    assert "probs = top_k_renorm_prob(probs" in sample  # renormalised into a new tensor, not in place

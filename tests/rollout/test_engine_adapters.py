@@ -255,6 +255,162 @@ def test_vllm_seeds_differ_per_prompt_and_reproduce(vllm_engine):
     assert [tuple(r) for r in one.response_ids.tolist()] == rows  # seed + i * n + j, as one request of 4
 
 
+def test_vllm_generate_refuses_a_temperature_vllm_would_raise(vllm_engine):
+    """Issue 30.11: vLLM raises 0 < T < 0.01 to 0.01 with a warning (vllm/sampling_params.py), so the
+    samples and log-probs would not be at the requested temperature: refused before vLLM sees it."""
+    with pytest.raises(ValueError, match=r"temperature=0.005; vLLM samples with 0 \(greedy\) or a temperature in"):
+        vllm_engine.generate([[1]], SamplingParams(temperature=0.005, max_new_tokens=3))
+    assert vllm_engine.generate([[1]], SamplingParams(temperature=0.01, max_new_tokens=3)).response_ids.shape == (1, 3)
+
+
 def test_sglang_and_vllm_seed_each_sample_alike():
     _, params = sglang_requests([[1], [2]], SamplingParams(n=2, seed=5), [EOS])
     assert [p["sampling_seed"] for p in params] == [5, 6, 7, 8]
+
+
+# -- issue 30: defects found by reading the wheels ----------------------------------------------------
+def llama_config(vocab_size):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("family, expected", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+                                              ("llama", "LlamaForCausalLM")])
+def test_engine_files_name_the_architecture_of_a_config_built_policy(family, expected, bpe_tokenizer):
+    """Issue 30.8: a policy built from a config has ``architectures=None``; SGLang indexes
+    ``hf_config.architectures[0]`` (sglang/srt/configs/model_config.py) and vLLM resolves the
+    model class from the list, so the engine's config.json must name it."""
+    import json
+
+    from rltrainer.models import build_causal_lm
+    from rltrainer.rollout.engine import gpu_engine_files
+    from rltrainer.testing import tiny_qwen2_config, tiny_qwen3_config
+
+    make = {"qwen2": lambda v: tiny_qwen2_config(v, hidden_size=32, num_layers=1),
+            "qwen3": lambda v: tiny_qwen3_config(v, hidden_size=32, num_layers=1), "llama": llama_config}[family]
+    config = build_causal_lm(make(len(bpe_tokenizer)), seed=0).config  # what the strategy hands the engine
+    assert not config.architectures
+    folder = gpu_engine_files("sglang", "cuda:0", config, bpe_tokenizer)
+    try:
+        with open(f"{folder.name}/config.json") as f:
+            written = json.load(f)
+    finally:
+        folder.cleanup()
+    assert written["architectures"] == [expected] and written["model_type"] == family
+    assert not config.architectures  # the caller's config is left as it was
+
+
+def test_engine_files_keep_given_architectures_and_refuse_unknown_ones(bpe_tokenizer):
+    import json
+
+    from transformers import PretrainedConfig
+
+    from rltrainer.rollout.engine import gpu_engine_files
+    from rltrainer.testing import tiny_qwen2_config
+
+    config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=1, architectures=["MyQwen2"])
+    folder = gpu_engine_files("vllm", None, config, bpe_tokenizer)
+    with open(f"{folder.name}/config.json") as f:
+        assert json.load(f)["architectures"] == ["MyQwen2"]
+    folder.cleanup()
+    with pytest.raises(ValueError, match=r"rollout='sglang' .* model_type='' has no transformers causal LM class.*"
+                                         r"config.architectures = "):
+        gpu_engine_files("sglang", None, PretrainedConfig(), bpe_tokenizer)
+
+
+def test_sglang_output_with_no_tokens_is_an_empty_row():
+    """Issue 30.12: an aborted request has no output tokens but one log-prob entry (SGLang sends
+    ``max(len(output_ids), 1)``: scheduler_components/output_streamer.py); it was a shape mismatch."""
+    aborted = {"output_ids": [], "text": "", "meta_info": {"output_token_logprobs": [(-0.3, 7, None)],
+                                                           "finish_reason": {"type": "abort", "message": "aborted"}}}
+    done = {"output_ids": [4, 2], "text": "a",
+            "meta_info": {"output_token_logprobs": [(-0.5, 4, None), (-1.5, 2, None)],
+                          "finish_reason": {"type": "stop", "matched": 2}}}
+    gen = generation_from_sglang([done, aborted], pad_token_id=0)
+    assert gen.response_ids.tolist() == [[4, 2], [0, 0]] and gen.response_mask.tolist() == [[1, 1], [0, 0]]
+    torch.testing.assert_close(gen.log_probs, torch.tensor([[-0.5, -1.5], [0.0, 0.0]]))
+    only = generation_from_sglang([aborted], pad_token_id=0)  # every request aborted: one padding column
+    assert only.response_mask.tolist() == [[0]] and only.log_probs.tolist() == [[0.0]]
+
+
+class LoRASGLang(ScriptedSGLang):
+    """``sglang.Engine`` with LoRA: weight-update calls answer ``(success, message)``; the LoRA calls
+    answer a ``LoRAUpdateOutput`` (``success``, ``error_message``, ``loaded_adapters``: no
+    ``message``; sglang/srt/managers/io_struct.py), as ``TokenizerManager.load_lora_adapter`` does
+    when it refuses (tokenizer_control_mixin.py)."""
+
+    def __init__(self, load_error: str | None = None, unload_error: str | None = None):
+        super().__init__([5, EOS])
+        self.errors = {"load_lora_adapter": load_error, "unload_lora_adapter": unload_error}
+
+    def generate(self, input_ids, sampling_params, return_logprob, lora_path=None):
+        return super().generate(input_ids, sampling_params, return_logprob)
+
+    def _lora(self, call, name):
+        self.calls.append((call, name))
+        error = self.errors[call]
+        return SimpleNamespace(success=error is None, error_message=error, loaded_adapters=None)
+
+    def load_lora_adapter(self, lora_name, lora_path, pinned=False):
+        return self._lora("load_lora_adapter", lora_name)
+
+    def unload_lora_adapter(self, lora_name):
+        return self._lora("unload_lora_adapter", lora_name)
+
+    def __getattr__(self, call):  # begin/end_weight_update, update_weights_from_tensor, flush_cache
+        return lambda *args, **kwargs: (True, "Success")
+
+
+def lora_sglang(fake):
+    import peft
+
+    engine = sglang_engine(fake, enable_lora=True, max_lora_rank=8)
+    engine.enable_adapters(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    return engine
+
+
+ADAPTER = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 8))]
+
+
+def test_sglang_lora_failures_say_why():
+    """Issue 30.13a: the LoRA calls' text is in ``error_message``; the error used to end in an empty message."""
+    message = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+    refused = lora_sglang(LoRASGLang(load_error=message))
+    refused.update_weights(ADAPTER)
+    with pytest.raises(RuntimeError, match=r"load_lora_adapter\(\) failed: LoRA is not enabled\. Please set"):
+        refused.generate([[1]], SamplingParams(max_new_tokens=2))
+    refused.teardown()
+    in_use = lora_sglang(LoRASGLang(unload_error="LoRA adapter 'rltrainer-policy-v1' is in use"))
+    in_use.update_weights(ADAPTER)
+    in_use.generate([[1]], SamplingParams(max_new_tokens=2))  # loads v1
+    in_use.update_weights(ADAPTER)  # v2 replaces it: unloading v1 fails
+    with pytest.raises(RuntimeError, match=r"unload_lora_adapter\(\) failed: LoRA adapter 'rltrainer-policy-v1' "
+                                           r"is in use"):
+        in_use.generate([[1]], SamplingParams(max_new_tokens=2))
+    in_use.teardown()
+    from rltrainer.rollout.sglang import _checked
+
+    with pytest.raises(RuntimeError, match=r"flush_cache\(\) failed: \(no message\)"):
+        _checked(SimpleNamespace(success=False), "flush_cache")
+
+
+def test_sglang_lora_refuses_the_broadcast_transport():
+    """Issue 30.13b: split placement's broadcast loads SGLang's base weights only, so a LoRA engine is
+    refused when the strategy resolves the transport, before any replica starts (it was refused at the
+    first sync, after the replicas had started and joined the group)."""
+    from rltrainer.rollout.sglang import SGLangEngine
+
+    engine = SGLangEngine(enable_lora=True)
+    with pytest.raises(ValueError, match=r"enable_lora=True\) .* broadcast .* Use rollout_placement='colocated', "
+                                         r"weight_transport='shared_memory' or 'object_store', or enable_lora=False"):
+        engine.check_split_transport("broadcast", adapter=True)
+    engine.check_split_transport("shared_memory", adapter=True)  # these call update_weights, which splits the adapter
+    engine.check_split_transport("object_store", adapter=True)
+    engine.check_split_transport("broadcast", adapter=False)  # a full policy: merged weights are broadcast
+    ENGINES.build("hf").check_split_transport("broadcast", adapter=True)  # the default accepts every transport
+    engine = lora_sglang(LoRASGLang())
+    with pytest.raises(ValueError, match="broadcast"):  # and the engine's own hooks refuse as a backstop
+        engine.receive_weights([("w", "float32", (2,))], last=True)
+    engine.teardown()

@@ -233,3 +233,47 @@ def test_vllm_level_2_discards_the_weights():
     assert calls == [("sleep", 1), ("wake_up", None), ("sleep", 2), ("wake_up", None)]
     with pytest.raises(ValueError, match=r"VLLMEngine.sleep\(level=0\)"):
         engine.sleep(0)
+
+
+class LoadingLLM(RecordingLLM):
+    """``vllm.LLM`` as ``VLLMEngine`` loads weights: one weight-transfer session per update
+    (``start_weight_update``, ``update_weights`` per chunk, ``finish_weight_update``), then ``reset_prefix_cache``."""
+
+    def start_weight_update(self):
+        self.calls.append(("start",))
+
+    def update_weights(self, request):
+        self.calls.append(("load", [n for n, _ in request["update_info"]["weights"]]))
+
+    def finish_weight_update(self):
+        self.calls.append(("finish",))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def test_vllm_wakes_the_weights_once_per_sleep_not_once_per_bucket():
+    """Issue 30.13c: a sync calls ``update_weights`` once per bucket; each woke the weights again
+    (``LLM.wake_up(tags=["weights"])``: a ``gc.collect``, a CUDA cache flush and a device sync in
+    vllm/device_allocator/cumem.py and v1/worker/gpu_worker.py), since nothing recorded that they were awake."""
+    from rltrainer.rollout.vllm import VLLMEngine
+
+    calls: list = []
+    engine = VLLMEngine()
+    engine.llm = LoadingLLM(calls)
+    engine.sleep(2)
+    for i in range(3):  # three buckets of one sync
+        engine.update_weights([(f"w{i}", torch.zeros(2))])
+    engine.wake_up()  # generation wakes the rest: the KV cache
+    assert [c for c in calls if c[0] in ("sleep", "wake_up")] == [("sleep", 2), ("wake_up", ["weights"]),
+                                                                   ("wake_up", ["kv_cache"])]
+    assert [c[1] for c in calls if c[0] == "load"] == [["w0"], ["w1"], ["w2"]]
+    calls.clear()
+    engine.sleep(1)  # the next sleep: the next sync wakes the weights again, once
+    engine.update_weights([("w0", torch.zeros(2))])
+    engine.update_weights([("w1", torch.zeros(2))])
+    assert [c for c in calls if c[0] in ("sleep", "wake_up")] == [("sleep", 1), ("wake_up", ["weights"])]
+    calls.clear()
+    engine.wake_up()
+    engine.update_weights([("w0", torch.zeros(2))])  # awake: nothing to wake
+    assert calls == [("wake_up", ["kv_cache"]), ("start",), ("load", ["w0"]), ("finish",), ("reset_prefix_cache",)]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltrainer import Trainer, prompt_dataloader
+from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.controller import WorkerError
 from rltrainer.rollout.sglang import SGLangEngine
 from rltrainer.strategies import FSDP2Strategy
@@ -339,3 +339,30 @@ def test_sglang_split_protocol_against_a_recording_engine(tiny_config, bpe_token
         sent = {n: s for c in updates for n, s in zip(c["names"], c["shapes"])}
         assert sent == {n: list(t.shape) for n, t in expected.items()}
     assert stats["tensors"] == len(expected) and stats["skipped"] == 0
+
+
+@pytest.mark.usefixtures("warm_ranks")
+def test_sglang_lora_over_the_broadcast_is_refused_before_a_replica_starts(tiny_config, bpe_tokenizer, ray_session,
+                                                                           tmp_path):
+    """Issue 30.13b: SGLang's broadcast receive loads base weights only, so a LoRA policy's adapter
+    cannot travel by it. That used to be refused at the first sync, after every replica had started
+    SGLang and joined the group (with one training rank, this process waits in the group's rendezvous
+    for the refusing replica until the timeout); now ``connect_engine`` refuses as soon as the
+    transport is resolved, before any replica sets its engine up."""
+    import peft
+
+    class MarkingEngine(RecordingSGLangEngine):
+        def setup(self, model_config, tokenizer, device=None):
+            Path(self.log_dir, f"setup-{os.getpid()}").touch()
+            super().setup(model_config, tokenizer, device)
+
+    module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8,
+                  lora=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=1, weight_transport="broadcast")
+    try:
+        strategy.setup(module, seed=0)
+        with pytest.raises(ValueError, match=r"SGLangEngine\(enable_lora=True\) .*\(weight_transport='broadcast'"):
+            strategy.connect_engine(MarkingEngine(str(tmp_path), enable_lora=True), bpe_tokenizer)
+        assert not list(tmp_path.iterdir())  # no replica started its engine
+    finally:
+        strategy.teardown()
