@@ -12,6 +12,7 @@ name, dropping the previous one.
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -30,15 +31,17 @@ class AdapterFiles:
     """The adapter a LoRA sync delivers, written out for an engine that loads adapters from disk.
 
     Args:
-        lora_config: the policy's ``peft.LoraConfig`` (written as ``adapter_config.json``).
+        lora_config: the policy's ``peft.LoraConfig`` (written as ``adapter_config.json``), or that
+            file's contents as a dict (:func:`adapter_config_dict`: an engine process without peft).
         max_rank: the engine's largest LoRA rank (vLLM's / SGLang's ``max_lora_rank``).
     """
 
     def __init__(self, lora_config: Any, max_rank: int) -> None:
-        if lora_config.r > max_rank:
-            raise ValueError(f"The policy's LoRA rank r={lora_config.r} exceeds the engine's max_lora_rank={max_rank}; "
-                             f"construct the engine with max_lora_rank >= {lora_config.r}.")
-        self.config = copy.deepcopy(lora_config)
+        rank = lora_config["r"] if isinstance(lora_config, dict) else lora_config.r
+        if rank > max_rank:
+            raise ValueError(f"The policy's LoRA rank r={rank} exceeds the engine's max_lora_rank={max_rank}; "
+                             f"construct the engine with max_lora_rank >= {rank}.")
+        self.config = copy.deepcopy(lora_config)  # a peft.LoraConfig, or its adapter_config.json as a dict
         self.tensors: dict[str, torch.Tensor] = {}
         self.version = 0  # 1, 2, ...: the int id of the adapter last written (vLLM's lora_int_id)
         self.dirty = False
@@ -65,7 +68,10 @@ class AdapterFiles:
         path = self._root / self.name
         path.mkdir()
         save_file(self.tensors, str(path / "adapter_model.safetensors"))
-        self.config.save_pretrained(str(path))
+        if isinstance(self.config, dict):  # an engine process without peft (another environment)
+            (path / "adapter_config.json").write_text(json.dumps(self.config, indent=2))
+        else:
+            self.config.save_pretrained(str(path))
         self.dirty = False
         return self.name, self.version, str(path)
 
@@ -93,3 +99,12 @@ class LoadsAdaptersFromDisk:
         if not self.enable_lora:
             super().enable_adapters(lora_config)  # type: ignore[misc]  # the engine's refusal
         self._adapter = AdapterFiles(lora_config, self.max_lora_rank)
+
+
+def adapter_config_dict(lora_config: Any) -> dict[str, Any]:
+    """``lora_config`` (a ``peft.LoraConfig``) as the ``adapter_config.json`` peft writes (sets as
+    sorted lists, enums as their strings), for an engine whose process has no peft (another Python
+    environment)."""
+    config = lora_config.to_dict()
+    config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.items()}
+    return json.loads(json.dumps(config, default=str))  # plain types: peft's enums are str subclasses

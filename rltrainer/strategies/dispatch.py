@@ -23,6 +23,7 @@ from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGr
                                                get_together)
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lora import engine_view
+from rltrainer.rollout.adapters import adapter_config_dict
 from rltrainer.rollout.engine import ModelFiles
 from rltrainer.rollout.remote import RemoteEngine
 from rltrainer.strategies.rank_worker import TrainingWorker
@@ -159,7 +160,10 @@ class WorkerGroupStrategy(Strategy):
             engine.check_split_transport(self.transport.name, adapter=view == "adapter")
         files = runtime_env is not None and self.rollout_placement == "split"  # another transformers, maybe
         config, tok = (ModelFiles.of(self._config, tokenizer), None) if files else (self._config, tokenizer)
-        group.execute_all("setup_engine", engine, config, tok, self.lora_config if view == "adapter" else None)
+        lora = self.lora_config if view == "adapter" else None
+        if files and lora is not None:  # peft may be missing there: adapter_config.json as a dict
+            lora = adapter_config_dict(lora)
+        group.execute_all("setup_engine", engine, config, tok, lora)
         self.set_weight_view(view)
         groups = group.execute_rank_zero("engine_weight_groups", self._weight_names)
         self.group.execute_all("set_weight_groups", groups)  # the sender keeps them whole (and forgets the synced)

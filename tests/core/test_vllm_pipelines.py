@@ -90,3 +90,31 @@ def test_pipeline_runs_with_real_vllm(pipeline, devices, bpe_tokenizer, gsm8k_pr
         assert_engine_is(trainer.engine, final_policy(strategy, config), prompts)
     finally:
         trainer.teardown()
+
+
+def test_a_lora_policy_syncs_its_adapter_into_vllm(bpe_tokenizer, gsm8k_prompts, vllm_python, ray_session, tmp_path):
+    """``VLLMEngine(enable_lora=True)`` on the CPU build: the base once, then the adapter alone, loaded as
+    a new ``LoRARequest`` each sync (its ``adapter_config.json`` written without peft in vLLM's
+    environment); the engine then generates as the merged policy does."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"])
+    module = RecordingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6,
+                           lr=5e-2, lora=lora)
+    engine = VLLMEngine(dtype=torch.float32, python=vllm_python, enable_lora=True, max_lora_rank=8)
+    trainer = Trainer(strategy=FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4), rollout=engine,
+                      logger=False, enable_progress_bar=False, max_steps=2, seed=3)
+    try:
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=B))
+        adapter_tensors = 2 * 3 * config.num_hidden_layers
+        assert trainer.callback_metrics["sync/tensors"] == adapter_tensors  # after the base: the adapter alone
+        merged = AutoModelForCausalLM.from_pretrained(trainer.save_hf(tmp_path / "merged")).eval()
+        base = build_causal_lm(config, seed=0).eval()
+        prompts = [gsm8k_prompts[i]["prompt_ids"][-24:] for i in range(2)]
+        ids = torch.tensor([prompts[0]])
+        assert not torch.allclose(merged(ids).logits, base(ids).logits, atol=1e-3)  # the adapter moved
+        assert_engine_is(trainer.engine, merged, prompts)
+    finally:
+        trainer.teardown()

@@ -3,6 +3,8 @@ is the synced adapter in peft's format (peft loads it back to the same tensors).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -31,3 +33,25 @@ def test_synced_adapter_is_written_as_a_peft_directory(tiny_config):
     files.cleanup()
     with pytest.raises(ValueError, match="max_lora_rank"):
         AdapterFiles(config, max_rank=2)
+
+
+def test_an_adapter_config_as_a_dict_writes_the_same_file_peft_does(tmp_path):
+    """An engine in another Python environment may have no peft: it gets adapter_config.json as a dict."""
+    import json
+
+    import peft
+
+    from rltrainer.rollout.adapters import AdapterFiles, adapter_config_dict
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    as_dict = adapter_config_dict(config)
+    assert all(type(v) in (str, int, float, bool, list, dict, type(None)) for v in as_dict.values())
+    files = AdapterFiles(as_dict, max_rank=8)
+    files.tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 8)}
+    _, _, path = files.write()
+    config.save_pretrained(str(tmp_path))
+    assert json.loads((Path(path) / "adapter_config.json").read_text()) == json.loads(
+        (tmp_path / "adapter_config.json").read_text())
+    with pytest.raises(ValueError, match="r=4 exceeds the engine's max_lora_rank=2"):
+        AdapterFiles(as_dict, max_rank=2)
+    files.cleanup()
