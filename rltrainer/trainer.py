@@ -410,11 +410,17 @@ class Trainer:
             self.teardown()
         self.module = module
         module._trainer = self
-        self.strategy.setup(module, seed=self.seed)
-        self._is_setup = True
-        self.vocab_size = getattr(self.strategy.model_config(), "vocab_size", None)  # prompt ids are checked
-        self.engine = self.strategy.connect_engine(self._engine_spec, module.tokenizer)
-        self.sync_weights()
+        try:
+            self.strategy.setup(module, seed=self.seed)
+            self._is_setup = True
+            self.vocab_size = getattr(self.strategy.model_config(), "vocab_size", None)  # prompt ids are checked
+            self.engine = self.strategy.connect_engine(self._engine_spec, module.tokenizer)
+            self.sync_weights()
+        except BaseException:
+            self._is_setup = True  # release what setup started (worker processes), then report the error
+            with contextlib.suppress(Exception):
+                self.teardown()
+            raise
 
     def _push_weights(self, version: int) -> None:
         """End of a step: start pushing the new weights (``version``); wait for them in sync mode

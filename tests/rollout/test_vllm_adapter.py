@@ -154,3 +154,22 @@ def test_model_files_carry_config_and_tokenizer(tiny_config, bpe_tokenizer):
     config, tokenizer = files.load()
     assert config.model_type == "qwen2" and config.hidden_size == tiny_config.hidden_size
     assert tokenizer("What is 3 + 4?")["input_ids"] == bpe_tokenizer("What is 3 + 4?")["input_ids"]
+
+
+def test_a_refused_engine_leaves_no_worker_behind(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    """Colocated with an engine of another environment: refused at connect, and fit releases the
+    training ranks it had started (setup errors tear down too)."""
+    from rltrainer import GRPO, Trainer, prompt_dataloader
+    from rltrainer.rollout.hf import HFEngine
+    from rltrainer.strategies import FSDP2Strategy
+    from rltrainer.testing import length_reward
+
+    class Elsewhere(HFEngine):
+        runtime_env = {"py_executable": "/opt/vllm/bin/python"}
+
+    strategy = FSDP2Strategy(devices=1)
+    trainer = Trainer(strategy=strategy, rollout=Elsewhere(), logger=False, enable_progress_bar=False, max_steps=1)
+    module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="colocated with the training ranks"):
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    assert strategy.group is None and not trainer._is_setup
