@@ -154,12 +154,17 @@ class VLLMPlatform:
         the OpenMP threads unpinned (a Ray worker shares its cores with others)."""
         return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if self.on_cpu else {}
 
-    def llm_kwargs(self, engine: VLLMEngine) -> dict[str, Any]:
-        """The ``LLM`` arguments that depend on the platform: memory, sleep mode, eager mode."""
+    def llm_kwargs(self, engine: VLLMEngine, max_len: int = 0) -> dict[str, Any]:
+        """The ``LLM`` arguments that depend on the platform: memory, sleep mode, eager mode, and on
+        CPU no chunked prefill (``max_len``: the longest sequence). A chunked prefill makes vLLM
+        rewind a seeded request's generator (``Generator.set_offset``), which CPU generators refuse
+        ("CPU Generator does not use offset"), so the CPU build schedules whole prompts, as vLLM
+        itself does there for MLA models."""
         eager = engine.enforce_eager if engine.enforce_eager is not None else self.on_cpu  # compiling: ~36 s on CPU
         kwargs: dict[str, Any] = {"enforce_eager": eager, "enable_sleep_mode": engine.enable_sleep_mode and self.sleep_mode}
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes or 1 << 30
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 4096))
         else:
             kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
             if engine.kv_cache_memory_bytes:
@@ -274,7 +279,8 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
             "skip_tokenizer_init": True,  # token ids in and out; texts are decoded with the trainer's tokenizer
             "tensor_parallel_size": self.tensor_parallel_size, "logprobs_mode": "processed_logprobs",
             "max_model_len": self.max_model_len, "seed": torch.initial_seed() % 2**31,  # what the worker was seeded with
-            "weight_transfer_config": {"backend": vllm_backend.register()}, **platform.llm_kwargs(self),
+            "weight_transfer_config": {"backend": vllm_backend.register()},
+            **platform.llm_kwargs(self, self.max_model_len or getattr(model_config, "max_position_embeddings", 0)),
         }
         if self.enable_lora:
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)

@@ -56,7 +56,8 @@ def test_fused_modules_and_their_biases_are_groups():
 def test_the_platform_decides_memory_eager_mode_and_sleep():
     cpu, gpu = VLLMPlatform("cpu", sleep_mode=False), VLLMPlatform("cuda", sleep_mode=True)
     engine = VLLMEngine(gpu_memory_utilization=0.3)
-    assert cpu.llm_kwargs(engine) == {"enforce_eager": True, "enable_sleep_mode": False, "kv_cache_memory_bytes": 1 << 30}
+    assert cpu.llm_kwargs(engine, 8192) == {"enforce_eager": True, "enable_sleep_mode": False, "kv_cache_memory_bytes": 1 << 30,
+                                            "enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
     assert gpu.llm_kwargs(engine) == {"enforce_eager": False, "enable_sleep_mode": True, "gpu_memory_utilization": 0.3}
     assert cpu.environment() == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} and gpu.environment() == {}
     sized = VLLMEngine(kv_cache_memory_bytes=2 << 30, enforce_eager=False, enable_sleep_mode=False)

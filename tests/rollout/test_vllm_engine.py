@@ -89,6 +89,19 @@ def test_n_samples_seeds_and_max_tokens(replica, bpe_tokenizer):
     assert shorter.response_ids.shape == (3, 3)
 
 
+def test_many_seeded_prompts_in_one_request(replica, bpe_tokenizer):
+    """More prompt tokens than one scheduler step takes (4,096): with chunked prefill vLLM would
+    rewind a seeded request's generator, which a CPU generator refuses; the CPU build schedules whole
+    prompts instead (VLLMPlatform.llm_kwargs)."""
+    _, engine = replica
+    long = [bpe_tokenizer("Natalia sold clips to 48 of her friends in April. " * 8)["input_ids"]] * 48
+    assert sum(map(len, long)) > 4096
+    gen = engine.generate(long, SamplingParams(n=2, max_new_tokens=4, seed=11, stop_token_ids=[]))
+    assert gen.response_ids.shape == (96, 4)
+    assert torch.equal(engine.generate(long, SamplingParams(n=2, max_new_tokens=4, seed=11, stop_token_ids=[]))
+                       .response_ids, gen.response_ids)
+
+
 def test_greedy_n_is_one_sample_and_stop_tokens_stop(replica, bpe_tokenizer):
     _, engine = replica
     ps = prompts(bpe_tokenizer)[:1]
