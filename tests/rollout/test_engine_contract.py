@@ -1,6 +1,6 @@
 """The contract every rollout engine keeps, run against each registered engine: ``hf`` always;
 ``vllm`` and ``sglang`` where they are installed and a GPU is present (they skip, saying why,
-elsewhere). An engine that passes looks identical to the trainer."""
+elsewhere; the real vLLM engine runs on CPU in tests/rollout/test_vllm_engine.py). An engine that passes looks identical to the trainer."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ def engine_unavailable(name: str) -> str | None:
     if name == "hf":
         return None
     if importlib.util.find_spec(name) is None:
-        return f"{name} is not installed (a GPU-only optional extra: pip install -e '.[{name}]')"
+        more = " (the real vLLM on CPU runs in its own environment: test_vllm_engine.py)" if name == "vllm" else ""
+        return f"{name} is not installed in this environment (an optional extra: pip install -e '.[{name}]'){more}"
     if not torch.cuda.is_available():
-        return f"{name} needs a CUDA GPU; none here"
+        return f"this suite runs {name} on a CUDA GPU; none here"
     return None
 
 
