@@ -454,6 +454,10 @@ class FSDP2Strategy(WorkerGroupStrategy):
             carries it (any node; a copy through host memory per replica). ``"auto"`` (default):
             broadcast when everything is on GPUs, else shared memory on one node, else the object
             store.
+        weight_sync_timeout_s: ``"broadcast"``: how long the group's members wait for each other
+            to join, and for each bucket's broadcast (default 600 s). Raise it for slow links or
+            very large buckets; an engine that receives on its own (SGLang) starts receiving a sync
+            only once its running request has finished, so a request may need to fit in it too.
         bucket_bytes: weight-sync bucket size; the extra memory of a sync is about one bucket.
         cpus_per_worker / gpus_per_worker: Ray resources per process (GPUs: 1 if the cluster
             has GPUs, else 0, by default).

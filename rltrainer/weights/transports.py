@@ -237,7 +237,9 @@ class ObjectStoreTransport(_Split):
 class BroadcastTransport(_Split):
     """Trainer rank 0 and every replica's receiving processes form a group of their own
     (:class:`~rltrainer.weights.group.WeightGroup`, NCCL when all are on GPUs, else gloo); each
-    bucket is one broadcast straight into the receivers' buffers (or SGLang's schedulers)."""
+    bucket is one broadcast straight into the receivers' buffers (or SGLang's schedulers).
+    ``timeout_s`` (the strategy's ``weight_sync_timeout_s``) bounds the group's forming and each
+    broadcast, on every member."""
 
     name = "broadcast"
 
