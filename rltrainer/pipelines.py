@@ -2,10 +2,12 @@
 
 A pipeline hands the fit loop generated batches; the loop trains on each (step ``t`` makes policy
 version ``t + 1``) and submits the push of the new weights before it asks for the next batch.
-Every row carries ``policy_version [N]``, the version of the weights that generated it: the
-engine's ``weight_version`` when its request was submitted. Pushes and requests reach an engine in
-the order the controller submits them (one lock orders the two), so a push lands between
-requests, never inside one: every token of a row comes from the same version.
+Every row carries ``policy_version [N]``, the version of the weights that generated it, as the
+engine reports it. A request asks for the engine's ``weight_version`` when it is submitted (the
+last push started) and gets that version or a later one; a push lands between two requests of a
+replica, never inside one: every token of a row comes from the same version. Split replicas
+receive a push while they generate (:mod:`rltrainer.weights.staging`): pushes do not wait for
+requests, and a request waits only for a version that has not arrived yet.
 
 ==============  ==========================================================================
 mode            while the policy trains on batch ``t``, the engines...

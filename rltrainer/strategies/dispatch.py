@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.controller.worker import Worker
+from rltrainer.controller.worker import InOrderWorker, Worker
 from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
                                                get_together)
 from rltrainer.data.batch import RolloutBatch
@@ -141,7 +141,10 @@ class WorkerGroupStrategy(Strategy):
         if self.rollout_placement == "split":
             if self.rollout_group is not None:  # connected before: replace the old replicas
                 self._close_rollout_group()
-            group = self.rollout_group = self._ray_group(Worker, self.rollout_replicas * k, "rollout")
+            # one process per replica receives weights beside its requests; a replica spanning several
+            # (tensor parallel) receives in order with them, so all its ranks change weights at one point
+            worker = Worker if k == 1 else InOrderWorker
+            group = self.rollout_group = self._ray_group(worker, self.rollout_replicas * k, "rollout")
             group.execute_all("seed_rng", self._seed + 10_000)  # the replicas sample: same seed, same run
             if k > 1:  # the replicas' processes form a torch.distributed group (vLLM's external_launcher)
                 addr, port = group.execute_rank_zero("master_address")

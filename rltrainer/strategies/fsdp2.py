@@ -442,7 +442,10 @@ class FSDP2Strategy(WorkerGroupStrategy):
         rollout_placement: ``"colocated"`` (an engine replica in every training process: the
             hybrid engine) or ``"split"`` (``rollout_replicas`` engine processes of their own, in
             their own Ray placement group; weights go to them bucket by bucket, see
-            ``weight_transport``).
+            ``weight_transport``, received beside the request a replica is generating and applied
+            between two requests: each replica holds one extra copy of the weights that changed
+            since the last sync, on its device, while a sync arrives; see
+            :mod:`rltrainer.weights.staging`).
         rollout_replicas: engine processes for ``"split"``.
         weight_transport: how ``"split"`` moves weights to the replicas
             (:mod:`rltrainer.weights.transports`). ``"broadcast"``: trainer rank 0 and every
