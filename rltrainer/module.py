@@ -323,8 +323,11 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["attention_mask"] = attention_mask  # [N, P+T]
     out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
     out["rollout_log_probs"] = gen.log_probs.float() * response_mask  # [N, T]
-    version = gen.weight_version if gen.weight_version is not None else engine.weight_version
-    out["policy_version"] = torch.full((len(out),), version, dtype=torch.long)  # [N]
+    if gen.row_weight_versions is not None:  # its replicas held different versions
+        out["policy_version"] = gen.row_weight_versions.long()  # [N]
+    else:
+        version = gen.weight_version if gen.weight_version is not None else engine.weight_version
+        out["policy_version"] = torch.full((len(out),), version, dtype=torch.long)  # [N]
     out["response_text"] = gen.text
     out["finish_reason"] = gen.finish_reason
     out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})

@@ -2,10 +2,12 @@
 
 A pipeline hands the fit loop generated batches; the loop trains on each (step ``t`` makes policy
 version ``t + 1``) and submits the push of the new weights before it asks for the next batch.
-Every row carries ``policy_version [N]``, the version of the weights that generated it: the
-engine's ``weight_version`` when its request was submitted. Pushes and requests reach an engine in
-the order the controller submits them (one lock orders the two), so a push lands between
-requests, never inside one: every token of a row comes from the same version.
+Every row carries ``policy_version [N]``, the version of the weights that generated it, as the
+engine reports it. A request asks for the engine's ``weight_version`` when it is submitted (the
+last push started) and gets that version or a later one; a push lands between two requests of a
+replica, never inside one: every token of a row comes from the same version. Split replicas
+receive a push while they generate (:mod:`rltrainer.weights.staging`): pushes do not wait for
+requests, and a request waits only for a version that has not arrived yet.
 
 ==============  ==========================================================================
 mode            while the policy trains on batch ``t``, the engines...
@@ -25,7 +27,8 @@ more than ``max_staleness`` versions behind is dropped, counted, and its prompt 
 no prompt of an epoch is lost.
 
 Generation overlaps training only when the engines have processes of their own (split
-placement); :func:`check_pipeline` refuses the other modes otherwise.
+placement); :func:`check_pipeline` refuses the other modes otherwise. ``sync`` puts an engine to
+sleep after each rollout only where it shares the trainer's memory (:func:`engine_shares_memory`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ def check_pipeline(pipeline: str, max_staleness: int, staleness_policy: str, str
             f"{getattr(strategy, 'rollout_placement', 'in the training process')}. Use e.g. "
             "Trainer(strategy=FSDP2Strategy(rollout_placement='split'), ...), or pipeline='sync'."
         )
+
+
+def engine_shares_memory(strategy: Any) -> bool:
+    """Whether the strategy's engines share memory with training (colocated, or in the trainer's
+    process), so that they sleep while it trains; split engines have devices of their own."""
+    return getattr(strategy, "rollout_placement", "colocated") != "split"
 
 
 @dataclass
@@ -133,6 +142,7 @@ class Pipeline:
         self._drew = False  # whether the rollout_step running now drew prompts of its own
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: list[Future] = []
+        self._sleeps = engine_shares_memory(trainer.strategy)  # inline rollouts: wake, generate, sleep
         self._window = time.perf_counter()
         self._waited = self._engine_busy = 0.0
 
@@ -174,12 +184,14 @@ class Pipeline:
         if inline:  # the trainer waits for it all along: idle time
             future: Future = Future()
             start = time.perf_counter()
-            engine.wake_up()
+            if self._sleeps:
+                engine.wake_up()
             try:
                 future.set_result(self._run(prompts, engine))
             except Exception as exc:  # raised by _wait, as a thread's would be
                 future.set_exception(exc)
-            engine.sleep()
+            if self._sleeps:  # free its memory for training
+                engine.sleep()
             self._waited += time.perf_counter() - start
             return future
         if self._executor is None:

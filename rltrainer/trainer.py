@@ -436,11 +436,11 @@ class Trainer:
             self.step_metrics.update(self._await_weights())
 
     def _start_push(self, version: int) -> Any:
-        """Start a push; no request is submitted to the engine meanwhile (its ``submit_lock``), so
-        every request sees one version, and requests submitted later see this one."""
-        with getattr(self.engine, "submit_lock", contextlib.nullcontext()):
-            handle = self.strategy.start_weight_sync(self.engine, version)
-            self.engine.weight_version = version
+        """Start a push; requests keep going meanwhile (a replica changes weights between two of
+        them, see :mod:`rltrainer.weights.staging`). Requests sent once it returns ask for this
+        version: replicas where it has not arrived yet wait for it."""
+        handle = self.strategy.start_weight_sync(self.engine, version)
+        self.engine.weight_version = version
         return handle
 
     def _await_weights(self) -> dict[str, float]:

@@ -2,6 +2,15 @@
 controller calls its methods by name. This base class holds the rollout role (an engine replica)
 and the process setup; a Strategy's worker (e.g. ``FSDP2Worker``) adds the training role, so one
 process can hold both (the colocated "hybrid engine").
+
+A rollout process of its own (split placement) runs two threads, as Ray concurrency groups
+(:attr:`Worker.concurrency_groups`, :attr:`Worker.method_groups`): ``receive_weights`` in the
+``"weights"`` thread, every other call in the default one, each thread running its calls one at a
+time in the order the controller sent them. A sync's buckets are staged while a request generates
+and applied between two requests (:mod:`rltrainer.weights.staging`); a request waits for the
+version it asks for. A training rank (:class:`~rltrainer.strategies.rank_worker.TrainingWorker`)
+and a replica spanning several processes (:class:`InOrderWorker`) run every call in one thread, in
+order.
 """
 
 from __future__ import annotations
@@ -10,12 +19,15 @@ import datetime
 import os
 import socket
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from rltrainer.rollout.engine import Generation, ModelFiles, RolloutEngine, SamplingParams
 from rltrainer.weights.receiver import WeightReceiver
+from rltrainer.weights.staging import EngineGate
+
+WEIGHTS_GROUP = "weights"  # the Ray concurrency group (thread) that receives weights
 
 
 def _free_port() -> int:
@@ -31,6 +43,11 @@ class Worker:
         device: ``"auto"`` (this process's GPU if it has one, else CPU), or an explicit device.
     """
 
+    #: Ray concurrency groups (name: threads) its actor is created with, besides the default one.
+    concurrency_groups: ClassVar[dict[str, int]] = {WEIGHTS_GROUP: 1}
+    #: the concurrency group each method runs in (methods not named: the default group).
+    method_groups: ClassVar[dict[str, str]] = {"receive_weights": WEIGHTS_GROUP}
+
     def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto") -> None:
         self.rank, self.world_size = rank, world_size
         if threads:
@@ -41,7 +58,8 @@ class Worker:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.engine: RolloutEngine | None = None
-        self.receiver = WeightReceiver(self.device)
+        self.gate = EngineGate()  # one engine call at a time; syncs applied between requests
+        self.receiver = WeightReceiver(self.device, self.gate)
         self._own_process_group = False
 
     def pid(self) -> int:
@@ -120,18 +138,26 @@ class Worker:
             raise RuntimeError(f"Worker rank {self.rank} holds no rollout engine (setup_engine was not called)")
         return self.engine
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Generation:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, min_version: int = -1) -> Generation:
+        """Generate with weight version ``min_version`` or later (the version the controller had
+        started pushing when it sent the request: waited for if it has not arrived yet, where
+        weights arrive in a thread of their own); the result says which version it used."""
         engine = self._require_engine()
-        generation = engine.generate(prompts, sampling)
-        if engine.weight_version >= 0:  # the version of the weights it generated with
-            generation.weight_version = engine.weight_version
+        wait_for = min_version if WEIGHTS_GROUP in self.concurrency_groups else -1  # in order: pushes sent before ran
+        with self.gate.use(engine, wait_for):
+            version = engine.weight_version
+            generation = engine.generate(prompts, sampling)
+        if version >= 0:  # the version of the weights it generated with
+            generation.weight_version = version
         return generation
 
     def engine_sleep(self, level: int = 1) -> None:
-        self._require_engine().sleep(level)
+        with self.gate.use(self._require_engine()) as engine:
+            engine.sleep(level)
 
     def engine_wake_up(self) -> None:
-        self._require_engine().wake_up()
+        with self.gate.use(self._require_engine()) as engine:
+            engine.wake_up()
 
     def engine_teardown(self) -> None:
         self.receiver.close(self.engine)
@@ -156,7 +182,18 @@ class Worker:
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's parameters (for checks and debugging)."""
-        model = getattr(self._require_engine(), "model", None)
-        if model is None:
-            raise RuntimeError(f"{type(self.engine).__name__} exposes no .model to read weights from")
-        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        with self.gate.use(self._require_engine()) as engine:
+            model = getattr(engine, "model", None)
+            if model is None:
+                raise RuntimeError(f"{type(engine).__name__} exposes no .model to read weights from")
+            return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+class InOrderWorker(Worker):
+    """A rollout process of a replica that spans several (vLLM's tensor-parallel ranks under
+    ``external_launcher``): it receives weights in order with its requests, one call at a time, so
+    every rank of the replica changes weights between the same two requests. Its pushes wait for
+    the requests sent before them."""
+
+    concurrency_groups: ClassVar[dict[str, int]] = {}
+    method_groups: ClassVar[dict[str, str]] = {}

@@ -246,7 +246,10 @@ def _summary(resources: dict[str, float]) -> str:
 
 
 class RayWorkerGroup(WorkerGroup):
-    """``world_size`` Ray actors of ``worker_cls``, one per bundle of a placement group.
+    """``world_size`` Ray actors of ``worker_cls``, one per bundle of a placement group. An actor
+    runs its calls one at a time, in the order they were sent; a worker class that names
+    ``concurrency_groups`` (name: threads) gets those threads too, and its methods named in
+    ``method_groups`` run there, beside the others (still in order within their group).
 
     Args:
         worker_cls: the class to run (constructed with ``rank``, ``world_size`` and ``init_kwargs``).
@@ -268,6 +271,7 @@ class RayWorkerGroup(WorkerGroup):
         from ray.util.placement_group import placement_group, remove_placement_group
 
         self.name, self.world_size, self.watchdog = name, world_size, watchdog
+        self.method_groups: dict[str, str] = dict(getattr(worker_cls, "method_groups", {}))
         self.actors: list[Any] = []
         self._broken: str | None = None
         self._failure: WorkerError | None = None  # the failure that shut the group down
@@ -301,7 +305,8 @@ class RayWorkerGroup(WorkerGroup):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        remote_cls = ray.remote(worker_cls)
+        groups = getattr(worker_cls, "concurrency_groups", None)
+        remote_cls = ray.remote(concurrency_groups=groups)(worker_cls) if groups else ray.remote(worker_cls)
         actors = []
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
@@ -319,7 +324,10 @@ class RayWorkerGroup(WorkerGroup):
                               f"this failure, so {method}() could not run.)")
         if self._broken:
             raise RuntimeError(f"Worker group {self.name!r} was shut down after an earlier failure: {self._broken}")
-        return [getattr(self.actors[r], method).remote(*a, **kw) for r, (a, kw) in zip(ranks, per_rank)]
+        handles = [getattr(self.actors[r], method) for r in ranks]
+        if method in self.method_groups:  # a thread of its own in the actor (Ray concurrency group)
+            handles = [h.options(concurrency_group=self.method_groups[method]) for h in handles]
+        return [h.remote(*a, **kw) for h, (a, kw) in zip(handles, per_rank)]
 
     def ref(self, futures: Sequence[Any], method: str) -> Any:
         return futures[0]

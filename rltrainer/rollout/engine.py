@@ -84,6 +84,9 @@ class Generation:
     finish_reason: list[str]  # [R] "stop" (hit a stop token) or "length" (hit max_new_tokens)
     metrics: dict[str, float] = field(default_factory=dict)
     weight_version: int | None = None  # the policy version of the weights that generated it, if known
+    # [R] int64, each row's version, where rows came from replicas holding different versions (then
+    # weight_version is the oldest of them); None: every row's is weight_version
+    row_weight_versions: torch.Tensor | None = None
 
 
 class RolloutEngine(abc.ABC):
@@ -164,6 +167,15 @@ class RolloutEngine(abc.ABC):
         """The Ray ``runtime_env`` of a process of its own (split placement), e.g. another Python
         environment's interpreter (``py_executable``); ``None``: the trainer's environment."""
         return None
+
+    def start_weight_update(self) -> None:
+        """Called before the first bucket of a sync is loaded (:meth:`update_weights` follows, once
+        per bucket, then :meth:`finish_weight_update`); an engine that needs one update session per
+        sync opens it here. Default: nothing."""
+
+    def finish_weight_update(self) -> None:
+        """Called after the last bucket of a sync has loaded (see :meth:`start_weight_update`).
+        Default: nothing."""
 
     # -- one process: an engine that shares the policy's storage (optional) -----------------------
     #: True: :meth:`bind_weights` may be called instead of :meth:`update_weights` with tensors that

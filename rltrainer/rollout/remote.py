@@ -4,8 +4,13 @@
 local one: ``generate`` splits the prompts across the replicas (all samples of a prompt stay on
 one replica) and concatenates their results in prompt order. ``generate`` may be called from
 several controller threads at once (the async pipelines do); ``replica(i)`` is a view that sends
-to one replica only. Requests and weight pushes are submitted under one ``submit_lock`` (the
-trainer holds it while it submits a push), so each request runs with one ``weight_version``.
+to one replica only.
+
+A request asks its replicas for the controller's ``weight_version`` when it is sent (the version
+of the last push started): a replica generates with that version or a later one, waiting for it
+if its push has not arrived yet, and never changes weights inside a request. Pushes are not held
+up by requests, nor requests by pushes (:mod:`rltrainer.weights.staging`). The replicas report
+the version they used, and the result carries it (per row where replicas differ).
 """
 
 from __future__ import annotations
@@ -47,10 +52,6 @@ class RemoteEngine(RolloutEngine):
         self.trainer_log_probs = trainer_log_probs
         self.replica_ids = list(range(group.world_size // ranks_per_replica))
         self._state = _Shared()
-
-    @property
-    def submit_lock(self) -> threading.Lock:
-        return self._state.lock
 
     @property  # type: ignore[override]
     def weight_version(self) -> int:
@@ -108,8 +109,10 @@ class RemoteEngine(RolloutEngine):
             call = (([list(prompts[i]) for i in idx], dataclasses.replace(sampling, seed=seed)), {})
             ranks.extend(range(replica * k, (replica + 1) * k))  # every rank of the replica, same call
             calls.extend([call] * k)
-        with self.submit_lock:  # no push is half-submitted: the request sees one version
-            futures, version = self.group._call_async(ranks, "generate", calls), self.weight_version
+        with self._state.lock:  # one order on every rank of a replica; versions in the order sent
+            version = self.weight_version
+            calls = [(args, {"min_version": version}) for args, _ in calls]
+            futures = self.group._call_async(ranks, "generate", calls)
         result: Future = Future()
         threading.Thread(target=self._collect, args=(futures, ranks, version, result), daemon=True,
                          name="rltrainer-generate").start()
@@ -118,12 +121,16 @@ class RemoteEngine(RolloutEngine):
     def _collect(self, futures: list[Any], ranks: list[int], version: int, result: Future) -> None:
         try:
             outputs = self.group.get(futures, "generate")
-            reported = {o.weight_version for o in outputs if o.weight_version is not None}
-            if reported and reported != {version}:  # the replicas say which weights they used
-                raise RuntimeError(f"Replicas {ranks} generated with weight versions {sorted(reported)}, but the "
-                                   f"controller had pushed version {version} before the request (pushes out of order)")
-            generation = concat_generations(outputs[:: self.ranks_per_replica_], self.tokenizer)  # first ranks
-            generation.weight_version = version
+            parts = outputs[:: self.ranks_per_replica_]  # each replica's first rank
+            generation = concat_generations(parts, self.tokenizer)
+            used = [p.weight_version if p.weight_version is not None else version for p in parts]
+            if any(v < version for v in used):
+                raise RuntimeError(f"Replicas {ranks} generated with weight versions {used} for a request that asked "
+                                   f"for version {version} or later (the replicas lost a push)")
+            generation.weight_version = min(used)  # the replicas say which weights they used
+            if len(set(used)) > 1:  # a push landed on one replica before the request started there
+                generation.row_weight_versions = torch.tensor(
+                    [v for v, p in zip(used, parts) for _ in range(p.response_ids.shape[0])], dtype=torch.long)
             result.set_result(generation)
         except BaseException as exc:  # the caller's result() raises it
             result.set_exception(exc)
@@ -132,14 +139,12 @@ class RemoteEngine(RolloutEngine):
         """Send ``(hf_name, tensor)`` pairs from this process to every replica, bucket by bucket (the
         replicas' ``weight_version`` stays: these are not a sync of the policy)."""
         count = nbytes = 0
-        buckets = bucketed(weights, DEFAULT_BUCKET_BYTES)
-        bucket = next(buckets, None)
-        while bucket is not None:
-            following = next(buckets, None)  # the last bucket ends the replicas' update session
-            stats = self.group.execute_all("receive_weights", "load", Bucket.pack(bucket), None, following is None)[0]
+        buckets = list(bucketed(weights, DEFAULT_BUCKET_BYTES))  # references: each is copied when packed
+        for index, bucket in enumerate(buckets):  # one update session on the replicas, over all buckets
+            stats = self.group.execute_all("receive_weights", "load", Bucket.pack(bucket), None, index,
+                                           len(buckets))[0]
             count += stats["tensors"]
             nbytes += stats["bytes"]
-            bucket = following
         return {"tensors": count, "bytes": nbytes}
 
     def engine_weight_versions(self) -> list[int]:
@@ -163,8 +168,8 @@ class RemoteEngine(RolloutEngine):
 
 
 class _Shared:
-    """What the views of one RemoteEngine share: the submit lock, the weight version, and whether
-    a sleep discarded the replicas' weights."""
+    """What the views of one RemoteEngine share: the lock requests are sent under, the weight
+    version, and whether a sleep discarded the replicas' weights."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

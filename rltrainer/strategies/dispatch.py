@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.controller.worker import Worker
+from rltrainer.controller.worker import InOrderWorker, Worker
 from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
                                                get_together)
 from rltrainer.data.batch import RolloutBatch
@@ -28,6 +28,7 @@ from rltrainer.rollout.engine import ModelFiles
 from rltrainer.rollout.remote import RemoteEngine
 from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import Strategy, combine_metrics, form_micro_batches, refuse_other_environment
+from rltrainer.weights.group import DEFAULT_TIMEOUT_S
 from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
                                           InProcessTransport, ObjectStoreTransport, SharedMemoryTransport,
                                           WeightTransport, resolve_transport)
@@ -51,7 +52,7 @@ class WorkerGroupStrategy(Strategy):
                  rollout_replicas: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, cpus_per_worker: float = 1.0,
                  gpus_per_worker: float | None = None, threads_per_worker: int | None = None,
                  ray_init_kwargs: dict[str, Any] | None = None, weight_transport: str = "auto",
-                 **kwargs: Any) -> None:
+                 weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if devices == "auto":
             devices = max(torch.cuda.device_count(), 1)
@@ -65,6 +66,7 @@ class WorkerGroupStrategy(Strategy):
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport={weight_transport!r}; choose from {', '.join(WEIGHT_TRANSPORTS)} "
                              "(how split placement moves weights to the rollout replicas)")
+        check_weight_sync_timeout(weight_sync_timeout_s)
         self.world_size_ = devices * num_nodes
         self.options: dict[str, Any] = {"precision": self.precision, "gradient_clip_val": self.gradient_clip_val}
         self.rollout_placement, self.rollout_replicas = rollout_placement, rollout_replicas
@@ -76,6 +78,7 @@ class WorkerGroupStrategy(Strategy):
         self.rollout_group: WorkerGroup | None = None
         self.remote_engine: RemoteEngine | None = None
         self.weight_transport = weight_transport
+        self.weight_sync_timeout_s = float(weight_sync_timeout_s)
         self.transport: WeightTransport | None = None  # to remote_engine
         self._started_ray = False
         self._config: Any = None
@@ -142,7 +145,10 @@ class WorkerGroupStrategy(Strategy):
         if self.rollout_placement == "split":
             if self.rollout_group is not None:  # connected before: replace the old replicas
                 self._close_rollout_group()
-            group = self.rollout_group = self._ray_group(Worker, self.rollout_replicas * k, "rollout",
+            # one process per replica receives weights beside its requests; a replica spanning several
+            # (tensor parallel) receives in order with them, so all its ranks change weights at one point
+            worker = Worker if k == 1 else InOrderWorker
+            group = self.rollout_group = self._ray_group(worker, self.rollout_replicas * k, "rollout",
                                                          runtime_env=runtime_env)
             group.execute_all("seed_rng", self._seed + 10_000)  # the replicas sample: same seed, same run
             if k > 1:  # the replicas' processes form a torch.distributed group (vLLM's external_launcher)
@@ -183,7 +189,7 @@ class WorkerGroupStrategy(Strategy):
         same_node = set(rollout.execute_all("node_ip")) == {trainer.execute_rank_zero("node_ip")}
         name = resolve_transport(self.weight_transport, devices, same_node)
         if name == "broadcast":
-            return BroadcastTransport(trainer, rollout, dtype, get_together)
+            return BroadcastTransport(trainer, rollout, dtype, get_together, timeout_s=self.weight_sync_timeout_s)
         if name == "shared_memory":
             return SharedMemoryTransport(trainer, rollout, dtype, get_together)
         return ObjectStoreTransport(trainer, rollout, dtype, get_together)
@@ -337,6 +343,15 @@ class WorkerGroupStrategy(Strategy):
 
             ray.shutdown()
             self._started_ray = False
+
+
+def check_weight_sync_timeout(seconds: Any) -> None:
+    """Raise unless ``seconds`` is a finite number of seconds > 0 (``weight_sync_timeout_s``)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+        raise ValueError(f"weight_sync_timeout_s must be a finite number of seconds > 0 (how long the weight "
+                         f"broadcast group waits for its members to join and for each bucket's broadcast), got "
+                         f"{seconds!r}. Raise it for slow links or large buckets, or, with SGLang (which starts "
+                         f"receiving a sync once its running request is done), for requests that run longer.")
 
 
 def ship_user_code(module: Any) -> None:

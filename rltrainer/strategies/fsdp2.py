@@ -442,7 +442,10 @@ class FSDP2Strategy(WorkerGroupStrategy):
         rollout_placement: ``"colocated"`` (an engine replica in every training process: the
             hybrid engine) or ``"split"`` (``rollout_replicas`` engine processes of their own, in
             their own Ray placement group; weights go to them bucket by bucket, see
-            ``weight_transport``).
+            ``weight_transport``, received beside the request a replica is generating and applied
+            between two requests: each replica holds one extra copy of the weights that changed
+            since the last sync, on its device, while a sync arrives; see
+            :mod:`rltrainer.weights.staging`).
         rollout_replicas: engine processes for ``"split"``.
         weight_transport: how ``"split"`` moves weights to the replicas
             (:mod:`rltrainer.weights.transports`). ``"broadcast"``: trainer rank 0 and every
@@ -454,6 +457,10 @@ class FSDP2Strategy(WorkerGroupStrategy):
             carries it (any node; a copy through host memory per replica). ``"auto"`` (default):
             broadcast when everything is on GPUs, else shared memory on one node, else the object
             store.
+        weight_sync_timeout_s: ``"broadcast"``: how long the group's members wait for each other
+            to join, and for each bucket's broadcast (default 600 s). Raise it for slow links or
+            very large buckets; an engine that receives on its own (SGLang) starts receiving a sync
+            only once its running request has finished, so a request may need to fit in it too.
         bucket_bytes: weight-sync bucket size; the extra memory of a sync is about one bucket.
         cpus_per_worker / gpus_per_worker: Ray resources per process (GPUs: 1 if the cluster
             has GPUs, else 0, by default).

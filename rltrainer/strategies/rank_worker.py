@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -30,7 +30,11 @@ if TYPE_CHECKING:
 
 
 class TrainingWorker(Worker):
-    """A training rank (and, colocated, a rollout engine replica)."""
+    """A training rank (and, colocated, a rollout engine replica). It runs every call in one thread,
+    in the order the controller sent them: the ranks' collectives must match."""
+
+    concurrency_groups: ClassVar[dict[str, int]] = {}
+    method_groups: ClassVar[dict[str, str]] = {}
 
     def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:

@@ -26,7 +26,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from rltrainer.controller.worker import Worker
 from rltrainer.controller.worker_group import RayWorkerGroup
+
+#: The Ray concurrency groups every host is created with: those of a split rollout worker.
+HOST_GROUPS: dict[str, int] = dict(Worker.concurrency_groups)
 
 #: Seconds a shutting-down group waits for its calls still running before it kills their hosts.
 SHUTDOWN_GRACE_S = 2.0
@@ -70,13 +74,20 @@ class RankHost:
 
 
 class _Method:
-    """``handle.method`` of a hosted worker: ``.remote(...)`` calls it through the host."""
+    """``handle.method`` of a hosted worker: ``.remote(...)`` calls it through the host
+    (``.options(concurrency_group=...)``: in that thread of the host)."""
 
-    def __init__(self, host: Any, method: str) -> None:
-        self.host, self.method = host, method
+    def __init__(self, host: Any, method: str, concurrency_group: str | None = None) -> None:
+        self.host, self.method, self.concurrency_group = host, method, concurrency_group
+
+    def options(self, concurrency_group: str) -> _Method:
+        return _Method(self.host, self.method, concurrency_group)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self.host.call.remote(self.method, *args, **kwargs)
+        call = self.host.call
+        if self.concurrency_group is not None:
+            call = call.options(concurrency_group=self.concurrency_group)
+        return call.remote(self.method, *args, **kwargs)
 
 
 class HostedActor:
@@ -92,7 +103,9 @@ class HostedActor:
 
 
 class HostPool:
-    """Idle :class:`RankHost` actors of one Ray session, started on demand."""
+    """Idle :class:`RankHost` actors of one Ray session, started on demand. Every host has the
+    threads a rollout worker receives weights in (:data:`HOST_GROUPS`); a worker class that names
+    none (a training rank) sends every call to the default thread, so it runs them in order."""
 
     def __init__(self) -> None:
         import ray
@@ -101,11 +114,16 @@ class HostPool:
         self.idle: list[Any] = []
         self.started = 0
 
-    def take(self, count: int) -> list[Any]:
+    def take(self, count: int, concurrency_groups: dict[str, int] | None = None) -> list[Any]:
         import ray
 
+        missing = {k: v for k, v in (concurrency_groups or {}).items() if HOST_GROUPS.get(k, 0) < v}
+        if missing:
+            raise ValueError(f"Warm rank hosts have the concurrency groups {HOST_GROUPS}; the worker class needs "
+                             f"{missing} too (add them to rltrainer.testing.warm_ranks.HOST_GROUPS)")
+        remote_cls = ray.remote(concurrency_groups=dict(HOST_GROUPS))(RankHost)
         while len(self.idle) < count:  # a host reserves no CPU: its group's placement group does
-            self.idle.append(ray.remote(RankHost).options(num_cpus=0).remote())
+            self.idle.append(remote_cls.options(num_cpus=0).remote())
             self.started += 1
         taken, self.idle = self.idle[:count], self.idle[count:]
         return taken
@@ -152,7 +170,7 @@ class WarmWorkerGroup(RayWorkerGroup):
         pool = type(self).pool
         if pool is None or not pool.usable():  # the first group of this Ray session
             pool = type(self).pool = HostPool()
-        self.hosts = pool.take(self.world_size)
+        self.hosts = pool.take(self.world_size, getattr(worker_cls, "concurrency_groups", None))
         self.issued = [host.start.remote(worker_cls, rank, self.world_size, init_kwargs)
                        for rank, host in enumerate(self.hosts)]
         return [HostedActor(host) for host in self.hosts]

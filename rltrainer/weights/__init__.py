@@ -10,6 +10,8 @@ rollout engines. It imports nothing else of rltrainer; ``rollout``, ``controller
   shared memory, each with ``start(version) -> SyncHandle`` and ``SyncHandle.wait() -> stats``.
 - :mod:`~rltrainer.weights.sender` / :mod:`~rltrainer.weights.receiver`: the training ranks' and
   the rollout processes' sides.
+- :mod:`~rltrainer.weights.staging`: a rollout process's staged syncs, received beside its
+  requests and applied between two of them.
 - :mod:`~rltrainer.weights.group` / :mod:`~rltrainer.weights.shm`: the broadcast process group and
   the shared-memory buffers.
 """

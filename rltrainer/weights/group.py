@@ -41,6 +41,7 @@ class WeightGroup:
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"Weight broadcast backend {backend!r}; choose from nccl, gloo")
         self.rank, self.world_size, self.group_name, self.backend_name = rank, world_size, group_name, backend
+        self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             self._store = TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)

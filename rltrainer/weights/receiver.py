@@ -1,12 +1,18 @@
 """A rollout process's side of weight sync: take what a transport delivers (a bucket value, a
-broadcast, a shared-memory slot) and hand the engine ``(hf_name, tensor)`` views to load with
-``RolloutEngine.update_weights``, its only weight entry point. When the last bucket of a sync has
-loaded, the engine's ``weight_version`` becomes the sync's version.
+broadcast, a shared-memory slot) and get it into the engine through ``RolloutEngine.update_weights``,
+its only weight entry point.
+
+A sync's buckets are staged, not loaded: each receive keeps its own copy of the bucket's bytes
+(:class:`~rltrainer.weights.staging.EngineGate`), so receiving runs beside a ``generate`` in the
+process's other thread; once the last bucket is in, the sync is applied between two requests
+(``start_weight_update``, every bucket, ``finish_weight_update``) and the engine's
+``weight_version`` becomes the sync's version. Each receive takes ``(version, index, count)``: its
+sync's version, its bucket's index and the sync's number of buckets.
 
 An engine with a native receiving path (SGLang's schedulers join the broadcast group and
 receive flattened buckets themselves) says so with ``native_weight_broadcast = True``; the
 receiver then drives its hooks (``init_weight_group``, ``receive_weights``, ``close_weight_group``)
-instead of receiving for it.
+instead of receiving for it, holding the engine from the sync's first bucket to its last.
 
 :class:`WeightReceiver` is composed into a rollout process (``Worker``), which calls it through
 ``Worker.receive_weights(op, ...)``.
@@ -21,52 +27,60 @@ import torch
 
 from rltrainer.weights.group import WeightGroup
 from rltrainer.weights.shm import SharedSlots
-from rltrainer.weights.wire import Bucket, Entry, bucket_nbytes, bucket_views, empty_bucket
+from rltrainer.weights.staging import EngineGate
+from rltrainer.weights.wire import Bucket, Entry, bucket_nbytes, empty_bucket
+
+Stats = dict[str, float]
 
 
 class WeightReceiver:
     """Args:
-        device: where this process receives broadcast buffers.
+        device: where this process receives broadcast buffers and stages syncs.
+        gate: the process's engine access (shared with its requests).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, gate: EngineGate) -> None:
+        self.device, self.gate = device, gate
         self._group: WeightGroup | None = None
         self._slots: SharedSlots | None = None
-        self._updating = False  # between a sync's first and last bucket (the engine's update session)
 
-    def _update(self, engine: Any, views: Any, version: int | None, last: bool | None = None) -> dict[str, float]:
-        """Load one bucket's ``(name, tensor)`` views: the sync's first bucket opens the engine's
-        update session (``start_weight_update``), its last (``last``; by default: ``version`` given)
-        closes it (``finish_weight_update``)."""
-        if not self._updating:
-            engine.start_weight_update()
-            self._updating = True
-        try:
-            stats = engine.update_weights(views)
-            if last or (last is None and version is not None):
-                self._updating = False
-                engine.finish_weight_update()
-        except BaseException:
-            self._updating = False
-            raise
-        return self._loaded(engine, stats, version)
+    def _staged(self, engine: Any, buffer: torch.Tensor, entries: Sequence[Entry], version: int, index: int,
+                count: int) -> Stats:
+        """Stage bucket ``index`` of ``count`` (``buffer``: this process's own copy of its bytes);
+        after the last, wait until the sync is applied."""
+        staged = self.gate.stage(version, index, count, buffer, entries)
+        if staged is not None:
+            self.gate.commit(engine, staged)
+        return {"tensors": len(entries), "bytes": bucket_nbytes(entries)}
 
-    @staticmethod
-    def _loaded(engine: Any, stats: dict[str, float] | None, version: int | None) -> dict[str, float]:
-        if version is not None:  # the sync's last bucket
-            engine.weight_version = version
-        stats = dict(stats or {})
-        return {"tensors": stats.get("tensors", 0), "bytes": stats.get("bytes", 0)}
+    def load(self, engine: Any, bucket: Bucket, version: int | None = None, index: int = 0,
+             count: int = 1) -> Stats:
+        """A bucket value (the object store's, or one the controller packed): bucket ``index`` of
+        ``count`` of sync ``version``, or, with ``version=None``, weights loaded now, outside a sync
+        (the engine's ``weight_version`` stays): one update session over the ``count`` buckets, the
+        engine held from the first to the last (vLLM rebuilds a layer from all its tensors in one session)."""
+        if version is None:
+            if index == 0:
+                self.gate.acquire()
+            try:
+                if index == 0:
+                    engine.start_weight_update()
+                engine.update_weights(bucket.views())
+                if index == count - 1:
+                    engine.finish_weight_update()
+            except BaseException as exc:
+                self.gate.release(failure=(engine.weight_version, exc))
+                raise
+            if index == count - 1:
+                self.gate.release()
+            return {"tensors": len(bucket.entries), "bytes": bucket.nbytes}
+        owned = torch.tensor(bucket.data, device=self.device)  # a copy: the object store's buffer is released
+        return self._staged(engine, owned, bucket.entries, version, index, count)
 
-    def load(self, engine: Any, bucket: Bucket, version: int | None, last: bool | None = None) -> dict[str, float]:
-        """Load a bucket value (the object store's, or one the controller packed); ``last`` ends the
-        update (by default the bucket that carries a ``version`` does)."""
-        return self._update(engine, bucket.views(), version, last)
-
-    def commit(self, engine: Any, version: int) -> dict[str, float]:
-        """A sync with nothing to send still moves the engine's version."""
-        return self._loaded(engine, None, version)
+    def commit(self, engine: Any, version: int) -> Stats:
+        """A sync with nothing to send still moves the engine's version (between two requests)."""
+        self.gate.commit(engine, version)
+        return {"tensors": 0, "bytes": 0}
 
     @staticmethod
     def take_weights_discarded(engine: Any) -> bool:
@@ -94,15 +108,34 @@ class WeightReceiver:
         else:
             self._group = WeightGroup(address, port, rank_offset, world_size, group_name, backend, timeout_s)
 
-    def receive(self, engine: Any, entries: Sequence[Entry], version: int | None) -> dict[str, float]:
-        """Receive one broadcast bucket (``version`` given on the sync's last)."""
+    def receive(self, engine: Any, entries: Sequence[Entry], version: int, index: int, count: int) -> Stats:
+        """Receive broadcast bucket ``index`` of ``count`` of sync ``version``."""
         if engine.native_weight_broadcast:
-            return self._loaded(engine, engine.receive_weights(entries, version is not None), version)
+            return self._receive_native(engine, entries, version, index, count)
         if self._group is None:
             raise RuntimeError("receive before join_group (the broadcast transport was not connected)")
-        buffer = empty_bucket(entries, self.device)
+        buffer = empty_bucket(entries, self.device)  # kept as the staged copy
         self._group.broadcast(buffer)
-        return self._update(engine, bucket_views(buffer, entries), version)
+        return self._staged(engine, buffer, entries, version, index, count)
+
+    def _receive_native(self, engine: Any, entries: Sequence[Entry], version: int, index: int, count: int) -> Stats:
+        """The engine loads each bucket as it arrives: it is held from the first bucket to the last."""
+        last = index == count - 1
+        if index == 0:
+            self.gate.acquire()
+        try:
+            if index == 0:
+                engine.start_weight_update()
+            stats = dict(engine.receive_weights(entries, last) or {})
+            if last:
+                engine.finish_weight_update()
+                engine.weight_version = version
+        except BaseException as exc:
+            self.gate.release(failure=(version, exc))
+            raise
+        if last:
+            self.gate.release()
+        return {"tensors": stats.get("tensors", len(entries)), "bytes": stats.get("bytes", bucket_nbytes(entries))}
 
     def leave_group(self, engine: Any) -> None:
         if engine is not None and engine.native_weight_broadcast:
@@ -117,13 +150,14 @@ class WeightReceiver:
         self.close_slots()
         self._slots = SharedSlots.open(paths, nbytes)
 
-    def load_slot(self, engine: Any, index: int, entries: Sequence[Entry], ready: Any,
-                  version: int | None) -> dict[str, float]:
-        """Load bucket ``index`` from its slot (``ready``: trainer rank 0's write, resolved first)."""
+    def load_slot(self, engine: Any, index: int, entries: Sequence[Entry], ready: Any, version: int,
+                  count: int) -> Stats:
+        """Stage bucket ``index`` of ``count`` of sync ``version`` from its slot (``ready``: trainer
+        rank 0's write, resolved first); the slot is copied, so rank 0 may reuse it at once."""
         if self._slots is None:
             raise RuntimeError("load_slot before open_slots (the shared-memory transport was not connected)")
-        views = bucket_views(self._slots.slot(index, bucket_nbytes(entries)), entries)
-        return self._update(engine, views, version)
+        owned = self._slots.slot(index, bucket_nbytes(entries)).to(self.device, copy=True)
+        return self._staged(engine, owned, entries, version, index, count)
 
     def close_slots(self) -> None:
         if self._slots is not None:

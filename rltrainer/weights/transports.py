@@ -2,16 +2,19 @@
 is driven from the controller through one interface:
 
 - :meth:`WeightTransport.start` ``(version) -> SyncHandle`` hands the changed weights off and
-  returns; the engine-side load calls are submitted before it returns, so a later call the
-  controller makes to the same engine process (``generate``) runs after them.
+  returns; the engine-side receive calls are submitted before it returns.
 - :meth:`SyncHandle.wait` returns the stats once every replica has loaded the sync: ``tensors``,
   ``bytes`` (counted by the first replica), ``skipped`` (unchanged since the last sync),
   ``buckets``, ``seconds`` (from start to loaded).
 
-At most two buckets are in flight: starting bucket ``i`` waits until bucket ``i - 2`` has loaded,
-so a sync of two buckets or fewer returns from ``start`` without waiting for an engine, and
-memory stays about two buckets. One sync is in flight per transport: ``start`` first waits for
-the previous one.
+Split placement's rollout processes receive in a thread of their own, beside the request they
+are generating, and stage each bucket; the sync is applied between two requests once its last
+bucket is in, and a request that asks for its version (the Trainer's requests do once ``start``
+has returned) waits for it (:mod:`rltrainer.weights.staging`). Every receive call names its sync's version, its bucket's
+index and the sync's number of buckets. At most two buckets are in flight: starting bucket ``i``
+waits until bucket ``i - 2`` is staged (copied out of the sender's buffer), never for a request,
+so ``start`` returns once the last bucket is handed off, and the sender's memory stays about two
+buckets. One sync is in flight per transport: ``start`` first waits for the previous one.
 
 | transport | where the engines are | how the bytes move |
 | --- | --- | --- |
@@ -205,7 +208,7 @@ class _Split(WeightTransport):
         for index in range(buckets):
             while len(in_flight) >= self.depth:  # bucket i reuses bucket i - 2's buffers
                 finish_oldest()
-            in_flight.append(self._send(index, entries[index], version if index == buckets - 1 else None))
+            in_flight.append(self._send(index, entries[index], version, buckets))
         if not buckets:  # nothing changed: the engines still take the version
             in_flight.append([(rollout, rollout.execute_all_async("receive_weights", "commit", version),
                                "receive_weights")])
@@ -220,9 +223,9 @@ class _Split(WeightTransport):
         return finish
 
     @abc.abstractmethod
-    def _send(self, index: int, entries: list[Any], version: int | None) -> list[Call]:
-        """Submit bucket ``index`` (sender and receivers); ``version`` on the last. The receivers'
-        call comes last in the returned list."""
+    def _send(self, index: int, entries: list[Any], version: int, count: int) -> list[Call]:
+        """Submit bucket ``index`` of ``count`` of sync ``version`` (sender and receivers). The
+        receivers' call comes last in the returned list."""
 
 
 class ObjectStoreTransport(_Split):
@@ -231,17 +234,19 @@ class ObjectStoreTransport(_Split):
 
     name = "object_store"
 
-    def _send(self, index: int, entries: list[Any], version: int | None) -> list[Call]:
+    def _send(self, index: int, entries: list[Any], version: int, count: int) -> list[Call]:
         exports = self.trainer.execute_all_async("send_weights", "export", index)
         bucket = self.trainer.ref(exports, "send_weights")  # resolved by Ray before the load runs
-        loads = self.rollout.execute_all_async("receive_weights", "load", bucket, version)
+        loads = self.rollout.execute_all_async("receive_weights", "load", bucket, version, index, count)
         return [(self.trainer, exports, "send_weights"), (self.rollout, loads, "receive_weights")]
 
 
 class BroadcastTransport(_Split):
     """Trainer rank 0 and every replica's receiving processes form a group of their own
     (:class:`~rltrainer.weights.group.WeightGroup`, NCCL when all are on GPUs, else gloo); each
-    bucket is one broadcast straight into the receivers' buffers (or SGLang's schedulers)."""
+    bucket is one broadcast straight into the receivers' buffers (or SGLang's schedulers).
+    ``timeout_s`` (the strategy's ``weight_sync_timeout_s``) bounds the group's forming and each
+    broadcast, on every member."""
 
     name = "broadcast"
 
@@ -271,8 +276,8 @@ class BroadcastTransport(_Split):
         log.info("Weight broadcast group %s: %s, %d ranks (%s per replica)", self.group_name, self.backend,
                  self.world_size, ranks)
 
-    def _send(self, index: int, entries: list[Any], version: int | None) -> list[Call]:
-        receivers = self.rollout.execute_all_async("receive_weights", "receive", entries, version)
+    def _send(self, index: int, entries: list[Any], version: int, count: int) -> list[Call]:
+        receivers = self.rollout.execute_all_async("receive_weights", "receive", entries, version, index, count)
         sender = self.trainer.execute_all_async("send_weights", "broadcast", index)
         return [(self.trainer, sender, "send_weights"), (self.rollout, receivers, "receive_weights")]
 
@@ -310,10 +315,10 @@ class SharedMemoryTransport(_Split):
             trainer.execute_rank_zero("send_weights", "unlink_slots")
         log.info("Shared-memory weight slots: 2 x %.0f MiB in %s", self.slot_bytes / 2**20, self.directory)
 
-    def _send(self, index: int, entries: list[Any], version: int | None) -> list[Call]:
+    def _send(self, index: int, entries: list[Any], version: int, count: int) -> list[Call]:
         writes = self.trainer.execute_all_async("send_weights", "write_slot", index)
         ready = self.trainer.ref(writes, "send_weights")  # the loads run once rank 0 has written
-        loads = self.rollout.execute_all_async("receive_weights", "load_slot", index, entries, ready, version)
+        loads = self.rollout.execute_all_async("receive_weights", "load_slot", index, entries, ready, version, count)
         return [(self.trainer, writes, "send_weights"), (self.rollout, loads, "receive_weights")]
 
     def close(self) -> None:

@@ -298,6 +298,40 @@ def test_remote_generate_async_returns_before_the_replica_finishes(tiny_config, 
         assert generation.weight_version == 0 and len(generation.text) == G
 
 
+class SleepCountingEngine(HFEngine):
+    """The ``hf`` engine, noting each ``sleep`` / ``wake_up`` in a file of its process in ``log_dir``."""
+
+    def __init__(self, log_dir: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.log_dir = log_dir
+
+    def _note(self, call: str) -> None:
+        with open(os.path.join(self.log_dir, f"{os.getpid()}.log"), "a") as f:
+            f.write(call + "\n")
+
+    def sleep(self, level: int = 1) -> None:
+        self._note("sleep")
+        super().sleep(level)
+
+    def wake_up(self) -> None:
+        self._note("wake_up")
+        super().wake_up()
+
+
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+def test_sync_puts_only_engines_that_share_the_trainers_memory_to_sleep(placement, tiny_config, bpe_tokenizer,
+                                                                        gsm8k_prompts, tmp_path, ray_session):
+    """A split engine has a device of its own: sleeping it after each rollout would only copy its
+    weights out and back (vLLM's level 1). A colocated one sleeps while the policy trains."""
+    strategy = FSDP2Strategy(devices=1, rollout_placement=placement, micro_batch_size=4)
+    m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
+    with trainer(strategy, rollout=SleepCountingEngine(str(tmp_path)), max_steps=2) as t:
+        t.fit(m, prompt_dataloader(gsm8k_prompts.select(range(2 * B)), batch_size=B))
+    calls = [line for path in sorted(tmp_path.glob("*.log")) for line in path.read_text().split()]
+    assert calls == ([] if placement == "split" else ["wake_up", "sleep"] * 2)
+
+
 def test_async_with_a_bound_of_one_equals_one_step_off(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
     """With one replica and ``max_staleness=1`` (``wait``), async keeps two requests out: the same
     schedule as one_step_off. With a seeded engine both train on the same responses of the same

@@ -64,8 +64,8 @@ def test_split_on_one_node_syncs_through_shared_memory(devices, tiny_config, bpe
 @pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_shared_memory_start_returns_before_the_engines_load(tiny_config, bpe_tokenizer, ray_session):
     """One training rank in this process, 2 replicas: ``start_weight_sync`` returns with the load
-    calls submitted; a ``generate`` issued right after runs after them (Ray keeps one caller's
-    calls to an actor in order), and ``wait`` reports the version in both replicas."""
+    calls submitted; a ``generate`` sent right after asks for that version and generates with it
+    (it waits for the sync to arrive), and ``wait`` reports the version in both replicas."""
     strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=2,
                              weight_transport="shared_memory")
     try:
@@ -74,8 +74,9 @@ def test_shared_memory_start_returns_before_the_engines_load(tiny_config, bpe_to
         assert engine.weight_version == -1
         handle = strategy.start_weight_sync(engine, version=3)
         assert not handle.done  # one bucket: handed off, not waited for
-        ref = strategy.rollout_group._call_async([0], "engine_weight_version", [((), {})])
-        assert strategy.rollout_group.get(ref, "engine_weight_version") == [3]  # ordered after the load
+        engine.weight_version = 3  # what the Trainer does once the push has started: requests ask for it
+        generation = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=2))
+        assert generation.weight_version == 3 and generation.row_weight_versions is None
         assert handle.wait()["buckets"] == 1 and engine.weight_version == 3
         assert strategy.rollout_group.execute_all("engine_weight_version") == [3, 3]
         expected = dict(strategy.export_weights())

@@ -1,0 +1,209 @@
+"""A rollout process's staged syncs, and the gate that gives its engine to one caller at a time.
+
+Split placement runs each rollout process with two threads (Ray concurrency groups, see
+``rltrainer.controller.worker.Worker``): requests (``generate``, and every other engine call) in
+one, weight receives in the other. A receive does not touch the engine: it keeps its bucket's bytes
+in a :class:`StagedSync` (one buffer per bucket on the process's device, owned by the receiver),
+so a sync's bytes arrive while a request generates. When a sync's last bucket has arrived, its
+weights are applied to the engine in one go, between two requests:
+``engine.start_weight_update()``, ``engine.update_weights`` for every bucket in order,
+``engine.finish_weight_update()``, then ``engine.weight_version`` becomes the sync's version.
+
+:class:`EngineGate` makes that safe and prompt:
+
+- The engine has one user at a time (a request, a load, a sleep): it never sees ``update_weights``
+  while it generates, and a request's tokens all come from one weight version.
+- A request asks for a version (``min_version``: the version the controller had started pushing
+  when it submitted the request) and waits until it has arrived; the request that is already
+  generating when a push starts keeps its weights to the end.
+- The next request applies a complete staged sync before it generates, and the receive of the last
+  bucket waits until it is applied (at most one request's time, the one generating), so a sync's
+  ``wait`` means loaded and at most one sync is staged per process.
+
+Memory: a staged sync holds every bucket it carries until it is applied, so each replica needs
+one copy of the weights that changed since the last sync (all of them on the first sync, or after a
+sleep discarded them) on its device, beside the engine's own weights.
+
+An engine with a receiving path of its own (``native_weight_broadcast``, SGLang's schedulers) loads
+each bucket as it arrives; the receiver then holds the gate from the sync's first bucket to its last,
+so that sync waits for the request generating when it starts (and later requests wait for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rltrainer.weights.wire import Entry, bucket_views
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class StagedSync:
+    """The buckets of sync ``version`` received so far (of ``count``), in order, with their bytes;
+    ``applied`` once loaded into the engine (``error``: the load raised)."""
+
+    version: int
+    count: int
+    buckets: list[tuple[torch.Tensor, list[Entry]]] = field(default_factory=list)
+    applied: bool = False
+    error: BaseException | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.buckets) == self.count
+
+    @property
+    def done(self) -> bool:
+        return self.applied or self.error is not None
+
+
+class EngineGate:
+    """One rollout process's engine access: see the module docstring."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False  # an engine call (or a native sync) holds the engine
+        self._claims = 0  # weight loads waiting for the engine: the next request waits behind them
+        self._staged: StagedSync | None = None  # the sync arriving, or arrived and not applied yet
+        self._failed: tuple[int, BaseException] | None = None  # a load that raised: the engine is unusable
+
+    # -- the requests' side -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def use(self, engine: Any, min_version: int = -1) -> Iterator[Any]:
+        """Hold ``engine`` for one call, once it holds ``min_version`` or later (a complete staged
+        sync is applied first). Only a process that receives in a thread of its own may wait for a
+        version; one that receives in order with its requests passes ``-1``."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy and not self._claims and self._arrived(engine, min_version))
+            if self._failed is not None:
+                version, error = self._failed
+                raise RuntimeError(f"Loading weight sync {version} into this engine failed ({error!r}); its weights "
+                                   "may be partly updated, so it takes no more requests") from error
+            self._busy = True
+            staged = self._take_complete()
+        try:
+            if staged is not None:
+                self._apply(engine, staged)
+            yield engine
+        finally:
+            self._release()
+
+    def _arrived(self, engine: Any, version: int) -> bool:
+        staged = self._staged
+        return (engine.weight_version >= version or self._failed is not None
+                or (staged is not None and staged.complete and staged.version >= version))
+
+    # -- the receiver's side ------------------------------------------------------------------------
+    def stage(self, version: int, index: int, count: int, buffer: torch.Tensor,
+              entries: Sequence[Entry]) -> StagedSync | None:
+        """Keep bucket ``index`` of ``count`` of sync ``version`` (``buffer`` is the receiver's own
+        copy of its bytes); returns the sync once complete (for :meth:`commit`). Buckets arrive in
+        order; bucket 0 starts a sync, dropping what is left of one that did not complete (it
+        failed midway)."""
+        with self._cond:
+            staged = self._staged
+            if index == 0:
+                if staged is not None:
+                    log.warning("Weight sync %d was dropped after %d of %d buckets (sync %d started)",
+                                staged.version, len(staged.buckets), staged.count, version)
+                staged = self._staged = StagedSync(version, count)
+            elif staged is None or staged.version != version or len(staged.buckets) != index:
+                have = "none" if staged is None else f"{len(staged.buckets)} of sync {staged.version}"
+                raise RuntimeError(f"Bucket {index} of weight sync {version} arrived with {have} staged; a sync's "
+                                   "buckets must arrive in order, from bucket 0")
+            staged.buckets.append((buffer, list(entries)))
+            if not staged.complete:
+                return None
+            self._cond.notify_all()  # a request waiting for this version may apply it
+            return staged
+
+    def commit(self, engine: Any, staged: StagedSync | int) -> None:
+        """Apply a complete staged sync (what :meth:`stage` returned; a version alone: a sync with
+        nothing to send, which still moves the version) once the engine is free, unless a request
+        applied it first; returns once it is loaded."""
+        with self._cond:
+            if isinstance(staged, int):
+                staged = self._staged = StagedSync(staged, 0)
+            self._claims += 1
+            try:
+                self._cond.wait_for(lambda: not self._busy or staged.done)
+            finally:
+                self._claims -= 1
+            mine = not staged.done
+            if mine:
+                assert self._staged is staged, "a complete sync was replaced before it was applied"
+                self._busy, self._staged = True, None
+        if mine:
+            try:
+                self._apply(engine, staged)
+            finally:
+                self._release()
+        if staged.error is not None:
+            raise RuntimeError(f"Loading weight sync {staged.version} into the engine failed") from staged.error
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Hold the engine for a load outside a staged sync (a bucket that is not part of a sync),
+        ahead of the next request."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    def acquire(self) -> None:
+        """Take the engine, ahead of the next request, until :meth:`release` (a native sync holds it
+        from its first bucket to its last, across calls)."""
+        with self._cond:
+            self._claims += 1
+            try:
+                self._cond.wait_for(lambda: not self._busy)
+            finally:
+                self._claims -= 1
+            self._busy = True
+
+    def release(self, failure: tuple[int, BaseException] | None = None) -> None:
+        """Give the engine back; ``failure``: ``(version, error)`` of a load that raised midway (the
+        engine's weights may be partly updated: later requests raise)."""
+        if failure is not None:
+            with self._cond:
+                self._failed = failure
+        self._release()
+
+    # -- applying -----------------------------------------------------------------------------------
+    def _take_complete(self) -> StagedSync | None:
+        staged = self._staged
+        if staged is None or not staged.complete:
+            return None
+        self._staged = None
+        return staged
+
+    def _apply(self, engine: Any, staged: StagedSync) -> None:
+        """Load a complete staged sync (the caller holds the engine): one update session, buckets in
+        order, then the version."""
+        try:
+            if staged.buckets:
+                engine.start_weight_update()
+                for buffer, entries in staged.buckets:
+                    engine.update_weights(bucket_views(buffer, entries))
+                engine.finish_weight_update()
+            engine.weight_version = staged.version
+        except BaseException as exc:
+            with self._cond:
+                staged.error, self._failed = exc, (staged.version, exc)
+            raise
+        with self._cond:
+            staged.applied, self._failed = True, None
+
+    def _release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
