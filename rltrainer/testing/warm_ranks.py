@@ -165,7 +165,7 @@ class WarmWorkerGroup(RayWorkerGroup):
     def _start_actors(self, worker_cls: type, cpus_per_worker: float, gpus_per_worker: float,
                       init_kwargs: dict[str, Any]) -> list[Any]:
         self.hosts: list[Any] = []
-        if gpus_per_worker:
+        if gpus_per_worker or self.runtime_env:  # warm processes run this environment: start those afresh
             return super()._start_actors(worker_cls, cpus_per_worker, gpus_per_worker, init_kwargs)
         pool = type(self).pool
         if pool is None or not pool.usable():  # the first group of this Ray session
