@@ -62,15 +62,15 @@ def prompts(tokenizer):
 
 
 def trainer_log_probs(model, prompt, responses, temperature=1.0):
-    """``response_log_probs`` (the trainer's) of ``responses [n, T]`` after ``prompt``, and its greedy
-    choice at each position."""
+    """``response_log_probs`` (the trainer's) of ``responses [n, T]`` after ``prompt``, and its logits
+    at each position ``[n, T, V]``."""
     ids = torch.cat([torch.tensor(prompt).repeat(len(responses), 1), responses], 1)
     batch = RolloutBatch({"input_ids": ids, "attention_mask": torch.ones_like(ids), "responses": responses,
                           "position_ids": torch.arange(ids.shape[1]).repeat(len(ids), 1)})
     with torch.no_grad():
         log_probs, _ = response_log_probs(model, batch, temperature)
         logits = model(ids).logits[:, len(prompt) - 1:-1]
-    return log_probs, logits.argmax(-1)
+    return log_probs, logits
 
 
 def test_n_samples_seeds_and_max_tokens(replica, bpe_tokenizer):
@@ -139,6 +139,12 @@ def test_top_p_keeps_to_the_nucleus(replica, policy, bpe_tokenizer):
     assert keep.gather(-1, ranks[..., None]).all()
 
 
+def assert_greedy(tokens, logits, tie=1e-4):
+    """Each token is the argmax of the trainer's logits ``[n, T, V]``, or within ``tie`` of it."""
+    chosen = logits.gather(-1, tokens[..., None])[..., 0]
+    assert (logits.max(-1).values - chosen <= tie).all(), (tokens, logits.argmax(-1))
+
+
 def shifted(policy, names, scale=0.2):
     """A copy of ``policy`` with ``names`` moved, as an optimizer step would move them."""
     moved = build_causal_lm(policy.config, seed=0).eval()
@@ -152,11 +158,12 @@ def shifted(policy, names, scale=0.2):
 
 
 def check_matches(engine, model, tokenizer):
-    """Greedy tokens are the trainer's argmax at every step; log-probs within 1e-5."""
+    """Greedy tokens are the trainer's argmax at every step (up to a tie within rounding: another CPU's
+    kernels round otherwise); log-probs within 1e-5."""
     for p in prompts(tokenizer):
         gen = engine.generate([p], SamplingParams(n=1, max_new_tokens=10, temperature=0.0, stop_token_ids=[]))
-        log_probs, argmax = trainer_log_probs(model, p, gen.response_ids)
-        assert torch.equal(gen.response_ids, argmax)
+        log_probs, logits = trainer_log_probs(model, p, gen.response_ids)
+        assert_greedy(gen.response_ids, logits)
         torch.testing.assert_close(gen.log_probs, log_probs, rtol=0, atol=1e-5)
 
 
