@@ -33,6 +33,7 @@ from rltrainer.plan import RunPlan, build_plan, log_plan
 from rltrainer.rollout.engine import RolloutEngine, build_engine, check_engine_sampling
 from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, resolve_strategy
+from rltrainer.weights.transports import sync_metrics
 
 log = logging.getLogger(__name__)
 
@@ -584,15 +585,6 @@ class Trainer:
         by_epochs = per_epoch * self.max_epochs if per_epoch is not None and self.max_epochs else None
         candidates = [n for n in (by_epochs, self.max_steps if self.max_steps != -1 else None) if n is not None]
         return min(candidates) if candidates else None
-
-
-def sync_metrics(stats: dict[str, float]) -> dict[str, float]:
-    """A sync's stats as step metrics: ``sync/tensors``, ``sync/bytes``, ``sync/skipped``, ``sync/gb_per_s``."""
-    out = {f"sync/{k}": float(v) for k, v in stats.items() if k != "seconds"}
-    seconds = stats.get("seconds")
-    if seconds and "bytes" in stats:
-        out["sync/gb_per_s"] = stats["bytes"] / seconds / 1e9
-    return out
 
 
 def resolve_dataloaders(train: Any, val: Any, datamodule: Any, need_train: bool = True) -> tuple[Any, Any]:

@@ -168,15 +168,6 @@ class RolloutEngine(abc.ABC):
         environment's interpreter (``py_executable``); ``None``: the trainer's environment."""
         return None
 
-    def start_weight_update(self) -> None:
-        """Called before the first bucket of a sync is loaded (:meth:`update_weights` follows, once
-        per bucket, then :meth:`finish_weight_update`); an engine that needs one update session per
-        sync opens it here. Default: nothing."""
-
-    def finish_weight_update(self) -> None:
-        """Called after the last bucket of a sync has loaded (see :meth:`start_weight_update`).
-        Default: nothing."""
-
     # -- one process: an engine that shares the policy's storage (optional) -----------------------
     #: True: :meth:`bind_weights` may be called instead of :meth:`update_weights` with tensors that
     #: stay valid (the policy's own parameters, from a strategy whose ``exports_live_parameters``).

@@ -229,9 +229,9 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         self._asleep = 0  # the level slept at (0: awake)
         self._weights_awake = False  # a weight update woke the weights of a sleeping engine
         self._in_update = False  # inside start_weight_update / finish_weight_update
+        self._session = False  # vLLM's weight-transfer session is open (once a chunk for the model came)
         self._facts: dict[str, Any] = {}
         self._tied = False
-        self._said: set[str] = set()
         self._model_dir: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -265,9 +265,9 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         from rltrainer.rollout import vllm_backend
 
         self.platform = platform = VLLMPlatform.current()
-        if self.enable_sleep_mode and not platform.sleep_mode:
-            self._say_once("sleep", "vLLM on %s has no sleep mode: VLLMEngine.sleep() and wake_up() do nothing here "
-                           "(the engine keeps its memory while the policy trains).", platform.device_type)
+        if self.enable_sleep_mode and not platform.sleep_mode:  # said once: setup runs once
+            log.warning("vLLM on %s has no sleep mode: VLLMEngine.sleep() and wake_up() do nothing here (the engine "
+                        "keeps its memory while the policy trains).", platform.device_type)
         self.tokenizer = tokenizer
         self._tied = bool(getattr(model_config, "tie_word_embeddings", False))
         self._model_dir = gpu_engine_files("vllm", device, model_config, tokenizer, devices=(platform.device_type,))
@@ -292,11 +292,6 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         self.llm.init_weight_transfer_engine({"init_info": {}})
         self._facts = self.llm.apply_model(vllm_backend.model_facts)[0]
-
-    def _say_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            log.warning(message, *args)
 
     @property
     def ranks_per_replica(self) -> int:
@@ -351,12 +346,8 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         return fused_groups(names, self._facts.get("packed_modules_mapping", {}))
 
     def start_weight_update(self) -> None:
-        if self._in_update:
-            return
-        if self._asleep and not self._weights_awake:
-            self.llm.wake_up(tags=["weights"])  # load into mapped memory, never into freed pages
-            self._weights_awake = True
-        self.llm.start_weight_update()
+        """vLLM's session opens with the first chunk for the model: a sync that brings the model
+        nothing (a LoRA adapter alone, frozen weights) does not send every layer through a reload."""
         self._in_update = True
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -376,9 +367,15 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         chunk = list(self._with_head(base))  # the adapter's tensors stay in self._adapter
         try:
             if chunk:
+                if not self._session:
+                    if self._asleep and not self._weights_awake:
+                        self.llm.wake_up(tags=["weights"])  # load into mapped memory, never into freed pages
+                        self._weights_awake = True
+                    self.llm.start_weight_update()
+                    self._session = True
                 self.llm.update_weights({"update_info": {"weights": chunk}})
         except BaseException:
-            self._in_update = False  # vLLM ended its session with the error
+            self._in_update = self._session = False  # vLLM ended its session with the error
             raise
         if own:
             self.finish_weight_update()
@@ -392,11 +389,10 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
                 yield "lm_head.weight", tensor
 
     def finish_weight_update(self) -> None:
-        if not self._in_update:
-            return
-        self._in_update = False
-        self.llm.finish_weight_update()
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        session, self._in_update, self._session = self._session, False, False
+        if session:
+            self.llm.finish_weight_update()
+            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def sleep(self, level: int = 1) -> None:
         check_sleep_level("VLLMEngine", level)

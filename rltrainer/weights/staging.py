@@ -149,19 +149,9 @@ class EngineGate:
         if staged.error is not None:
             raise RuntimeError(f"Loading weight sync {staged.version} into the engine failed") from staged.error
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Hold the engine for a load outside a staged sync (a bucket that is not part of a sync),
-        ahead of the next request."""
-        self.acquire()
-        try:
-            yield
-        finally:
-            self._release()
-
     def acquire(self) -> None:
-        """Take the engine, ahead of the next request, until :meth:`release` (a native sync holds it
-        from its first bucket to its last, across calls)."""
+        """Take the engine, ahead of the next request, until :meth:`release` (a native sync, or a load
+        outside a sync, holds it from its first bucket to its last, across calls)."""
         with self._cond:
             self._claims += 1
             try:

@@ -100,6 +100,15 @@ class SyncHandle:
         return dict(self._stats)
 
 
+def sync_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """A sync's stats as step metrics: ``sync/tensors``, ``sync/bytes``, ``sync/skipped``, ``sync/gb_per_s``."""
+    out = {f"sync/{k}": float(v) for k, v in stats.items() if k != "seconds"}
+    seconds = stats.get("seconds")
+    if seconds and "bytes" in stats:
+        out["sync/gb_per_s"] = stats["bytes"] / seconds / 1e9
+    return out
+
+
 class WeightTransport(abc.ABC):
     """One way of moving a sync; see the module docstring for the contract."""
 

@@ -174,3 +174,13 @@ def test_a_refused_engine_leaves_no_worker_behind(tiny_config, bpe_tokenizer, gs
     with pytest.raises(ValueError, match="colocated with the training ranks"):
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
     assert strategy.group is None and not trainer._is_setup
+
+
+def test_a_sync_that_brings_the_model_nothing_opens_no_vllm_session():
+    """A LoRA adapter alone (kept by the engine) or nothing at all: vLLM's reload session, which
+    puts every layer through a reset, is not opened."""
+    engine = engine_with(VLLMPlatform("cpu", False))
+    engine.start_weight_update()
+    engine.update_weights([])
+    engine.finish_weight_update()
+    assert engine.llm.calls == []
