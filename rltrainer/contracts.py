@@ -170,15 +170,15 @@ def check_field(where: str, batch: Any, field: Field, sizes: dict[str, int]) -> 
     if field.name not in batch:
         if field.required:
             raise HookContractError(f"{where} returned a batch without {field.name!r}; expected {field.describe()}"
-                                    f" ({field.meaning}). It has {batch.keys()}.{_fix(field)}")
+                                    f"{_meaning(field)}. It has {batch.keys()}.{_fix(field)}")
         return
     value = batch[field.name]
     if not field.shape:  # a non-tensor: one entry per row, which RolloutBatch already enforces
         return
     if not isinstance(value, torch.Tensor):
-        got = f"a non-tensor field ({_preview(value)})"
-        raise HookContractError(f"{where} returned {field.name!r} as {got}; expected a tensor {field.describe()} "
-                                f"({field.meaning}).{_fix(field)}")
+        got = f"a Python list or numpy array (a non-tensor field: {_preview(value)})"
+        raise HookContractError(f"{where} returned {field.name!r} as {got}; expected a tensor {field.describe()}"
+                                f"{_meaning(field)}.{_fix(field)}")
     expected = [s.strip() for s in field.shape.split(",")]
     sized = [str(sizes[s]) if s in sizes else s for s in expected]
     wrong_shape = value.dim() != len(expected) or any(
@@ -186,7 +186,7 @@ def check_field(where: str, batch: Any, field: Field, sizes: dict[str, int]) -> 
     if wrong_shape:
         raise HookContractError(
             f"{where} returned {field.name!r} of shape [{', '.join(map(str, value.shape))}]; expected "
-            f"{field.describe()} = [{', '.join(sized)}] ({field.meaning}).{_fix(field)}")
+            f"{field.describe()} = [{', '.join(sized)}]{_meaning(field)}.{_fix(field)}")
     if not dtype_fits(value.dtype, field.kind):
         raise HookContractError(f"{where} returned {field.name!r} of dtype {str(value.dtype).replace('torch.', '')}; "
                                 f"expected {KINDS[field.kind]} ({field.describe()}).{_fix(field)}")
@@ -258,6 +258,10 @@ def _check_metrics(where: str, metrics: Any, what: str, example: str) -> None:
 
 def _required(contract: HookContract) -> str:
     return ", ".join(f.describe() for f in contract.adds if f.required)
+
+
+def _meaning(field: Field) -> str:
+    return f" ({field.meaning})" if field.meaning else ""
 
 
 def _fix(field: Field) -> str:
