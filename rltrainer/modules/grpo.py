@@ -26,6 +26,7 @@ from rltrainer.models import ModelSpec, build_causal_lm, freeze, frozen_copy, re
 from rltrainer.module import RLModule
 from rltrainer.optim import adamw
 from rltrainer.registry import entry_params
+from rltrainer.rewards.manager import declares_correctness, reward_max_score
 from rltrainer.rewards.model import RewardSpec, build_reward_model, sequence_scores, split_rewards
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
 from rltrainer.schedulers import build_lr_scheduler, check_lr_scheduler
@@ -250,6 +251,8 @@ class GRPO(RLModule):
             raise ValueError("GRPO needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
         self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(
             reward_funcs, reward_weights, num_workers=reward_num_workers, timeout=reward_timeout)
+        if self.rewards is not None:  # validation's full credit: every rule reward's max_score, weighted
+            self.max_score = self.rewards.max_score
         if self.environment is not None and "reward_baselines" in self._advantage_fields:
             raise ValueError(f"advantage_estimator={advantage_estimator!r} scores one greedy single-turn response per "
                              "prompt as its baseline, which an environment's episodes do not have. Use another "
@@ -358,6 +361,18 @@ class GRPO(RLModule):
         if self.reward_model_spec is None:
             self.log_scores(batch["scores"])
         return batch
+
+    def correct_rows(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """``[N]`` bool: rows where every rule reward that declares ``correctness`` (``gsm8k``,
+        ``math``) gave its ``max_score``, from ``reward_components``; ``None`` if none declares it."""
+        if self.rewards is None or "reward_components" not in batch:
+            return None
+        judges = [(i, reward_max_score(fn)) for i, fn in enumerate(self.rewards.reward_funcs)
+                  if declares_correctness(fn)]
+        if not judges:
+            return None
+        components = batch["reward_components"]  # [N, F], unweighted
+        return torch.stack([components[:, i] >= top - 1e-6 for i, top in judges], dim=-1).all(-1)  # [N]
 
     def log_scores(self, scores: torch.Tensor) -> None:
         """``critic/score/{mean,max,min}`` of the scores the estimator sees (``[N]``)."""
