@@ -9,7 +9,8 @@ What it watches, each cause warned once (a logged WARNING naming the cause and w
   alike, so every group-baseline advantage is 0) for ``patience`` steps, with ``G >= 2``;
 - prompts holding the tokenizer's unknown token (its ``unk_token``, the unknown token of its model,
   or the pad token inside a prompt), or decoding to the replacement character ``\\ufffd``; and prompts
-  without the start token the tokenizer itself adds (``bos_token``), from the first step on.
+  without the start token the tokenizer itself adds (``bos_token``), from the first step on (single-turn:
+  a multi-turn environment builds its prompts itself).
 
 The Trainer adds one with ``patience=3`` unless ``callbacks`` holds one; ``LearningSignal(patience=0)``
 turns it off. The loop logs the metrics it reads (:func:`signal_metrics`) on every step.
@@ -70,8 +71,8 @@ class LearningSignal(Callback):
 
     def on_step_start(self, trainer: Trainer, module: RLModule, batch: RolloutBatch) -> None:
         tokenizer = getattr(module, "tokenizer", None)
-        if not self.patience or tokenizer is None or "prompt_ids" not in batch:
-            return
+        if not self.patience or tokenizer is None or "prompt_ids" not in batch or module.environment is not None:
+            return  # a multi-turn environment makes its prompts itself (reset): prompt_ids are not what the model sees
         prompts = [list(map(int, ids)) for ids in batch["prompt_ids"]]
         if "unknown_tokens" not in self.warned:
             self._check_unknown(tokenizer, prompts)
