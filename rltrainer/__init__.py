@@ -1,7 +1,7 @@
 """rltrainer: a thin, Lightning-style Trainer API for RL post-training of LLMs."""
 
 from rltrainer.algorithms.distill import Teacher
-from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
+from rltrainer.callbacks import Callback, LearningSignal, ModelCheckpoint, ProgressBar
 from rltrainer.data import RolloutBatch, prompt_dataloader
 from rltrainer.module import RLModule
 from rltrainer.modules import DAPO, GRPO, PPO
@@ -13,7 +13,8 @@ from rltrainer.trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
-    "DAPO", "ENGINES", "GRPO", "PPO", "STRATEGIES", "Callback", "FSDP2Strategy", "HFEngine", "MegatronStrategy",
-    "ModelCheckpoint", "ProgressBar", "RLModule", "RewardModel", "RolloutBatch", "RolloutEngine", "SGLangEngine",
-    "SamplingParams", "SingleDeviceStrategy", "Strategy", "Teacher", "Trainer", "VLLMEngine", "prompt_dataloader",
+    "DAPO", "ENGINES", "GRPO", "PPO", "STRATEGIES", "Callback", "FSDP2Strategy", "HFEngine", "LearningSignal",
+    "MegatronStrategy", "ModelCheckpoint", "ProgressBar", "RLModule", "RewardModel", "RolloutBatch",
+    "RolloutEngine", "SGLangEngine", "SamplingParams", "SingleDeviceStrategy", "Strategy", "Teacher", "Trainer",
+    "VLLMEngine", "prompt_dataloader",
 ]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rltrainer.call import call_module_hook
+from rltrainer.callbacks.learning_signal import signal_metrics
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies.strategy import combine_metrics, is_extreme
 
@@ -46,6 +47,8 @@ def training_step(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
     with timer(metrics, "adv"):
         batch = call_module_hook(trainer, "advantage_step", batch)  # + advantages [N, T]
     trainer.record_generations(batch, "train")  # sample rows for the loggers, on the steps that log them
+    for name, value in signal_metrics(batch).items():  # empty responses, score spread: LearningSignal reads them
+        metrics.setdefault(name, value)
     with timer(metrics, "update_actor"):
         metrics.update(update_policy(trainer, batch))
     with timer(metrics, "update_weights"):

@@ -76,6 +76,9 @@ class RLModule(torch.nn.Module):
     #: multi-turn episodes (:class:`rltrainer.envs.MultiTurn`) that the default ``rollout_step`` and
     #: ``validation_step`` run instead of single-turn sampling; ``None``: single turn.
     environment: Any = None
+    #: the score of a full-credit answer, read by the default ``validation_step`` (``val/full_credit``);
+    #: GRPO derives it from its reward functions (their ``max_score``, default 1.0, times their weights).
+    max_score: float = 1.0
 
     def __init__(self) -> None:
         super().__init__()
@@ -262,17 +265,27 @@ class RLModule(torch.nn.Module):
         """Evaluate one validation batch. Runs on the controller.
 
         The default samples one greedy response per prompt, scores it with :meth:`reward_step` and
-        returns ``{"val/score": mean score, "val/accuracy": fraction with score > 0}`` weighted by
-        rows (the Trainer averages over batches weighted by ``"val/rows"``).
+        returns, weighted by rows (the Trainer averages over batches weighted by ``"val/rows"``):
+
+        - ``val/score``: the mean score;
+        - ``val/full_credit``: the share of rows whose score reaches :attr:`max_score` (full credit,
+          for a partial-credit reward; for a 0/1 reward, the share right);
+        - ``val/accuracy``: the share of right answers: the rows :meth:`correct_rows` marks where the
+          task knows correctness (the ``gsm8k`` and ``math`` rewards, whatever a format bonus adds),
+          else ``val/full_credit``.
         """
         sampling = SamplingParams(n=1, max_new_tokens=self.sampling.max_new_tokens, temperature=0.0,
                                   stop_token_ids=self.sampling.stop_token_ids)
         rollouts = self.reward_step(self.sample(batch, engine, sampling))
         if self._trainer is not None:
             self._trainer.record_generations(rollouts, "val")
-        scores = rollouts["scores"].float()
-        return {"val/score": scores.mean().item(), "val/accuracy": (scores > 0).float().mean().item(),
-                "val/rows": float(len(scores))}
+        return validation_metrics(rollouts["scores"], self.max_score, self.correct_rows(rollouts))
+
+    def correct_rows(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """``[N]`` bool: the rows whose answer is right, for ``val/accuracy``; ``None`` (the default)
+        when the task has no notion of right beyond full credit. Runs on the controller after
+        :meth:`reward_step`. GRPO answers from its rewards that declare ``correctness``."""
+        return None
 
     # -- lifecycle (controller) ------------------------------------------------------------------
     def on_fit_start(self) -> None:
@@ -332,6 +345,16 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["finish_reason"] = gen.finish_reason
     out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})
     return out
+
+
+def validation_metrics(scores: torch.Tensor, max_score: float, correct: torch.Tensor | None) -> dict[str, float]:
+    """``val/score`` (mean), ``val/full_credit`` (share with ``score >= max_score``, up to 1e-6),
+    ``val/accuracy`` (share of ``correct [N]``, or the full-credit share without it) and ``val/rows``."""
+    scores = scores.float()  # [N]
+    full = (scores >= max_score - 1e-6).float().mean().item()
+    accuracy = correct.float().mean().item() if correct is not None else full
+    return {"val/score": scores.mean().item(), "val/full_credit": full, "val/accuracy": accuracy,
+            "val/rows": float(len(scores))}
 
 
 def check_prompt_ids(batch: RolloutBatch, vocab_size: int) -> None:

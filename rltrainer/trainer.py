@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from rltrainer.call import call_callback_hooks, call_hooks
-from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
+from rltrainer.callbacks import Callback, LearningSignal, ModelCheckpoint, ProgressBar
 from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, commit_directory,
                                    controller_rng_state, find_last, read_trainer_state, set_controller_rng_state,
                                    temporary_directory)
@@ -179,8 +179,8 @@ class Trainer:
         self.log_every_n_steps, self.seed = log_every_n_steps, seed
         self.default_root_dir = str(default_root_dir or os.getcwd())
         self.callbacks: list[Callback] = list(callbacks or [])
-        if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
-            self.callbacks.append(ProgressBar())
+        defaults = [ProgressBar] * bool(enable_progress_bar) + [LearningSignal]  # unless given (configured)
+        self.callbacks += [cls() for cls in defaults if not any(isinstance(c, cls) for c in self.callbacks)]
         self.loggers = build_loggers(logger, self.default_root_dir, project, run_name, run_id)
         self.log_generations_every_n_steps = log_generations_every_n_steps
         self.log_generations_rows = log_generations_rows

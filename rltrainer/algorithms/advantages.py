@@ -53,6 +53,19 @@ def requires(fields: Callable[[dict], set[str]]) -> Callable[[Callable], Callabl
     return decorator
 
 
+def uses_groups(fn: Callable) -> Callable:
+    """Mark an entry whose baseline (or scale) comes from the other samples of each prompt's group:
+    with one sample per prompt it has no signal, so a module refuses ``G = 1`` with it
+    (:func:`group_estimators`)."""
+    fn.uses_groups = True  # type: ignore[attr-defined]
+    return fn
+
+
+def group_estimators() -> list[str]:
+    """The registered estimators that need groups of two or more samples."""
+    return [name for name in ADVANTAGES.names() if getattr(ADVANTAGES.get(name), "uses_groups", False)]
+
+
 def _kl_fields(params: dict) -> set[str]:
     return {"old_log_probs", "ref_log_probs"} if params.get("kl_in_reward_coef", 0.0) else set()
 
@@ -153,6 +166,7 @@ def group_signal_metrics(scores: torch.Tensor, uids: Sequence[object], responses
 
 
 @ADVANTAGES.register("grpo", norm_by_std=True, epsilon=1e-6)
+@uses_groups
 def grpo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
                     ctx: AdvantageContext | None = None, *, norm_by_std: bool = True, epsilon: float = 1e-6
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +195,7 @@ ADVANTAGES.register_preset("dr_grpo", "grpo", description="Dr. GRPO: grpo withou
 
 
 @ADVANTAGES.register("rloo")
+@uses_groups
 def rloo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
                     ctx: AdvantageContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (Ahmadian et al. 2024): ``score - mean of the other samples of the group``.
@@ -197,6 +212,7 @@ def rloo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Seq
 
 
 @ADVANTAGES.register("reinforce")
+@uses_groups
 def reinforce_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
                          ctx: AdvantageContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-mean baseline without std normalisation: ``score - group mean`` (nanochat style; same as ``dr_grpo``)."""
@@ -204,6 +220,7 @@ def reinforce_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids
 
 
 @ADVANTAGES.register("opo")
+@uses_groups
 def opo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[object],
                    ctx: AdvantageContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (Hao et al. 2025, arXiv:2505.23585): the optimal baseline for a sequence-level reward,
@@ -246,6 +263,7 @@ def reinforce_plus_plus_advantages(scores: torch.Tensor, response_mask: torch.Te
 
 
 @ADVANTAGES.register("reinforce_plus_plus_baseline", kl_in_reward_coef=0.0, kl_estimator="k1")
+@uses_groups
 @requires(_kl_fields)
 def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, response_mask: torch.Tensor,
                                             uids: Sequence[object], ctx: AdvantageContext | None = None, *,

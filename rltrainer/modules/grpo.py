@@ -15,7 +15,7 @@ import torch
 from rltrainer.algorithms import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, AdvantageContext,
                                   LossContext, aggregate, check_advantage, check_policy_loss, kl_penalty,
                                   required_fields)
-from rltrainer.algorithms.advantages import group_signal_metrics
+from rltrainer.algorithms.advantages import group_estimators, group_signal_metrics
 from rltrainer.algorithms.aggregation import masked_sum_over
 from rltrainer.algorithms.distill import Teacher, check_same_vocabulary, check_teacher_vocab, distillation_term
 from rltrainer.algorithms.rollout_corr import (ROLLOUT_CORRECTIONS, check_rollout_correction, mismatch_metrics,
@@ -26,6 +26,7 @@ from rltrainer.models import ModelSpec, build_causal_lm, freeze, frozen_copy, re
 from rltrainer.module import RLModule
 from rltrainer.optim import adamw
 from rltrainer.registry import entry_params
+from rltrainer.rewards.manager import declares_correctness, reward_max_score
 from rltrainer.rewards.model import RewardSpec, build_reward_model, sequence_scores, split_rewards
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
 from rltrainer.schedulers import build_lr_scheduler, check_lr_scheduler
@@ -48,6 +49,18 @@ def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values:
     return ((["old_log_prob"] if moves or needs_old or teacher else []) + (["ref"] if needs_ref else [])
             + (["teacher"] if teacher else []) + (["reward_model"] if reward_model else [])
             + (["values"] if needs_values else []))
+
+
+def check_group_size(estimator: str, num_generations: int) -> None:
+    """Refuse one sample per prompt with an estimator whose baseline is the group's (its advantages
+    would be the raw score, or 0, with no group to compare to: a run that cannot learn)."""
+    if num_generations == 1 and getattr(ADVANTAGES.get(estimator), "uses_groups", False):
+        others = [n for n in ADVANTAGES.names() if n not in group_estimators() and n != "gae"]
+        raise ValueError(
+            f"num_generations=1 with advantage_estimator={estimator!r}: its baseline comes from the other samples "
+            f"of each prompt's group ({', '.join(group_estimators())} all do), and a group of one has none, so "
+            f"every group has zero reward spread and no learning signal. Use num_generations >= 2 (GRPO papers "
+            f"use 4-16), or an estimator without groups: {', '.join(others)} (or rltrainer.PPO's 'gae').")
 
 
 class GRPO(RLModule):
@@ -236,6 +249,7 @@ class GRPO(RLModule):
             "advantage estimator", advantage_estimator, ADVANTAGES.defaults(advantage_estimator), advantage_kwargs,
             {"norm_adv_by_std": norm_adv_by_std}, ADVANTAGE_ARGUMENTS))
         self._advantage_fields = required_fields(advantage_estimator, self.advantage_kwargs)
+        check_group_size(advantage_estimator, num_generations)
         if "values" in self._advantage_fields and not self.uses_critic:
             critic_free = [n for n in ADVANTAGES if "values" not in required_fields(n, ADVANTAGES.defaults(n))]
             raise ValueError(f"advantage_estimator={advantage_estimator!r} needs a critic's values [N, T], and "
@@ -250,6 +264,8 @@ class GRPO(RLModule):
             raise ValueError("GRPO needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
         self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(
             reward_funcs, reward_weights, num_workers=reward_num_workers, timeout=reward_timeout)
+        if self.rewards is not None:  # validation's full credit: every rule reward's max_score, weighted
+            self.max_score = self.rewards.max_score
         if self.environment is not None and "reward_baselines" in self._advantage_fields:
             raise ValueError(f"advantage_estimator={advantage_estimator!r} scores one greedy single-turn response per "
                              "prompt as its baseline, which an environment's episodes do not have. Use another "
@@ -358,6 +374,18 @@ class GRPO(RLModule):
         if self.reward_model_spec is None:
             self.log_scores(batch["scores"])
         return batch
+
+    def correct_rows(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """``[N]`` bool: rows where every rule reward that declares ``correctness`` (``gsm8k``,
+        ``math``) gave its ``max_score``, from ``reward_components``; ``None`` if none declares it."""
+        if self.rewards is None or "reward_components" not in batch:
+            return None
+        judges = [(i, reward_max_score(fn)) for i, fn in enumerate(self.rewards.reward_funcs)
+                  if declares_correctness(fn)]
+        if not judges:
+            return None
+        components = batch["reward_components"]  # [N, F], unweighted
+        return torch.stack([components[:, i] >= top - 1e-6 for i, top in judges], dim=-1).all(-1)  # [N]
 
     def log_scores(self, scores: torch.Tensor) -> None:
         """``critic/score/{mean,max,min}`` of the scores the estimator sees (``[N]``)."""

@@ -110,3 +110,10 @@ def gsm8k_strict(completions: Sequence[str], ground_truth: Sequence[str | int | 
 def gsm8k_flexible(completions: Sequence[str], ground_truth: Sequence[str | int | float], **kwargs: Any) -> list[float]:
     """GSM8K reward in flexible mode: 1.0 if the last number in the completion is correct."""
     return gsm8k_reward(completions, ground_truth, mode="flexible", **kwargs)
+
+
+# What validation reads (rltrainer.rewards.manager.reward_max_score / declares_correctness): each scores
+# ``correct_score`` (1.0) exactly when the answer is right, whatever its ``format_score``. A partial
+# with another ``correct_score`` sets ``max_score`` on itself.
+for _fn in (gsm8k_reward, gsm8k_strict, gsm8k_flexible):
+    _fn.max_score, _fn.correctness = 1.0, True  # type: ignore[attr-defined]

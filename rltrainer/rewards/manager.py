@@ -54,6 +54,29 @@ def reward_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+def reward_attribute(fn: Callable[..., Any], name: str, default: Any) -> Any:
+    """``fn.<name>``, looked up through ``functools.partial`` wrappers (the outermost wins)."""
+    while True:
+        if name in getattr(fn, "__dict__", {}) or (not isinstance(fn, functools.partial) and hasattr(fn, name)):
+            return getattr(fn, name)
+        if not isinstance(fn, functools.partial):
+            return default
+        fn = fn.func
+
+
+def reward_max_score(fn: Callable[..., Any]) -> float:
+    """The score of a full-credit completion: the function's ``max_score`` attribute, default 1.0
+    (set it on a function, or on a ``functools.partial`` of one, whose full credit is another value)."""
+    return float(reward_attribute(fn, "max_score", 1.0))
+
+
+def declares_correctness(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` scores ``max_score`` exactly when the answer is right (its ``correctness``
+    attribute: the shipped ``gsm8k*`` and ``math`` rewards set it), so validation's ``val/accuracy``
+    can count right answers even where other terms (a format bonus) add partial credit."""
+    return bool(reward_attribute(fn, "correctness", False))
+
+
 def _unique_names(funcs: Sequence[Callable[..., Any]]) -> list[str]:
     """Names of ``funcs``, later duplicates suffixed ``_1``, ``_2``, ..."""
     names: list[str] = []
@@ -177,6 +200,12 @@ class RewardManager:
         self.timeout, self.max_concurrency = timeout, max_concurrency
         self.pool = RewardPool(num_workers, timeout) if num_workers else None
         self._logged: set[str] = set()
+
+    @property
+    def max_score(self) -> float:
+        """The weighted score of a completion every function gives full credit (``sum w * max_score``;
+        a negative weight's best is taken as 0)."""
+        return sum(max(w * reward_max_score(fn), 0.0) for fn, w in zip(self.reward_funcs, self.weights))
 
     def close(self) -> None:
         """Stop the reward processes (if any)."""

@@ -171,3 +171,6 @@ def math_reward(completions: Sequence[str], ground_truth: Sequence[str], **kwarg
         gold = extract_boxed_answer(gold) or gold  # tolerate a gold answer given as "\\boxed{...}"
         scores.append(1.0 if is_equiv(extract_boxed_answer(completion), gold) else 0.0)
     return scores
+
+
+math_reward.max_score, math_reward.correctness = 1.0, True  # type: ignore[attr-defined]  # 1.0 exactly when right

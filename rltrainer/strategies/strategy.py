@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.allocator import release_free_heap
+from rltrainer.contracts import check_hook_result
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lm_head import gradients_into_parameters
 from rltrainer.registry import Registry
@@ -296,7 +297,7 @@ def run_compute(module: RLModule, micro_batches: list[RolloutBatch], stage: str,
 
     def step(mb: RolloutBatch) -> dict[str, torch.Tensor]:
         release_free_heap()  # what the previous micro-batch freed (rltrainer.allocator)
-        return module.compute_step(mb, stage)
+        return check_hook_result(module, "compute_step", module.compute_step(mb, stage), received=mb, stage=stage)
 
     with torch.no_grad(), autocast:
         outputs = runner(step, micro_batches, False)
@@ -327,7 +328,7 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
     def step(mb: RolloutBatch) -> Any:
         release_free_heap()  # what the previous micro-batch's forward and backward freed (rltrainer.allocator)
         with autocast_factory():
-            out = module.policy_step(mb)
+            out = check_hook_result(module, "policy_step", module.policy_step(mb))
         return zero_padding(mb, out)
 
     with gradients_into_parameters() if grads_into_parameters else contextlib.nullcontext():

@@ -176,7 +176,8 @@ def test_validate_before_fit(tiny_config, bpe_tokenizer, gsm8k_prompts):
     module = make_module(tiny_config, bpe_tokenizer)
     trainer = Trainer(logger=False, enable_progress_bar=False)
     metrics = trainer.validate(module, prompt_dataloader(gsm8k_prompts, 6, shuffle=False))
-    assert set(metrics) == {"val/score", "val/accuracy"} and 0 <= metrics["val/accuracy"] <= 1
+    assert set(metrics) == {"val/score", "val/full_credit", "val/accuracy"} and 0 <= metrics["val/accuracy"] <= 1
+    assert metrics["val/accuracy"] == metrics["val/full_credit"]  # zero_reward declares no correctness
 
 
 # -- bad input ------------------------------------------------------------------------------------

@@ -108,7 +108,9 @@ def test_ppo_composes_the_same_pieces_with_a_critic(tiny_config, bpe_tokenizer) 
     plain = PPO(tiny_config, bpe_tokenizer, reward_funcs=zero_reward)
     assert plain.compute_stages() == ["values"] and not plain.needs_ref()
     critic_grpo = PPO(tiny_config, bpe_tokenizer, reward_funcs=zero_reward, advantage_estimator="grpo",
-                      policy_loss="cispo")
+                      policy_loss="cispo", num_generations=2)  # grpo needs groups: G=1 is refused
+    with pytest.raises(ValueError, match="num_generations=1 with advantage_estimator='grpo'"):
+        PPO(tiny_config, bpe_tokenizer, reward_funcs=zero_reward, advantage_estimator="grpo")
     assert critic_grpo.compute_stages() == ["values"]
     with pytest.raises(ValueError, match="lam=0.5 does not apply to advantage estimator 'grpo'"):
         PPO(tiny_config, bpe_tokenizer, reward_funcs=zero_reward, advantage_estimator="grpo", lam=0.5)
