@@ -10,7 +10,7 @@ your own (sorting digits, reversing a number, a small game).
   that GRPO starts from a model that is sometimes right.
 - :func:`exact_match` (a reward) and :func:`accuracy` (greedy exact match on held-out problems).
 
-A whole new task in under 40 lines: ``docs/new-task.md``. Nothing here is imported by
+A whole new task in under 40 lines: ``.ci/docs/pages/new-task.md`` (the docs site's "A new task"). Nothing here is imported by
 ``import rltrainer``; ``from rltrainer import toy`` imports transformers only when a function needs it.
 """
 
