@@ -330,8 +330,6 @@ def run(config: Config) -> dict[str, Any]:
             trainer.fit(module, train_loader, val_loader if config.val_every else None)
             acc_after = trainer.validate(module, val_loader)["val/accuracy"]
             steps = trainer.global_step
-            for logger in trainer.loggers:
-                logger.save()  # the last validation's row
             log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
             trainer.teardown()
     finally:
