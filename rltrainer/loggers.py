@@ -131,9 +131,9 @@ def log_versions(loggers: list[Any]) -> list[dict[str, Any] | None]:
 def continue_logs(loggers: list[Any], checkpoint: Mapping[str, Any]) -> None:
     """Before a resumed run logs anything: point each CSV / TensorBoard logger at the version the
     checkpoint recorded (``checkpoint["loggers"]``, :func:`log_versions`), unless it was given another
-    version or has logged already, and keep that ``metrics.csv``'s rows up to the checkpoint's
-    ``global_step`` (rows past it came from the interrupted run after its checkpoint; the resumed run
-    writes them again)."""
+    version or has logged already, and keep that ``metrics.csv``'s rows (TensorBoard's events) up to
+    the checkpoint's ``global_step`` (those past it came from the interrupted run after its
+    checkpoint; the resumed run writes them again)."""
     for logger, saved in zip(loggers, checkpoint.get("loggers") or []):
         kind = _versioned_kind(logger)
         if saved is None or kind != saved.get("kind"):
@@ -147,6 +147,8 @@ def continue_logs(loggers: list[Any], checkpoint: Mapping[str, Any]) -> None:
         logger._version = saved["version"]
         if kind == "CSVLogger":
             _continue_csv(logger, checkpoint["global_step"])
+        elif isinstance(getattr(logger, "_kwargs", None), dict):  # TensorBoard: drop events past the checkpoint
+            logger._kwargs.setdefault("purge_step", checkpoint["global_step"] + 1)
 
 
 def _continue_csv(logger: Any, step: int) -> None:

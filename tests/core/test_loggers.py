@@ -75,6 +75,12 @@ def test_a_resumed_run_continues_the_checkpointed_runs_csv_log(tmp_path, tiny_co
     assert (log_dir / "metrics.csv").read_text().count("critic/score/mean") == 1 and "step" in header
     assert [r["step"] for r in rows if r.get("critic/score/mean")] == ["1", "2", "3", "4"]
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(resumed.loggers[1].log_dir)
+    events.Reload()  # TensorBoard drops the interrupted run's step 3 (purge_step)
+    assert [e.step for e in events.Scalars("critic/score/mean")] == [1, 2, 3, 4]
+
     from rltrainer.plot import read_series
 
     assert read_series(log_dir / "metrics.csv")["critic/score/mean"][0] == [1.0, 2.0, 3.0, 4.0]
