@@ -169,6 +169,9 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, sample: Callable[[int], Sequ
     least ``min_position_accuracy`` of them: stop *partly* trained, so that GRPO has something to
     learn and a signal to learn it from. ``save_to``: ``save_pretrained`` the model (and the
     tokenizer) there, for ``GRPO(model=path)``."""
+    if bad := [f"{k}={v!r}" for k, v in (("steps", steps), ("batch_size", batch_size), ("window", window))
+               if not isinstance(v, int) or v < 1]:
+        raise ValueError(f"warm_up needs positive ints; got {', '.join(bad)}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
     recent: list[torch.Tensor] = []  # per batch: [T-1] position accuracies, then the exact-match rate

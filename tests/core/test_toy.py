@@ -102,6 +102,8 @@ def test_warm_up_counts_only_the_problems_it_is_told_to(caplog):
         result = toy.warm_up(model, tokenizer, lambda n: [("1>", "1")] * n, steps=2, lr=0.0, target_exact=1.0,
                              counted=lambda prompt, answer: False)
     assert result.steps == 2 and not result.reached and "was not reached in 2 steps" in caplog.text
+    with pytest.raises(ValueError, match="positive ints; got steps=0, window=0"):
+        toy.warm_up(model, tokenizer, lambda n: [], steps=0, window=0)
 
 
 def test_accuracy_counts_exact_matches_over_batches():
