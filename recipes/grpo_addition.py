@@ -65,18 +65,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import rltrainer
+from rltrainer import toy
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
-from rltrainer.testing import tiny_qwen2_config
 
 
 @dataclasses.dataclass
@@ -126,69 +127,57 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# -- the task ----------------------------------------------------------------------------------------
+# -- the task (built from rltrainer.toy) ------------------------------------------------------------
 def build_tokenizer() -> Any:
-    """One token per character: the digits, ``+``, ``=`` and three special tokens. No downloads."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(["<pad>", "<bos>", "<eos>", *"0123456789+="])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    tok.decoder = decoders.Fuse()  # decode to "9590", not "9 5 9 0"
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    """One token per character: the digits, ``+``, ``=`` and ``<pad>``, ``<bos>``, ``<eos>``. No downloads."""
+    return toy.char_tokenizer("0123456789+=", unk=None)
 
 
-def problem_text(a: int, b: int, digits: int) -> tuple[str, str]:
-    """``(42, 917, 3) -> ("240+719=", "9590")``: every number zero-padded, then reversed."""
+def problem_text(problem: tuple[int, int], digits: int) -> tuple[str, str]:
+    """``((42, 917), 3) -> ("240+719=", "9590")``: every number zero-padded, then reversed."""
+    a, b = problem
     a_text, b_text = str(a).zfill(digits)[::-1], str(b).zfill(digits)[::-1]
     return f"{a_text}+{b_text}=", str(a + b).zfill(digits + 1)[::-1]
 
 
-class Problems:
-    """Problems ``(a, b)`` from one seeded stream; the held-out set is drawn first and never again."""
+def addition_problems(digits: int, num_val: int, seed: int) -> toy.Problems:
+    """Problems ``(a, b)`` with operands in ``[0, 10**digits)`` from one seeded stream; the
+    ``num_val`` held-out ones are drawn first and never again."""
+    def draw(rng: random.Random) -> tuple[int, int]:
+        return rng.randrange(10**digits), rng.randrange(10**digits)
 
-    def __init__(self, digits: int, num_val: int, seed: int) -> None:
-        self.digits, self.rng = digits, random.Random(seed)
-        self.val: set[tuple[int, int]] = set()
-        self.val = set(self.sample(num_val))
-
-    def sample(self, n: int, copy_share: float = 0.0) -> list[tuple[int, int]]:
-        """``n`` distinct problems, none of them held out. A share ``copy_share`` of them (on
-        average) has one operand 0, so the answer is a copy of the other operand."""
-        out: set[tuple[int, int]] = set()
-        while len(out) < n:
-            pair = (self.rng.randrange(10**self.digits), self.rng.randrange(10**self.digits))
-            if copy_share and self.rng.random() < copy_share:
-                pair = (pair[0], 0) if self.rng.random() < 0.5 else (0, pair[1])
-            if pair not in self.val:
-                out.add(pair)
-        return sorted(out)
-
-    def rows(self, pairs: list[tuple[int, int]], tokenizer: Any) -> list[dict[str, Any]]:
-        """Dataset rows: ``prompt_ids`` (``<bos>`` + prompt tokens) and the ``answer`` text."""
-        rows = []
-        for a, b in pairs:
-            prompt, answer = problem_text(a, b, self.digits)
-            ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False).input_ids
-            rows.append({"prompt_ids": ids, "answer": answer})
-        return rows
+    return toy.Problems(draw, functools.partial(problem_text, digits=digits), num_val, seed)
 
 
-def exact_match(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
-    """The reward: 1.0 if the completion is exactly the answer, else 0.0."""
-    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+def copy_mix(digits: int, copy_share: float) -> Callable[[random.Random], tuple[int, int]]:
+    """The warm-up's draw: a share ``copy_share`` of the problems (on average) has one operand 0,
+    so the answer is a copy of the other operand."""
+    def draw(rng: random.Random) -> tuple[int, int]:
+        pair = (rng.randrange(10**digits), rng.randrange(10**digits))
+        if copy_share and rng.random() < copy_share:
+            pair = (pair[0], 0) if rng.random() < 0.5 else (0, pair[1])
+        return pair
+
+    return draw
+
+
+def two_operands(prompt: str, answer: str) -> bool:
+    """Whether neither operand of ``prompt`` (``"240+719="``) is 0: the problems the warm-up counts."""
+    return all(int(operand) > 0 for operand in prompt.rstrip("=").split("+"))
+
+
+exact_match = toy.exact_match  # the reward: 1.0 for exactly the answer, else 0.0
 
 
 # -- 1. supervised warm-up ---------------------------------------------------------------------------
-def warm_up(config: Config, problems: Problems, tokenizer: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Cross-entropy on the answer and ``<eos>`` tokens until the model is *partly* able to add;
-    returns the model and what the warm-up measured (``steps``, ``exact``, ``digits``).
+def warm_up(config: Config, problems: toy.Problems, tokenizer: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Cross-entropy on the answer and ``<eos>`` tokens (:func:`rltrainer.toy.warm_up`) until the
+    model is *partly* able to add; returns the model and what the warm-up measured (``steps``,
+    ``exact``, ``digits``).
 
-    Greedy decoding gets a problem right exactly when every teacher-forced argmax is the target
-    token, so that is what is counted, on each batch before its update, over its two-operand
-    problems only. It stops when, over the last 10 batches, at least ``warmup_target`` of the
-    problems are exactly right *and* every answer digit is right on at least
+    It stops when, over the last 10 batches, at least ``warmup_target`` of the two-operand problems
+    are exactly right (greedy decoding gets a problem right exactly when every teacher-forced argmax
+    is the target token) *and* every answer digit is right on at least
     ``warmup_min_digit_accuracy`` of them. The second condition is what makes the stop mean the
     same on every machine: a model can also reach 10 % exact by knowing the units digit and guessing
     the others (the run of issue 10 did, after 2169 steps), and then GRPO's exact-match reward only
@@ -199,35 +188,14 @@ def warm_up(config: Config, problems: Problems, tokenizer: Any) -> tuple[torch.n
     gradient towards attending to the right operand digits until it, by chance, does both at once,
     and the plateau before that lasted 300 to more than 2000 steps depending on the data order
     and the CPU's rounding. The copy problems give that gradient directly."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(config.seed)
-    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(
-        len(tokenizer), hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
-        num_kv_heads=max(1, config.num_heads // 2), max_positions=64))
-    opt = torch.optim.AdamW(model.parameters(), lr=config.warmup_lr, weight_decay=0.01)
-    model.train()
-    recent: list[torch.Tensor] = []  # per batch: [T] digit accuracies, then the exact-match rate
-    for step in range(1, config.warmup_max_steps + 1):
-        pairs = problems.sample(config.warmup_batch_size, copy_share=config.warmup_copy_share)
-        rows = problems.rows(pairs, tokenizer)
-        ids = torch.tensor([r["prompt_ids"] + tokenizer(r["answer"], add_special_tokens=False).input_ids
-                            + [tokenizer.eos_token_id] for r in rows])  # [B, P+T], one length for all
-        P = len(rows[0]["prompt_ids"])
-        logits = model(input_ids=ids).logits[:, P - 1 : -1]  # [B, T, V]: position P-1+t predicts token t
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, P:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        hits = (logits.argmax(-1) == ids[:, P:])[torch.tensor([a > 0 and b > 0 for a, b in pairs])]  # [B', T]
-        recent = recent[-9:] + [torch.cat([hits.float().mean(0), hits.all(-1).float().mean().view(1)])]
-        mean = torch.stack(recent).mean(0)  # [T + 1]
-        digits, exact = mean[: config.digits + 1], mean[-1].item()
-        if len(recent) == 10 and exact >= config.warmup_target and digits.min() >= config.warmup_min_digit_accuracy:
-            break
-    else:
-        print(f"warning: the warm-up did not reach its target in {step} steps", flush=True)
-    return model.eval(), {"steps": step, "exact": exact, "digits": [round(d, 2) for d in digits.tolist()]}
+    model = toy.tiny_model(tokenizer, seed=config.seed, hidden_size=config.hidden_size, num_layers=config.num_layers,
+                           num_heads=config.num_heads, max_positions=64)
+    draw = copy_mix(config.digits, config.warmup_copy_share)
+    result = toy.warm_up(model, tokenizer, lambda n: problems.texts(problems.sample(n, draw)),
+                         steps=config.warmup_max_steps, batch_size=config.warmup_batch_size, lr=config.warmup_lr,
+                         target_exact=config.warmup_target, min_position_accuracy=config.warmup_min_digit_accuracy,
+                         counted=two_operands)
+    return result.model, {"steps": result.steps, "exact": result.exact, "digits": result.position_accuracy}
 
 
 # -- 2. GRPO, and held-out accuracy before and after ------------------------------------------------
@@ -328,13 +296,13 @@ def run(config: Config) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     try:
         tokenizer = build_tokenizer()
-        problems = Problems(config.digits, config.num_val, config.seed)
+        problems = addition_problems(config.digits, config.num_val, config.seed)
         print("warm-up: supervised training until the model adds partly right (about 200 steps)...", flush=True)
         model, warmup = warm_up(config, problems, tokenizer)
         warmup_s = time.perf_counter() - start
 
         train_rows = problems.rows(problems.sample(config.steps * config.batch_size), tokenizer)
-        val_rows = problems.rows(sorted(problems.val), tokenizer)
+        val_rows = problems.rows(sorted(problems.val), tokenizer)  # held out: never trained on
         train_loader = rltrainer.prompt_dataloader(train_rows, config.batch_size, seed=config.seed)
         val_loader = rltrainer.prompt_dataloader(val_rows, 256, shuffle=False, drop_last=False)
         with tempfile.TemporaryDirectory() as model_dir:
@@ -362,8 +330,6 @@ def run(config: Config) -> dict[str, Any]:
             trainer.fit(module, train_loader, val_loader if config.val_every else None)
             acc_after = trainer.validate(module, val_loader)["val/accuracy"]
             steps = trainer.global_step
-            for logger in trainer.loggers:
-                logger.save()  # the last validation's row
             log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
             trainer.teardown()
     finally:

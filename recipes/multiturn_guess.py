@@ -50,15 +50,15 @@ import dataclasses
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import rltrainer
+from rltrainer import toy
 from rltrainer.envs import Environment, MultiTurn, StepResult
 from rltrainer.strategies import SingleDeviceStrategy
-from rltrainer.testing import tiny_qwen2_config
 
 SPECIALS = ["<pad>", "<|end|>", "<|user|>", "<|assistant|>"]
 REPLIES = "+-.!"  # higher, lower, withheld, not a digit
@@ -93,17 +93,8 @@ class Config:
 
 def build_tokenizer() -> Any:
     """One token per character (digits and reply symbols) plus the chat markers; a ChatML-like template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *"0123456789", *REPLIES, "?", *CODE])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|end|>",
-                                        additional_special_tokens=SPECIALS[2:])
-    tokenizer.chat_template = TEMPLATE
-    return tokenizer
+    return toy.char_tokenizer([*"0123456789", *REPLIES, "?", *CODE], pad=SPECIALS[0], bos=None, eos=SPECIALS[1],
+                              unk=None, special_tokens=SPECIALS[2:], chat_template=TEMPLATE)
 
 
 class GuessDigit(Environment):
@@ -157,37 +148,32 @@ def rows(secrets: list[int]) -> list[dict[str, Any]]:
     return [{"prompt_ids": [0], "secret": s} for s in secrets]  # prompt_ids unused: reset makes the prompt
 
 
-def warm_up(config: Config, tokenizer: Any) -> torch.nn.Module:
-    """Cross-entropy on the assistant tokens of episodes with uniformly random guesses and replies."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(config.seed)
+def random_episodes(config: Config) -> Callable[[int], list[tuple[str, list[tuple[str, bool]]]]]:
+    """The warm-up's episodes: uniformly random guesses and reply symbols (letters included), as
+    ``(prompt, pieces)`` with the replies not learned (:func:`rltrainer.toy.warm_up`)."""
     rng = random.Random(config.seed)
-    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(
-        len(tokenizer), hidden_size=config.hidden_size, num_layers=config.num_layers, max_positions=128))
-    opt = torch.optim.AdamW(model.parameters(), lr=config.warmup_lr)
-    ids = tokenizer.convert_tokens_to_ids
-    end, user, assistant = ids("<|end|>"), ids("<|user|>"), ids("<|assistant|>")
-    prompt = [user, ids("?"), end, assistant]
-    for _ in range(config.warmup_steps):
-        batch, labels = [], []
-        for _ in range(config.warmup_batch_size):
-            seq, lab = list(prompt), [-100] * len(prompt)
+
+    def sample(n: int) -> list[tuple[str, list[tuple[str, bool]]]]:
+        episodes = []
+        for _ in range(n):
+            pieces = []
             for turn in range(config.max_turns):
-                seq += [ids(str(rng.randrange(10))), end]
-                lab += seq[-2:]
+                pieces.append((f"{rng.randrange(10)}<|end|>" if turn + 1 < config.max_turns
+                               else str(rng.randrange(10)), True))  # the last <|end|> is warm_up's eos
                 if turn + 1 < config.max_turns:
-                    reply = [user, ids(rng.choice("+-." + CODE)), end, assistant]
-                    seq, lab = seq + reply, lab + [-100] * 4
-            batch.append(seq)
-            labels.append(lab)
-        x, y = torch.tensor(batch), torch.tensor(labels)
-        logits = model(input_ids=x).logits[:, :-1]
-        loss = F.cross_entropy(logits.flatten(0, 1), y[:, 1:].flatten(), ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+                    pieces.append((f"<|user|>{rng.choice('+-.' + CODE)}<|end|><|assistant|>", False))
+            episodes.append(("<|user|>?<|end|><|assistant|>", pieces))
+        return episodes
+
+    return sample
+
+
+def warm_up(config: Config, tokenizer: Any) -> torch.nn.Module:
+    """Cross-entropy on the model turns of episodes with uniformly random guesses and replies."""
+    model = toy.tiny_model(tokenizer, seed=config.seed, hidden_size=config.hidden_size,
+                           num_layers=config.num_layers, num_kv_heads=2, max_positions=128)
+    return toy.warm_up(model, tokenizer, random_episodes(config), steps=config.warmup_steps,
+                       batch_size=config.warmup_batch_size, lr=config.warmup_lr).model
 
 
 class PrintProgress(rltrainer.Callback):

@@ -15,6 +15,12 @@ A row has ``prompt``, ``response``, ``reward``, ``advantage`` (the row's mean ov
 tokens; ``None`` at validation), ``finish_reason`` and each reward function's unweighted score
 (``reward/<name>``). Lines in ``generations.jsonl`` also carry ``step`` and ``split``
 (``"train"`` or ``"val"``).
+
+``prompt`` is what the model saw, decoded from the row's prompt tokens (a chat template applied in
+``rollout_step`` shows). In a multi-turn row (:class:`~rltrainer.envs.MultiTurn`) ``prompt`` is the
+environment's first observation as rendered, and ``response`` the whole episode after it, decoded
+from its tokens with the chat markers: the model's turns and, between them, the environment's
+replies and tool results, exactly as the model saw them.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ def generation_rows(batch: RolloutBatch, tokenizer: Any, indices: list[int]) -> 
     out = []
     for i in indices:
         row: dict[str, Any] = {
-            "prompt": tokenizer.decode(list(batch["prompt_ids"][i])) if "prompt_ids" in batch else None,
-            "response": str(batch["response_text"][i]) if "response_text" in batch else None,
+            "prompt": seen_prompt(batch, i, tokenizer),
+            "response": episode_text(batch, i, tokenizer) if "env_turns" in batch else
+            str(batch["response_text"][i]) if "response_text" in batch else None,
             "reward": float(batch["scores"][i]) if "scores" in batch else None,
             "advantage": float(advantages[i]) if advantages is not None else None,
             "finish_reason": str(batch["finish_reason"][i]) if "finish_reason" in batch else None,
@@ -51,6 +58,22 @@ def generation_rows(batch: RolloutBatch, tokenizer: Any, indices: list[int]) -> 
             row.update({f"reward/{name}": float(components[i, k]) for k, name in enumerate(names)})
         out.append(row)
     return out
+
+
+def seen_prompt(batch: RolloutBatch, i: int, tokenizer: Any) -> str | None:
+    """Row ``i``'s prompt as the model saw it: its ``prompts`` tokens (padding left out), else the
+    dataset's ``prompt_ids``."""
+    if "prompts" in batch and "attention_mask" in batch:
+        P = batch["prompts"].shape[1]
+        return tokenizer.decode(batch["prompts"][i][batch["attention_mask"][i, :P].bool()].tolist())
+    return tokenizer.decode(list(batch["prompt_ids"][i])) if "prompt_ids" in batch else None
+
+
+def episode_text(batch: RolloutBatch, i: int, tokenizer: Any) -> str:
+    """A multi-turn row's response tokens (model turns and environment turns), decoded with the
+    chat markers."""
+    P = batch["prompts"].shape[1]
+    return tokenizer.decode(batch["responses"][i][batch["attention_mask"][i, P:].bool()].tolist())
 
 
 def row_advantages(batch: RolloutBatch) -> torch.Tensor | None:

@@ -1,12 +1,20 @@
 """Loggers are Lightning's, resolved by name and imported lazily (``import lightning`` takes
 several seconds, so it happens only when a logger is actually used). A logger built by name gets
 the run's identity (``project``, ``run_name``, and for W&B a run id that a restarted job reuses,
-so a preempted run resumes as the same W&B run); every logger gets the hyperparameters."""
+so a preempted run resumes as the same W&B run); every logger gets the hyperparameters.
+
+A log is whole: a ``validate()`` after ``fit`` reaches every logger and is saved at once
+(:func:`save_loggers`), and a run resumed with ``fit(ckpt_path=...)`` writes on in the CSV /
+TensorBoard version the checkpointed run wrote (:func:`log_versions`, :func:`continue_logs`), so
+one ``metrics.csv`` (and one plot) covers the whole run."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import logging
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +26,9 @@ LOGGER_NAMES = {
     "wandb": ("lightning.pytorch.loggers", "WandbLogger"),
     "mlflow": ("lightning.pytorch.loggers", "MLFlowLogger"),
 }
+log = logging.getLogger(__name__)
+#: Loggers that write a numbered version directory under ``save_dir/name``.
+VERSIONED = ("CSVLogger", "TensorBoardLogger")
 #: where a W&B run id is kept under ``default_root_dir``, so the restarted job logs to the same run.
 WANDB_ID_FILE = "wandb_run_id"
 
@@ -97,3 +108,65 @@ def hyperparameters(obj: Any, prefix: str) -> dict[str, Any]:
 
 def _scalar(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def save_loggers(loggers: list[Any]) -> None:
+    """Write what the loggers hold (Lightning's CSV logger keeps rows in memory until ``save``)."""
+    for logger in loggers:
+        if hasattr(logger, "save"):
+            logger.save()
+
+
+def _versioned_kind(logger: Any) -> str | None:
+    return next((cls.__name__ for cls in type(logger).__mro__ if cls.__name__ in VERSIONED), None)
+
+
+def log_versions(loggers: list[Any]) -> list[dict[str, Any] | None]:
+    """For a checkpoint, per logger in order: the CSV / TensorBoard ones' ``{"kind", "version"}``, ``None``
+    for the others (W&B and MLflow resume by run id)."""
+    return [{"kind": kind, "version": logger.version} if (kind := _versioned_kind(logger)) else None
+            for logger in loggers]
+
+
+def continue_logs(loggers: list[Any], checkpoint: Mapping[str, Any]) -> None:
+    """Before a resumed run logs anything: point each CSV / TensorBoard logger at the version the
+    checkpoint recorded (``checkpoint["loggers"]``, :func:`log_versions`), unless it was given another
+    version or has logged already, and keep that ``metrics.csv``'s rows (TensorBoard's events) up to
+    the checkpoint's ``global_step`` (those past it came from the interrupted run after its
+    checkpoint; the resumed run writes them again)."""
+    for logger, saved in zip(loggers, checkpoint.get("loggers") or []):
+        kind = _versioned_kind(logger)
+        if saved is None or kind != saved.get("kind"):
+            continue
+        if getattr(logger, "_experiment", None) is not None or getattr(logger, "_version", None) not in (
+                None, saved["version"]):
+            log.info("%s continues in version %s, not the checkpoint's %s (it has logged already or was given "
+                     "another version); `python -m rltrainer.plot` shows one version at a time", kind,
+                     logger.version, saved["version"])
+            continue
+        logger._version = saved["version"]
+        if kind == "CSVLogger":
+            _continue_csv(logger, checkpoint["global_step"])
+        elif isinstance(getattr(logger, "_kwargs", None), dict):  # TensorBoard: drop events past the checkpoint
+            logger._kwargs.setdefault("purge_step", checkpoint["global_step"] + 1)
+
+
+def _continue_csv(logger: Any, step: int) -> None:
+    """Open the CSV logger's existing version, keeping its rows up to ``step``."""
+    path = Path(logger.log_dir) / "metrics.csv"
+    keys: list[str] = []
+    rows: list[dict[str, str]] = []
+    if path.is_file():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            keys = list(reader.fieldnames or [])
+            rows = [row for row in reader if not row.get("step") or float(row["step"]) <= step]
+    with warnings.catch_warnings():  # "... exists and is not empty. Previous log files ... will be deleted"
+        warnings.simplefilter("ignore")
+        experiment = logger.experiment  # Lightning removes metrics.csv of an existing directory here
+    if keys:
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+        experiment.metrics_keys = keys  # later rows append under this header (a new key rewrites it)

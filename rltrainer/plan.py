@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -98,13 +99,24 @@ def check_plan(B: int | None, G: int, mini_batch_size: int | None, update_epochs
         raise ValueError(
             f"mini_batch_size={mini_batch_size} rows is larger than the batch: {B} prompts x {G} samples = {N} rows "
             f"per step. Set mini_batch_size to a divisor of {N} (e.g. {N} for one optimizer step), or raise the "
-            f"loader's batch_size to at least {-(-mini_batch_size // G)} prompts.")
+            f"loader's batch_size to {prompts_for(mini_batch_size, G, B + 1)} prompts (the fewest whose "
+            f"{G} samples each split into mini-batches of {mini_batch_size} rows).")
     if N % mini_batch_size:
-        divisors = [d for d in range(1, N + 1) if N % d == 0][-8:]
+        below = max(d for d in range(1, mini_batch_size) if N % d == 0)
+        above = next(d for d in range(mini_batch_size + 1, N + 1) if N % d == 0)
         raise ValueError(
             f"mini_batch_size={mini_batch_size} rows does not divide the {N} rows of a step ({B} prompts x {G} "
-            f"samples): the last optimizer step would get {N % mini_batch_size} rows. Use a divisor of {N}, e.g. "
-            f"one of {divisors}, or change the loader's batch_size.")
+            f"samples): the last optimizer step would get {N % mini_batch_size} rows. Use mini_batch_size={below} or "
+            f"{above} (the nearest divisors of {N}), or set the loader's batch_size to "
+            f"{prompts_for(mini_batch_size, G, B + 1)} prompts (the next that splits into mini-batches of "
+            f"{mini_batch_size} rows).")
+
+
+def prompts_for(mini_batch_size: int, G: int, at_least: int) -> int:
+    """The fewest prompts, at least ``at_least``, whose ``G`` samples each fill whole mini-batches of
+    ``mini_batch_size`` rows: the smallest multiple of ``mini_batch_size / gcd(mini_batch_size, G)``."""
+    step = mini_batch_size // math.gcd(mini_batch_size, G)
+    return max(-(-at_least // step), 1) * step
 
 
 def log_plan(plan: RunPlan, loggers: list[Any]) -> None:

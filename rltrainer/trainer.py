@@ -25,7 +25,8 @@ from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, 
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.generations import generation_rows, spread, write_generations
-from rltrainer.loggers import build_loggers, hyperparameters, log_hyperparameters
+from rltrainer.loggers import (build_loggers, continue_logs, hyperparameters, log_hyperparameters, log_versions,
+                               save_loggers)
 from rltrainer.loop import batch_metrics, check_skipped_steps, training_step, validation_loop
 from rltrainer.module import RLModule, check_hooks
 from rltrainer.pipelines import Pipeline, build_pipeline, check_module_pipeline, check_pipeline
@@ -212,14 +213,17 @@ class Trainer:
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self.estimated_total_steps = self._estimate_total_steps(train_loader)
         self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps)
+        resume = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
+        if resume is not None:  # before anything is logged: the resumed run writes on in the checkpointed run's log
+            continue_logs(self.loggers, read_trainer_state(resume))
         log_plan(self.plan, self.loggers)  # checked and shown before any model is built
         self._seed_everything()
         module.estimated_optimizer_steps = estimate_optimizer_steps(  # before setup: LR schedules read it
             self.estimated_total_steps, module, getattr(train_loader, "batch_size", None))
         self._setup(module)
         try:
-            if ckpt_path is not None:
-                self._restore(ckpt_path)
+            if resume is not None:
+                self._restore(resume)
             self._validated_this_step = self.should_stop = False
             log_hyperparameters(self.loggers, {**hyperparameters(self, "trainer"),
                                                **hyperparameters(self.strategy, "strategy"),
@@ -236,8 +240,7 @@ class Trainer:
             self.teardown()
             raise
         finally:
-            for logger in self.loggers:
-                logger.save()
+            save_loggers(self.loggers)
 
     def validate(self, module: RLModule | None = None, dataloaders: Iterable[Any] | None = None,
                  datamodule: Any = None) -> dict[str, float]:
@@ -323,7 +326,7 @@ class Trainer:
                           "strategy_class": type(self.strategy).__name__, "strategy": strategy_state,
                           "pipeline": {"mode": self.pipeline, **pipeline}, "global_step": self.global_step,
                           "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch,
-                          "rng": controller_rng_state()}
+                          "rng": controller_rng_state(), "loggers": log_versions(self.loggers)}
             call_callback_hooks(self, "on_save_checkpoint", checkpoint)
             torch.save(checkpoint, tmp / TRAINER_FILE)
         except BaseException:
@@ -527,6 +530,7 @@ class Trainer:
         self._validated_this_step = True
         if log:
             self._log(metrics)
+            save_loggers(self.loggers)  # a validate() after fit is in metrics.csv at once
         return metrics
 
     def _log(self, metrics: dict[str, float]) -> None:
@@ -549,7 +553,7 @@ class Trainer:
         return found[0]
 
     def _restore(self, ckpt_path: str | Path) -> None:
-        path = self._resolve_ckpt_path(ckpt_path)
+        path = self._resolve_ckpt_path(ckpt_path)  # fit() passes it resolved; export passes its argument
         if path is None:
             return
         checkpoint = read_trainer_state(path)

@@ -33,7 +33,7 @@ def main() -> None:
     cfg = ga.Config(seed=args.seed, steps=args.steps, pipeline=args.pipeline, max_staleness=args.max_staleness)
     torch.set_num_threads(1)
     tokenizer = ga.build_tokenizer()
-    problems = ga.Problems(cfg.digits, cfg.num_val, cfg.seed)
+    problems = ga.addition_problems(cfg.digits, cfg.num_val, cfg.seed)
     model, _ = ga.warm_up(cfg, problems, tokenizer)
     train = rltrainer.prompt_dataloader(problems.rows(problems.sample(cfg.steps * cfg.batch_size), tokenizer),
                                         cfg.batch_size, seed=cfg.seed)

@@ -105,3 +105,32 @@ def test_plot_draws_one_png_from_the_csv_log(logged_run, tmp_path):
     assert sum(any(n in series for n in names) for names in PANELS.values()) == 5  # KL: kl_coef=0, not logged
     with pytest.raises(FileNotFoundError, match="No metrics.csv in or below"):
         main([str(tmp_path)])
+
+
+def test_multi_turn_generations_show_what_the_model_saw(tmp_path, tiny_config, bpe_tokenizer):
+    """A multi-turn row's prompt is the environment's first observation as rendered (not the dataset's
+    placeholder prompt), and its response the whole episode with the environment's replies."""
+    from rltrainer.envs import Environment, MultiTurn, StepResult
+
+    class Echo(Environment):
+        def reset(self, row):
+            return [{"role": "user", "content": f"Say something ({row['secret']})."}]
+
+        def step(self, text):
+            return StepResult("again", reward=0.5)
+
+    placeholder = bpe_tokenizer("unused", add_special_tokens=False).input_ids
+    rows = [{"prompt_ids": placeholder, "secret": i} for i in range(4)]
+    module = GRPO(tiny_config, bpe_tokenizer, None, num_generations=2, max_new_tokens=3,
+                  environment=MultiTurn(Echo, max_turns=2, max_workers=0))
+    trainer = Trainer(max_steps=1, logger="csv", default_root_dir=tmp_path, enable_progress_bar=False,
+                      log_generations_every_n_steps=1, log_generations_rows=2)
+    trainer.fit(module, prompt_dataloader(rows, batch_size=2, shuffle=False),
+                val_dataloaders=prompt_dataloader(rows[:2], batch_size=2, shuffle=False))
+    logged = [json.loads(line) for line in (Path(trainer.loggers[0].log_dir) / "generations.jsonl").open()]
+    assert {r["split"] for r in logged} == {"train", "val"} and len(logged) == 4
+    for r in logged:
+        assert "Say something (" in r["prompt"] and "unused" not in r["prompt"]
+        assert r["prompt"].rstrip().endswith("<|im_start|>assistant")
+        assert "<|im_start|>user\nagain<|im_end|>" in r["response"], r["response"]
+        assert r["reward"] == 0.5 * 2  # two turns, 0.5 each

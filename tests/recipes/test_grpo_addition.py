@@ -25,9 +25,10 @@ def recipe():
 
 
 def test_problem_text_is_reversed_and_zero_padded(recipe):
-    assert recipe.problem_text(42, 917, 3) == ("240+719=", "9590")
-    assert recipe.problem_text(999, 999, 3) == ("999+999=", "8991")
-    assert recipe.problem_text(0, 5, 2) == ("00+50=", "500")
+    assert recipe.problem_text((42, 917), 3) == ("240+719=", "9590")
+    assert recipe.problem_text((999, 999), 3) == ("999+999=", "8991")
+    assert recipe.problem_text((0, 5), 2) == ("00+50=", "500")
+    assert recipe.two_operands("240+719=", "9590") and not recipe.two_operands("000+719=", "9170")
 
 
 def test_tokenizer_is_character_level_and_picklable(recipe):
@@ -40,7 +41,7 @@ def test_tokenizer_is_character_level_and_picklable(recipe):
 
 
 def test_held_out_problems_never_sampled_for_training(recipe):
-    problems = recipe.Problems(digits=2, num_val=300, seed=0)
+    problems = recipe.addition_problems(digits=2, num_val=300, seed=0)
     assert len(problems.val) == 300
     assert not problems.val & set(problems.sample(5000))  # 5000 of the 9700 others
     rows = problems.rows([(42, 7)], recipe.build_tokenizer())
@@ -48,8 +49,8 @@ def test_held_out_problems_never_sampled_for_training(recipe):
 
 
 def test_warm_up_mix_has_copy_problems_and_no_held_out_ones(recipe):
-    problems = recipe.Problems(digits=3, num_val=300, seed=0)
-    copies = problems.sample(1000, copy_share=0.25)  # some problems with one operand 0
+    problems = recipe.addition_problems(digits=3, num_val=300, seed=0)
+    copies = problems.sample(1000, recipe.copy_mix(3, copy_share=0.25))  # some problems with one operand 0
     assert not problems.val & set(copies)
     share = sum(a == 0 or b == 0 for a, b in copies) / len(copies)
     assert 0.15 < share < 0.35, share
