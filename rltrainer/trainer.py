@@ -20,11 +20,12 @@ import torch
 from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
 from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, commit_directory,
-                                   controller_rng_state, find_last, read_trainer_state, set_controller_rng_state,
-                                   temporary_directory)
+                                   controller_rng_state, find_last_run, read_trainer_state,
+                                   set_controller_rng_state, temporary_directory)
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.generations import generation_rows, spread, write_generations
+from rltrainer.interrupt import save_interrupted, stop_on_interrupt
 from rltrainer.loggers import build_loggers, hyperparameters, log_hyperparameters
 from rltrainer.loop import batch_metrics, check_skipped_steps, training_step, validation_loop
 from rltrainer.module import RLModule, check_hooks
@@ -188,6 +189,8 @@ class Trainer:
         self.module: RLModule | None = None
         self.global_step = 0
         self.should_stop = False  # a callback sets it to end fit() after this step (as in Lightning)
+        self.interrupted = False  # the last fit() was stopped by Ctrl-C (and saved a checkpoint)
+        self.ckpt_path: Path | None = None  # the checkpoint the last fit() resumed from
         self.current_epoch = 0
         self.batches_seen_in_epoch = 0
         self.step_metrics: dict[str, float] = {}
@@ -204,7 +207,8 @@ class Trainer:
             ckpt_path: str | Path | None = None) -> None:
         """Train ``module`` on prompts from ``train_dataloaders`` (or ``datamodule``); with ``ckpt_path``
         (a directory :meth:`save_checkpoint` wrote, or ``"last"``: the newest in ``ModelCheckpoint``'s
-        ``dirpath``; a fresh run with none warns and starts from scratch), resume from it."""
+        ``dirpath`` or beside it; a fresh run with none warns and starts from scratch), resume from it.
+        Ctrl-C ends it after the current step with a checkpoint (:mod:`rltrainer.interrupt`)."""
         check_hooks(module)
         check_module_pipeline(module, self.pipeline)  # before setup: nothing is built for a refused pairing
         check_engine_sampling(self._engine_spec, module.sampling, getattr(module, "rollout_correction", None),
@@ -217,6 +221,7 @@ class Trainer:
         module.estimated_optimizer_steps = estimate_optimizer_steps(  # before setup: LR schedules read it
             self.estimated_total_steps, module, getattr(train_loader, "batch_size", None))
         self._setup(module)
+        self.ckpt_path, self.interrupted = None, False
         try:
             if ckpt_path is not None:
                 self._restore(ckpt_path)
@@ -225,9 +230,12 @@ class Trainer:
                                                **hyperparameters(self.strategy, "strategy"),
                                                **hyperparameters(module, "module")})
             call_hooks(self, "on_fit_start")
-            self._fit_loop(train_loader, val_loader)
-            self._await_weights()
-            if val_loader is not None and not self._validated_this_step:
+            with stop_on_interrupt(self):
+                self._fit_loop(train_loader, val_loader)
+                self._await_weights()
+                if self.interrupted:
+                    save_interrupted(self)
+            if val_loader is not None and not self._validated_this_step and not self.interrupted:
                 self._run_validation(val_loader)
             call_hooks(self, "on_fit_end")
             self.wait_for_checkpoint()
@@ -541,7 +549,7 @@ class Trainer:
             return Path(ckpt_path)
         dirs = [c.checkpoint_dir(self) for c in self.callbacks if isinstance(c, ModelCheckpoint)]
         dirs = dirs or [Path(self.default_root_dir) / "checkpoints"]
-        found = [p for p in (find_last(d) for d in dirs) if p is not None]
+        found = [p for p in (find_last_run(d) for d in dirs) if p is not None]
         if not found:
             log.warning("ckpt_path='last': no checkpoint in %s yet; training starts from scratch",
                         ", ".join(str(d) for d in dirs))
@@ -553,6 +561,7 @@ class Trainer:
         if path is None:
             return
         checkpoint = read_trainer_state(path)
+        log.info("Resuming from %s (step %d)", path, checkpoint["global_step"])
         pipeline = dict(checkpoint["pipeline"])
         if pipeline.pop("mode", self.pipeline) != self.pipeline and pipeline:
             raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
@@ -569,6 +578,7 @@ class Trainer:
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
         self._pipeline_state = pipeline
         set_controller_rng_state(checkpoint["rng"])
+        self.ckpt_path = path
         call_callback_hooks(self, "on_load_checkpoint", checkpoint)
         self.sync_weights()
 
