@@ -19,6 +19,7 @@ checkpoint and the command that resumes it. Shipped configs: ``recipes/configs/`
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from argparse import ArgumentError
@@ -175,18 +176,26 @@ def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def usage_error(exc: BaseException, command: str) -> str:
-    """One readable message for a command line or config the parser (or a constructor) refused."""
-    text = "\n".join(line for line in str(exc).strip().splitlines() if line.strip())
-    lines = text.splitlines()
-    if len(lines) > 16:
-        lines = [*lines[:16], f"  ... ({len(lines) - 16} more lines)"]
+#: Lines of jsonargparse's messages that say nothing to a user (a class argument is ``Optional``).
+NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:",
+         "Expected a <class 'NoneType'>", "Given value type:", "Given value:")
+
+
+def usage_error(exc: BaseException, command: str, options: Sequence[str] = ()) -> str:
+    """One readable message for a command line or config the parser (or a constructor) refused;
+    an unknown flag gets the closest of ``options``."""
+    lines = [line.strip().removeprefix("- ") for line in str(exc).strip().splitlines()]
+    lines = [line for line in lines if line and not line.startswith(NOISE)]
+    if len(lines) > 12:
+        lines = [*lines[:12], f"  ... ({len(lines) - 12} more lines)"]
     message = "\n  ".join(lines)
     if not isinstance(exc, ArgumentError):  # a constructor's
         message = f"{type(exc).__name__}: {message}"
-    return (f"{command}: error: {message}\n"
-            f"See `{command} --help` for the options (and e.g. `{command} --module.help rltrainer.GRPO` for a "
-            f"class's arguments).")
+    unknown = [a.split("=", 1)[0] for a in message.split() if a.startswith("--")] if "unrecognized" in message else []
+    close = [m for a in unknown for m in difflib.get_close_matches(a, options, n=1)]
+    hint = f"Did you mean {', '.join(close)}? " if close else ""
+    classes = f" (and e.g. `{command} --module.help rltrainer.GRPO` for a class's arguments)" if " " in command else ""
+    return f"{command}: error: {message}\n{hint}See `{command} --help` for the options{classes}."
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,13 +203,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoint), 2 for a command line or config that is refused (one message, no traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     sys.path[:0] = [p for p in import_paths(argv) if p not in sys.path]
+    fit = fit_parser()
+    parser = build_parser(fit)
     try:
-        fit = fit_parser()
-        parser = build_parser(fit)
         config = parser.parse_args(argv)
     except ArgumentError as exc:
-        command = "rltrainer fit" if argv[:1] == ["fit"] else "rltrainer"
-        print(usage_error(exc, command), file=sys.stderr)
+        fit_command = argv[:1] == ["fit"]
+        options = list(getattr(fit, "_option_string_actions", {})) if fit_command else []
+        print(usage_error(exc, "rltrainer fit" if fit_command else "rltrainer", options), file=sys.stderr)
         return USAGE_ERROR
     if config.subcommand != "fit":
         print(parser.format_usage(), file=sys.stderr)

@@ -35,8 +35,8 @@ def stop_on_interrupt(trainer: Trainer) -> Iterator[None]:
         if trainer.interrupted:
             raise KeyboardInterrupt
         trainer.interrupted = trainer.should_stop = True
-        log.warning("Interrupted: finishing step %d, then saving a checkpoint (press Ctrl-C again to stop at "
-                    "once, without one)", trainer.global_step + 1)
+        log.warning("Interrupted: stopping after the current step, with a checkpoint (press Ctrl-C again to "
+                    "stop at once, without one)")
 
     previous = signal.signal(signal.SIGINT, handle)
     try:
