@@ -86,6 +86,14 @@ def task(tmp_path) -> Path:
     return folder / "task.yaml"
 
 
+@pytest.fixture
+def forget_user_modules():
+    """The user modules an in-process test imported from its tmp_path are forgotten after it."""
+    yield
+    for name in ("my_task", "my_data"):
+        sys.modules.pop(name, None)
+
+
 def rltrainer(*args: str, cwd: Path) -> subprocess.Popen:
     """``python -m rltrainer`` in ``cwd``; the user module is found beside the config, not in ``cwd``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -128,10 +136,8 @@ def test_a_yaml_task_is_interrupted_with_ctrl_c_and_resumed_from_the_cli(task, t
     assert read_trainer_state(checkpoints / "last.ckpt")["global_step"] == interrupted + 2
 
 
-def test_parse_errors_are_one_message_with_a_hint(task, capsys, monkeypatch):
+def test_parse_errors_are_one_message_with_a_hint(task, capsys, monkeypatch, forget_user_modules):
     monkeypatch.setattr(sys, "path", [*sys.path])  # main() adds the config's folder
-    monkeypatch.setitem(sys.modules, "my_task", None)
-    monkeypatch.delitem(sys.modules, "my_task")  # and imports my_task from it: forgotten after the test
     assert main(["fit", "--config", str(task), "--trainer.max_stepz", "3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rltrainer fit: error: unrecognized arguments: --trainer.max_stepz 3")
@@ -144,6 +150,42 @@ def test_parse_errors_are_one_message_with_a_hint(task, capsys, monkeypatch):
     assert main(["fit", "--config", str(task), "--data.format", "gsm9k"]) == 2  # the constructor refuses it
     err = capsys.readouterr().err
     assert "format='gsm9k') is not a known format; choose from prompts, gsm8k, math500" in err
+
+
+USER_DATA = '''
+from rltrainer.data import prompt_dataloader
+
+
+class ReverseData:
+    """A data module of the user's: no base class, set up with the module's tokenizer."""
+
+    def __init__(self, n_train: int = 6, batch_size: int = 2) -> None:
+        self.n_train, self.batch_size, self.tokenizer = n_train, batch_size, None
+
+    def setup(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def train_dataloader(self):
+        prompts = [f"Reverse {100 + i}:" for i in range(self.n_train)]
+        rows = [{"prompt_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"], "target": p[-4:-1][::-1]}
+                for p in prompts]
+        return prompt_dataloader(rows, self.batch_size, shuffle=False)
+'''
+
+
+def test_data_is_a_users_own_class_by_class_path(task, monkeypatch, forget_user_modules):
+    from rltrainer.cli import fit_parser, import_paths, instantiate_fit
+
+    (task.parent / "my_data.py").write_text(USER_DATA)
+    monkeypatch.setattr(sys, "path", [*import_paths(["--config", str(task)]), *sys.path])
+    parser = fit_parser()
+    config = parser.parse_args(["--config", str(task), "--data", "my_data.ReverseData", "--data.n_train", "4"])
+    built = instantiate_fit(parser, config)
+    assert type(built["data"]).__name__ == "ReverseData" and built["data"].n_train == 4
+    assert built["data"].tokenizer is built["module"].tokenizer  # setup(tokenizer) was called
+    (batch,) = [b for b in built["data"].train_dataloader()][:1]
+    assert list(batch["target"]) == ["001", "101"]
+    assert type(built["module"]).__name__ == "ReverseGRPO"
 
 
 def test_the_resume_command_replaces_a_ckpt_path():
