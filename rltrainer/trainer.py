@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from rltrainer.call import call_callback_hooks, call_hooks
-from rltrainer.callbacks import Callback, ModelCheckpoint, ProgressBar
+from rltrainer.callbacks import Callback, ProgressBar
+from rltrainer.callbacks.checkpoint import resolve_ckpt_path
 from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, commit_directory,
-                                   controller_rng_state, find_last_run, read_trainer_state,
-                                   set_controller_rng_state, temporary_directory)
+                                   controller_rng_state, read_trainer_state, set_controller_rng_state,
+                                   temporary_directory)
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.generations import generation_rows, spread, write_generations
@@ -541,23 +542,8 @@ class Trainer:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.global_step)
 
-    def _resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
-        """``"last"``: the newest checkpoint in the checkpoint directory (a ``ModelCheckpoint``'s
-        ``dirpath``, else ``<default_root_dir>/checkpoints``), or ``None`` (with a warning) on a fresh
-        run, which then starts from scratch; any other value is a path."""
-        if str(ckpt_path) != "last":
-            return Path(ckpt_path)
-        dirs = [c.checkpoint_dir(self) for c in self.callbacks if isinstance(c, ModelCheckpoint)]
-        dirs = dirs or [Path(self.default_root_dir) / "checkpoints"]
-        found = [p for p in (find_last_run(d) for d in dirs) if p is not None]
-        if not found:
-            log.warning("ckpt_path='last': no checkpoint in %s yet; training starts from scratch",
-                        ", ".join(str(d) for d in dirs))
-            return None
-        return found[0]
-
     def _restore(self, ckpt_path: str | Path) -> None:
-        path = self._resolve_ckpt_path(ckpt_path)
+        path = resolve_ckpt_path(self, ckpt_path)
         if path is None:
             return
         checkpoint = read_trainer_state(path)

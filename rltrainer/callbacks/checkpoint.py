@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rltrainer.callbacks.callback import Callback
-from rltrainer.checkpoints import fresh_run_directory, point_last, remove_checkpoint, run_directories
+from rltrainer.checkpoints import (find_last_run, fresh_run_directory, point_last, remove_checkpoint,
+                                   run_directories)
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -96,3 +97,19 @@ class ModelCheckpoint(Callback):
             point_last(path.parent, path)  # before deleting: last never points at a removed checkpoint
         while len(self._saved) > self.keep:
             remove_checkpoint(self._saved.pop(0))
+
+
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path) -> Path | None:
+    """``fit(ckpt_path=...)``: ``"last"`` is the newest checkpoint in the checkpoint directory (a
+    ``ModelCheckpoint``'s, else ``<default_root_dir>/checkpoints``) or beside it, or ``None`` (with a
+    warning) on a fresh run, which then starts from scratch; any other value is a path."""
+    if str(ckpt_path) != "last":
+        return Path(ckpt_path)
+    dirs = [c.checkpoint_dir(trainer) for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
+    dirs = dirs or [Path(trainer.default_root_dir) / "checkpoints"]
+    found = [p for p in map(find_last_run, dirs) if p is not None]
+    if not found:
+        log.warning("ckpt_path='last': no checkpoint in %s yet; training starts from scratch",
+                    ", ".join(str(d) for d in dirs))
+        return None
+    return found[0]
