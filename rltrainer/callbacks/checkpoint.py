@@ -3,9 +3,10 @@
 ``<default_root_dir>/checkpoints``); ``fit(ckpt_path="last")`` resumes from there. Each appears only
 once complete, and ``last`` moves in one rename (:mod:`rltrainer.checkpoints`).
 
-A run never replaces another run's checkpoints: one that resumes writes beside the checkpoint it
-resumed from; one that starts from scratch where ``dirpath`` already holds checkpoints writes to
-``<dirpath>-2`` (``-3``...) instead, and says so. ``ckpt_path="last"`` takes the newest of them."""
+A run never replaces another run's checkpoints: one that resumes from a run's newest checkpoint goes
+on in its directory; one that starts from scratch (or from an older checkpoint) where ``dirpath``
+already holds checkpoints writes to ``<dirpath>-2`` (``-3``...) instead, and says so.
+``ckpt_path="last"`` takes the newest of them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rltrainer.callbacks.callback import Callback
-from rltrainer.checkpoints import (find_last_run, fresh_run_directory, point_last, remove_checkpoint,
+from rltrainer.checkpoints import (find_last, find_last_run, fresh_run_directory, point_last, remove_checkpoint,
                                    run_directories)
 
 if TYPE_CHECKING:
@@ -61,8 +62,9 @@ class ModelCheckpoint(Callback):
 
     def on_fit_start(self, trainer: Trainer, module: RLModule) -> None:
         base, resumed = self.checkpoint_dir(trainer), trainer.ckpt_path
-        if resumed is not None and resumed.parent.resolve() in {d.resolve() for d in run_directories(base)}:
-            self._run_dir, self._saved_step = resumed.parent, trainer.global_step  # it goes on where it was
+        newest = {last.resolve(): d for d in run_directories(base) if (last := find_last(d)) is not None}
+        if resumed is not None and resumed.resolve() in newest:  # a run's newest: it goes on where it was
+            self._run_dir, self._saved_step = newest[resumed.resolve()], trainer.global_step
         elif resumed is None and self._run_dir is not None:
             return  # fit() again in this process: the same run
         else:

@@ -251,7 +251,8 @@ def test_a_fresh_run_writes_beside_an_earlier_runs_checkpoints(tmp_path, tiny_co
                                                                gsm8k_prompts, caplog):
     """Running the same script again neither resumes silently nor replaces the earlier run's
     checkpoints (same step names): it writes to checkpoints-2, says so, and "last" is its newest."""
-    first = fit(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, [ModelCheckpoint(every_n_steps=1)], max_steps=2)
+    first = fit(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, [ModelCheckpoint(every_n_steps=1, keep=2)],
+                max_steps=2)
     checkpoints = tmp_path / "checkpoints"
     kept = torch.load(checkpoints / "step=2.ckpt" / "trainer.pt", weights_only=False)["rng"]["torch"]
     time.sleep(0.05)  # "last" compares the checkpoints' times
@@ -262,3 +263,11 @@ def test_a_fresh_run_writes_beside_an_earlier_runs_checkpoints(tmp_path, tiny_co
                        kept)  # untouched
     assert os.readlink(tmp_path / "checkpoints-2" / "last.ckpt") == "step=3.ckpt"
     assert find_last_run(checkpoints) == tmp_path / "checkpoints-2" / "last.ckpt"
+
+    time.sleep(0.05)
+    older = checkpoints / "step=1.ckpt"  # keep=2: the first run kept steps 1 and 2; resuming step 1 branches off
+    fit(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, [ModelCheckpoint(every_n_steps=1)], max_steps=2,
+        ckpt_path=older)
+    assert os.readlink(tmp_path / "checkpoints-3" / "last.ckpt") == "step=2.ckpt"  # not over the first run's step 2
+    assert torch.equal(torch.load(checkpoints / "step=2.ckpt" / "trainer.pt", weights_only=False)["rng"]["torch"],
+                       kept)
