@@ -108,14 +108,15 @@ def build_parser(fit: Any = None) -> Any:
 def instantiate_fit(parser: Any, config: Any) -> dict[str, Any]:
     """``trainer``, ``module`` and ``data`` built from a parsed ``fit`` config: the data gets the
     module's tokenizer (``setup(tokenizer)``, if it has one), and the trainer a
-    :class:`~rltrainer.ModelCheckpoint` if it has none."""
+    :class:`~rltrainer.ModelCheckpoint` if it has none (but for a ``fast_dev_run``)."""
     from rltrainer.callbacks import ModelCheckpoint
 
     objects = parser.instantiate_classes(config)
     if hasattr(objects.data, "setup"):
         objects.data.setup(objects.module.tokenizer)
-    if not any(isinstance(c, ModelCheckpoint) for c in objects.trainer.callbacks):
-        objects.trainer.callbacks.append(ModelCheckpoint())
+    trainer = objects.trainer
+    if not trainer.fast_dev_run and not any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
+        trainer.callbacks.append(ModelCheckpoint())
     return {"trainer": objects.trainer, "module": objects.module, "data": objects.data}
 
 

@@ -108,6 +108,7 @@ def test_main_returns_an_exit_code_and_prints_the_summary(tmp_path, monkeypatch,
                  "--module.init_args.num_generations", "2", "--data.batch_size", "2", "--data.limit_train_rows",
                  "2", "--data.val_file", "null"]) == 0
     assert "rltrainer fit done: 1/1 steps" in capsys.readouterr().out
+    assert not (tmp_path / "checkpoints").exists()  # fast_dev_run: no default ModelCheckpoint
 
 
 def test_python_dash_m_rltrainer_prints_its_help():
