@@ -22,10 +22,10 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-from argparse import ArgumentError
 import shlex
 import sys
 import time
+from argparse import ArgumentError
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,7 @@ def instantiate_fit(parser: Any, config: Any) -> dict[str, Any]:
     trainer = objects.trainer
     if not trainer.fast_dev_run and not any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
         trainer.callbacks.append(ModelCheckpoint())
-    return {"trainer": objects.trainer, "module": objects.module, "data": objects.data}
+    return {"trainer": trainer, "module": objects.module, "data": objects.data}
 
 
 def run_fit(built: dict[str, Any], ckpt_path: str | None = None) -> Any:
@@ -129,7 +129,8 @@ def run_fit(built: dict[str, Any], ckpt_path: str | None = None) -> Any:
 
 def import_paths(argv: Sequence[str]) -> list[str]:
     """Where a user's modules and classes named in a config are imported from: the working directory,
-    then the folder of each ``--config`` file."""
+    then the folder of each ``--config`` file (looked in after the installed packages, so a file there
+    named like one of them does not hide it)."""
     paths = [os.getcwd()]
     for i, arg in enumerate(argv):
         value = arg.split("=", 1)[1] if arg.startswith("--config=") else (
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``rltrainer`` console script: 0 when the run is done, 130 when Ctrl-C stopped it (with a
     checkpoint), 2 for a command line or config that is refused (one message, no traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    sys.path[:0] = [p for p in import_paths(argv) if p not in sys.path]
+    sys.path += [p for p in import_paths(argv) if p not in sys.path]  # after the installed packages
     fit = fit_parser()
     parser = build_parser(fit)
     try:

@@ -177,7 +177,7 @@ def test_data_is_a_users_own_class_by_class_path(task, monkeypatch, forget_user_
     from rltrainer.cli import fit_parser, import_paths, instantiate_fit
 
     (task.parent / "my_data.py").write_text(USER_DATA)
-    monkeypatch.setattr(sys, "path", [*import_paths(["--config", str(task)]), *sys.path])
+    monkeypatch.setattr(sys, "path", [*sys.path, *import_paths(["--config", str(task)])])
     parser = fit_parser()
     config = parser.parse_args(["--config", str(task), "--data", "my_data.ReverseData", "--data.n_train", "4"])
     built = instantiate_fit(parser, config)
