@@ -231,7 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("The config was refused", exc_info=exc)
         print(usage_error(exc, "rltrainer fit"), file=sys.stderr)
         return USAGE_ERROR
-    trainer = run_fit(built, config.ckpt_path)
+    try:
+        trainer = run_fit(built, config.ckpt_path)
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before training started): no checkpoint of this step
+        print(f"rltrainer fit: stopped at once at step {built['trainer'].global_step}, without saving it. Resume "
+              f"from the newest checkpoint (if any) with:\n  {resume_command(argv)}", file=sys.stderr)
+        return INTERRUPTED
     print(summary(trainer, time.perf_counter() - start, argv))
     return INTERRUPTED if trainer.interrupted else 0
 

@@ -22,7 +22,10 @@ from rltrainer.data import prompt_dataloader
 ROOT = Path(__file__).resolve().parents[2]
 
 USER_MODULE = '''
-from rltrainer import GRPO
+import os
+import signal
+
+from rltrainer import GRPO, Callback
 
 
 def partial_credit(completions, target, **kwargs):
@@ -40,6 +43,15 @@ class ReverseGRPO(GRPO):
     def on_step_end(self, metrics):
         with open(self.step_log, "a") as f:
             f.write(f"{self.trainer.global_step}\\n")
+
+
+class DoubleCtrlC(Callback):
+    """Two Ctrl-C at the end of step 1: the second one stops at once."""
+
+    def on_step_end(self, trainer, module, metrics):
+        if trainer.global_step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
 '''
 
 TASK = """
@@ -186,6 +198,17 @@ def test_data_is_a_users_own_class_by_class_path(task, monkeypatch, forget_user_
     (batch,) = [b for b in built["data"].train_dataloader()][:1]
     assert list(batch["target"]) == ["001", "101"]
     assert type(built["module"]).__name__ == "ReverseGRPO"
+
+
+def test_a_second_ctrl_c_stops_the_cli_at_once(task, tmp_path, capsys, monkeypatch, forget_user_modules):
+    monkeypatch.setattr(sys, "path", [*sys.path])
+    (task.parent / "twice.yaml").write_text("trainer:\n  callbacks:\n    - class_path: my_task.DoubleCtrlC\n")
+    argv = ["fit", "--config", str(task), "--config", str(task.parent / "twice.yaml")]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "rltrainer fit: stopped at once at step 1, without saving it" in err and "Traceback" not in err
+    assert f"rltrainer fit --config {task} --config {task.parent / 'twice.yaml'} --ckpt_path last" in err
+    assert steps_of(tmp_path) == [1]
 
 
 def test_the_resume_command_replaces_a_ckpt_path():
