@@ -24,6 +24,7 @@ naming the path, what was expected and what was found.
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import os
 import pickle
@@ -133,6 +134,32 @@ def find_last(directory: Path) -> Path | None:
     steps = [(int(p.name[5:-5]), p) for p in directory.glob("step=*.ckpt")
              if p.name[5:-5].isdigit() and (p / TRAINER_FILE).is_file()]
     return max(steps)[1] if steps else None
+
+
+def run_directories(directory: Path) -> list[Path]:
+    """``directory`` and the directories of the runs started beside it (``<name>-2``, ``<name>-3``...,
+    see :func:`fresh_run_directory`) that exist."""
+    siblings = directory.parent.glob(f"{glob.escape(directory.name)}-*") if directory.parent.is_dir() else []
+    numbered = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in siblings if p.name.rsplit("-", 1)[1].isdigit())
+    return [p for p in (directory, *(p for _, p in numbered)) if p.is_dir()]
+
+
+def find_last_run(directory: Path) -> Path | None:
+    """The newest checkpoint (by its ``trainer.pt``'s time) of the runs in ``directory`` and beside it
+    (:func:`run_directories`): what ``ckpt_path="last"`` resumes; ``None`` if there is none."""
+    found = [p for p in map(find_last, run_directories(directory)) if p is not None]
+    return max(found, key=lambda p: (p / TRAINER_FILE).stat().st_mtime, default=None)
+
+
+def fresh_run_directory(directory: Path) -> Path:
+    """Where a run that starts from scratch writes its checkpoints: ``directory`` if it holds none,
+    else the first of ``<name>-2``, ``<name>-3``... that holds none, so that another run's checkpoints
+    are never replaced."""
+    candidate, n = directory, 1
+    while find_last(candidate) is not None:
+        n += 1
+        candidate = directory.with_name(f"{directory.name}-{n}")
+    return candidate
 
 
 # -- reading -------------------------------------------------------------------------------------------

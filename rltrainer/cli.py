@@ -2,26 +2,42 @@
 
 Built on jsonargparse, as Lightning's CLI is: the parser is made from the signatures, so every
 argument of :class:`~rltrainer.Trainer` (``trainer:``), of the module class (``module:``, a
-``class_path`` such as ``rltrainer.GRPO`` with its ``init_args``), of the strategy
-(``trainer.strategy``: a registered name or a ``class_path``) and of
-:class:`~rltrainer.data.datamodule.PromptDataModule` (``data:``) can be set in YAML or as a flag
-(``--trainer.max_steps 5``, ``--module.init_args.lr 1e-5``); ``--print_config`` writes the whole
-resolved config. The module's ``tokenizer`` may be a path, a hub id or a tokenizer shipped in
-``recipes/data/tokenizers`` (``qwen2.5-instruct``, ``qwen3``, ``gsm8k-bpe4k``); it is loaded once
-and also tokenises the prompts. Shipped configs: ``recipes/configs/``.
+``class_path`` such as ``rltrainer.GRPO`` or your own ``my_task.MyModule``, with its ``init_args``),
+of the strategy (``trainer.strategy``: a registered name or a ``class_path``) and of the data
+(``data:``: :class:`~rltrainer.data.PromptDataModule`'s arguments, or a ``class_path`` of your own
+data module with ``init_args``) can be set in YAML or as a flag (``--trainer.max_steps 5``,
+``--module.init_args.lr 1e-5``); ``--print_config`` writes the whole resolved config. Reward
+functions are named by dotted path (``reward_funcs: [my_task.partial_credit]``); your modules
+import from the working directory or the config file's folder. The module's ``tokenizer`` may be a
+path, a hub id or a tokenizer shipped in ``recipes/data/tokenizers`` (``qwen2.5-instruct``,
+``qwen3``, ``gsm8k-bpe4k``); it is loaded once and also tokenises the prompts.
+
+A run saves checkpoints (a :class:`~rltrainer.ModelCheckpoint` unless ``trainer.callbacks`` has
+one); ``--ckpt_path last`` resumes the newest, and Ctrl-C stops after the current step with a
+checkpoint and the command that resumes it. Shipped configs: ``recipes/configs/``.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
+import os
+import shlex
 import sys
+import time
+from argparse import ArgumentError
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 #: The tokenizers shipped in ``recipes/data/tokenizers``, loadable by name.
 SHIPPED_TOKENIZERS = ("qwen2.5-instruct", "qwen3", "gsm8k-bpe4k")
+#: Exit codes: a usage error (as argparse), a run stopped by Ctrl-C (as a shell).
+USAGE_ERROR, INTERRUPTED = 2, 130
+#: Metrics the end-of-run summary shows when the run logged them (plus every ``val/`` one).
+SUMMARY_METRICS = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "timing_s/step")
 
 
 def load_tokenizer_spec(spec: Any) -> Any:
@@ -45,20 +61,24 @@ def _instantiate_module(class_type: type, *args: Any, **kwargs: Any) -> Any:
 
 
 def fit_parser() -> Any:
-    """The ``fit`` subcommand's parser: ``--config``, ``trainer``, ``module``, ``data``, ``threads``."""
+    """The ``fit`` subcommand's parser: ``--config``, ``trainer``, ``module``, ``data``, ``ckpt_path``,
+    ``threads``, ``log_level``."""
     try:
-        from jsonargparse import ActionConfigFile, ArgumentParser
+        from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
     except ImportError as exc:
         raise ImportError("The rltrainer command line needs jsonargparse: pip install 'rltrainer[cli]' "
                           "(or pip install 'jsonargparse>=4.53')") from exc
 
-    from rltrainer.data.datamodule import PromptDataModule
+    from rltrainer.data.datamodule import DataModule
     from rltrainer.module import RLModule
     from rltrainer.trainer import Trainer
 
     parser = ArgumentParser(description="Train an RLModule with the Trainer, from a config file and flags.",
                             exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML config (several: later ones override)")
+    parser.add_argument("--ckpt_path", type=str | None, default=None,
+                        help="resume from this checkpoint directory, or 'last': the newest one the run's "
+                             "ModelCheckpoint wrote (none yet: start from scratch)")
     parser.add_argument("--threads", type=int | None, default=None,
                         help="torch.set_num_threads in the controller (default: torch's)")
     parser.add_argument("--log_level", type=str, default="INFO", help="the logging level of the run")
@@ -66,7 +86,11 @@ def fit_parser() -> Any:
     parser.add_subclass_arguments(RLModule, "module", required=True,
                                   help="the RLModule: class_path (rltrainer.GRPO, rltrainer.DAPO, rltrainer.PPO, "
                                        "or your own) and init_args")
-    parser.add_class_arguments(PromptDataModule, "data")
+    parser.add_subclass_arguments(DataModule, "data", required=True,
+                                  default=Namespace(class_path="rltrainer.data.PromptDataModule"),
+                                  help="the prompts: PromptDataModule's arguments (train_file, format, "
+                                       "prompt_column...), or class_path and init_args of your own data module "
+                                       "(train_dataloader(), optionally val_dataloader() and setup(tokenizer))")
     parser.add_instantiator(_instantiate_module, RLModule, subclasses=True)
     return parser
 
@@ -82,36 +106,140 @@ def build_parser(fit: Any = None) -> Any:
 
 
 def instantiate_fit(parser: Any, config: Any) -> dict[str, Any]:
-    """``trainer``, ``module`` and ``data`` built from a parsed ``fit`` config (the data gets the
-    module's tokenizer)."""
+    """``trainer``, ``module`` and ``data`` built from a parsed ``fit`` config: the data gets the
+    module's tokenizer (``setup(tokenizer)``, if it has one), and the trainer a
+    :class:`~rltrainer.ModelCheckpoint` if it has none (but for a ``fast_dev_run``)."""
+    from rltrainer.callbacks import ModelCheckpoint
+
     objects = parser.instantiate_classes(config)
-    objects.data.setup(objects.module.tokenizer)
-    return {"trainer": objects.trainer, "module": objects.module, "data": objects.data}
+    if hasattr(objects.data, "setup"):
+        objects.data.setup(objects.module.tokenizer)
+    trainer = objects.trainer
+    if not trainer.fast_dev_run and not any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
+        trainer.callbacks.append(ModelCheckpoint())
+    return {"trainer": trainer, "module": objects.module, "data": objects.data}
 
 
-def run_fit(config: Any, parser: Any) -> Any:
-    """Build the run from ``config`` and ``fit`` it; returns the Trainer (torn down)."""
-    import torch
-
-    logging.basicConfig(level=getattr(logging, str(config.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(name)s: %(message)s")
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    built = instantiate_fit(parser, config)
+def run_fit(built: dict[str, Any], ckpt_path: str | None = None) -> Any:
+    """``fit`` the run :func:`instantiate_fit` built; returns the Trainer (torn down)."""
     with built["trainer"] as trainer:
-        trainer.fit(built["module"], datamodule=built["data"])
+        trainer.fit(built["module"], datamodule=built["data"], ckpt_path=ckpt_path)
     return trainer
 
 
-def main(argv: Sequence[str] | None = None) -> Any:
-    """The ``rltrainer`` console script; returns what the subcommand returned (``fit``: the Trainer)."""
+def import_paths(argv: Sequence[str]) -> list[str]:
+    """Where a user's modules and classes named in a config are imported from: the working directory,
+    then the folder of each ``--config`` file (looked in after the installed packages, so a file there
+    named like one of them does not hide it)."""
+    paths = [os.getcwd()]
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--config=") else (
+            argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+        if value is not None:
+            paths.append(str(Path(value).expanduser().resolve().parent))
+    return list(dict.fromkeys(paths))
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command that resumes this run: ``argv`` with ``--ckpt_path last`` (instead of its own)."""
+    args, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--ckpt_path="):
+            skip = False
+            continue
+        skip = arg == "--ckpt_path"
+        if not skip:
+            args.append(arg)
+    return shlex.join(["rltrainer", *args, "--ckpt_path", "last"])
+
+
+def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
+    """A few lines at the end of a run: steps, wall time, the last metrics, where its outputs are."""
+    from rltrainer.callbacks import ModelCheckpoint
+
+    state = "interrupted after" if trainer.interrupted else "done:"
+    steps = f"{trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps != -1 else "")
+    lines = [f"rltrainer fit {state} {steps} steps in {seconds:.0f} s"]
+    metrics = trainer.callback_metrics
+    shown = [k for k in SUMMARY_METRICS if k in metrics] + sorted(k for k in metrics if k.startswith("val/"))
+    if shown:
+        lines.append("  last metrics: " + ", ".join(f"{k} {metrics[k]:.4g}" for k in shown))
+    for logger in trainer.loggers:
+        where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        if where:
+            lines.append(f"  logs:         {where}")
+            if (Path(where) / "metrics.csv").is_file():
+                lines.append(f"  plot:         python -m rltrainer.plot {shlex.quote(str(where))}")
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            lines.append(f"  checkpoints:  {callback.run_dir(trainer)}")
+    if trainer.interrupted:
+        lines.append(f"  resume with:  {resume_command(argv)}")
+    return "\n".join(lines)
+
+
+#: Lines of jsonargparse's messages that say nothing to a user (a class argument is ``Optional``).
+NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:",
+         "Expected a <class 'NoneType'>", "Given value type:", "Given value:")
+
+
+def usage_error(exc: BaseException, command: str, options: Sequence[str] = ()) -> str:
+    """One readable message for a command line or config the parser (or a constructor) refused;
+    an unknown flag gets the closest of ``options``."""
+    lines = [line.strip().removeprefix("- ") for line in str(exc).strip().splitlines()]
+    lines = [line for line in lines if line and not line.startswith(NOISE)]
+    if len(lines) > 12:
+        lines = [*lines[:12], f"  ... ({len(lines) - 12} more lines)"]
+    message = "\n  ".join(lines)
+    if not isinstance(exc, ArgumentError):  # a constructor's
+        message = f"{type(exc).__name__}: {message}"
+    unknown = [a.split("=", 1)[0] for a in message.split() if a.startswith("--")] if "unrecognized" in message else []
+    close = [m for a in unknown for m in difflib.get_close_matches(a, options, n=1)]
+    hint = f"Did you mean {', '.join(close)}? " if close else ""
+    classes = f" (and e.g. `{command} --module.help rltrainer.GRPO` for a class's arguments)" if " " in command else ""
+    return f"{command}: error: {message}\n{hint}See `{command} --help` for the options{classes}."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``rltrainer`` console script: 0 when the run is done, 130 when Ctrl-C stopped it (with a
+    checkpoint), 2 for a command line or config that is refused (one message, no traceback)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sys.path += [p for p in import_paths(argv) if p not in sys.path]  # after the installed packages
     fit = fit_parser()
     parser = build_parser(fit)
-    config = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if config.subcommand == "fit":
-        return run_fit(config.fit, fit)
-    raise SystemExit(parser.format_usage())
+    try:
+        config = parser.parse_args(argv)
+    except ArgumentError as exc:
+        fit_command = argv[:1] == ["fit"]
+        options = list(getattr(fit, "_option_string_actions", {})) if fit_command else []
+        print(usage_error(exc, "rltrainer fit" if fit_command else "rltrainer", options), file=sys.stderr)
+        return USAGE_ERROR
+    if config.subcommand != "fit":
+        print(parser.format_usage(), file=sys.stderr)
+        return USAGE_ERROR
+    config = config.fit
+    logging.basicConfig(level=getattr(logging, str(config.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(name)s: %(message)s")
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    start = time.perf_counter()
+    try:  # a constructor refusing a value is a usage error too (an error while training is not)
+        built = instantiate_fit(fit, config)
+    except (ValueError, TypeError, ImportError, OSError) as exc:
+        log.debug("The config was refused", exc_info=exc)
+        print(usage_error(exc, "rltrainer fit"), file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        trainer = run_fit(built, config.ckpt_path)
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before training started): no checkpoint of this step
+        print(f"rltrainer fit: stopped at once at step {built['trainer'].global_step}, without saving it. Resume "
+              f"from the newest checkpoint (if any) with:\n  {resume_command(argv)}", file=sys.stderr)
+        return INTERRUPTED
+    print(summary(trainer, time.perf_counter() - start, argv))
+    return INTERRUPTED if trainer.interrupted else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

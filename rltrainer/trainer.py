@@ -18,13 +18,15 @@ import numpy as np
 import torch
 
 from rltrainer.call import call_callback_hooks, call_hooks
-from rltrainer.callbacks import Callback, LearningSignal, ModelCheckpoint, ProgressBar
+from rltrainer.callbacks import Callback, LearningSignal, ProgressBar
+from rltrainer.callbacks.checkpoint import resolve_ckpt_path
 from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, commit_directory,
-                                   controller_rng_state, find_last, read_trainer_state, set_controller_rng_state,
+                                   controller_rng_state, read_trainer_state, set_controller_rng_state,
                                    temporary_directory)
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.generations import generation_rows, spread, write_generations
+from rltrainer.interrupt import save_interrupted, stop_on_interrupt
 from rltrainer.loggers import (build_loggers, continue_logs, hyperparameters, log_hyperparameters, log_versions,
                                save_loggers)
 from rltrainer.loop import batch_metrics, check_skipped_steps, training_step, validation_loop
@@ -189,6 +191,8 @@ class Trainer:
         self.module: RLModule | None = None
         self.global_step = 0
         self.should_stop = False  # a callback sets it to end fit() after this step (as in Lightning)
+        self.interrupted = False  # the last fit() was stopped by Ctrl-C (and saved a checkpoint)
+        self.ckpt_path: Path | None = None  # the checkpoint the last fit() resumed from
         self.current_epoch = 0
         self.batches_seen_in_epoch = 0
         self.step_metrics: dict[str, float] = {}
@@ -205,7 +209,8 @@ class Trainer:
             ckpt_path: str | Path | None = None) -> None:
         """Train ``module`` on prompts from ``train_dataloaders`` (or ``datamodule``); with ``ckpt_path``
         (a directory :meth:`save_checkpoint` wrote, or ``"last"``: the newest in ``ModelCheckpoint``'s
-        ``dirpath``; a fresh run with none warns and starts from scratch), resume from it."""
+        ``dirpath`` or beside it; a fresh run with none warns and starts from scratch), resume from it.
+        Ctrl-C ends it after the current step with a checkpoint (:mod:`rltrainer.interrupt`)."""
         check_hooks(module)
         check_module_pipeline(module, self.pipeline)  # before setup: nothing is built for a refused pairing
         check_engine_sampling(self._engine_spec, module.sampling, getattr(module, "rollout_correction", None),
@@ -213,7 +218,7 @@ class Trainer:
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self.estimated_total_steps = self._estimate_total_steps(train_loader)
         self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps)
-        resume = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
+        resume = resolve_ckpt_path(self, ckpt_path) if ckpt_path is not None else None
         if resume is not None:  # before anything is logged: the resumed run writes on in the checkpointed run's log
             continue_logs(self.loggers, read_trainer_state(resume))
         log_plan(self.plan, self.loggers)  # checked and shown before any model is built
@@ -221,6 +226,7 @@ class Trainer:
         module.estimated_optimizer_steps = estimate_optimizer_steps(  # before setup: LR schedules read it
             self.estimated_total_steps, module, getattr(train_loader, "batch_size", None))
         self._setup(module)
+        self.ckpt_path, self.interrupted = None, False
         try:
             if resume is not None:
                 self._restore(resume)
@@ -229,9 +235,12 @@ class Trainer:
                                                **hyperparameters(self.strategy, "strategy"),
                                                **hyperparameters(module, "module")})
             call_hooks(self, "on_fit_start")
-            self._fit_loop(train_loader, val_loader)
-            self._await_weights()
-            if val_loader is not None and not self._validated_this_step:
+            with stop_on_interrupt(self):
+                self._fit_loop(train_loader, val_loader)
+                self._await_weights()
+                if self.interrupted:
+                    save_interrupted(self)
+            if val_loader is not None and not self._validated_this_step and not self.interrupted:
                 self._run_validation(val_loader)
             call_hooks(self, "on_fit_end")
             self.wait_for_checkpoint()
@@ -537,26 +546,12 @@ class Trainer:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.global_step)
 
-    def _resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
-        """``"last"``: the newest checkpoint in the checkpoint directory (a ``ModelCheckpoint``'s
-        ``dirpath``, else ``<default_root_dir>/checkpoints``), or ``None`` (with a warning) on a fresh
-        run, which then starts from scratch; any other value is a path."""
-        if str(ckpt_path) != "last":
-            return Path(ckpt_path)
-        dirs = [c.checkpoint_dir(self) for c in self.callbacks if isinstance(c, ModelCheckpoint)]
-        dirs = dirs or [Path(self.default_root_dir) / "checkpoints"]
-        found = [p for p in (find_last(d) for d in dirs) if p is not None]
-        if not found:
-            log.warning("ckpt_path='last': no checkpoint in %s yet; training starts from scratch",
-                        ", ".join(str(d) for d in dirs))
-            return None
-        return found[0]
-
     def _restore(self, ckpt_path: str | Path) -> None:
-        path = self._resolve_ckpt_path(ckpt_path)  # fit() passes it resolved; export passes its argument
+        path = resolve_ckpt_path(self, ckpt_path)  # fit() passes it resolved; export passes its argument
         if path is None:
             return
         checkpoint = read_trainer_state(path)
+        log.info("Resuming from %s (step %d)", path, checkpoint["global_step"])
         pipeline = dict(checkpoint["pipeline"])
         if pipeline.pop("mode", self.pipeline) != self.pipeline and pipeline:
             raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
@@ -573,6 +568,7 @@ class Trainer:
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
         self._pipeline_state = pipeline
         set_controller_rng_state(checkpoint["rng"])
+        self.ckpt_path = path
         call_callback_hooks(self, "on_load_checkpoint", checkpoint)
         self.sync_weights()
 

@@ -1,19 +1,28 @@
 """Periodic checkpoints: ``ModelCheckpoint(every_n_steps=50)`` writes the checkpoint directories
 ``step=N.ckpt`` and the symlink ``last.ckpt`` under ``dirpath`` (default
 ``<default_root_dir>/checkpoints``); ``fit(ckpt_path="last")`` resumes from there. Each appears only
-once complete, and ``last`` moves in one rename (:mod:`rltrainer.checkpoints`)."""
+once complete, and ``last`` moves in one rename (:mod:`rltrainer.checkpoints`).
+
+A run never replaces another run's checkpoints: one that resumes from a run's newest checkpoint goes
+on in its directory; one that starts from scratch (or from an older checkpoint) where ``dirpath``
+already holds checkpoints writes to ``<dirpath>-2`` (``-3``...) instead, and says so.
+``ckpt_path="last"`` takes the newest of them."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rltrainer.callbacks.callback import Callback
-from rltrainer.checkpoints import point_last, remove_checkpoint
+from rltrainer.checkpoints import (find_last, find_last_run, fresh_run_directory, point_last, remove_checkpoint,
+                                   run_directories)
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
     from rltrainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 class ModelCheckpoint(Callback):
@@ -21,10 +30,11 @@ class ModelCheckpoint(Callback):
 
     Args:
         dirpath: where checkpoints go (default ``<default_root_dir>/checkpoints``); ``fit(ckpt_path="last")``
-            looks here.
+            looks here (and in the ``<dirpath>-N`` of runs started beside it).
         every_n_steps: save after every N-th step.
         save_last: keep ``last.ckpt`` pointing at the newest checkpoint, and save at the end of fit.
-        keep: how many ``step=N.ckpt`` to keep (the oldest are deleted once a newer one is complete).
+        keep: how many ``step=N.ckpt`` of this run to keep (the oldest are deleted once a newer one is
+            complete; those of an earlier run are never deleted).
         async_save: write in the background while training goes on (``fsdp2``; see
             :meth:`Trainer.save_checkpoint`): the checkpoint, ``last`` and the deletions follow when it
             is complete, at the next save or the end of fit.
@@ -39,23 +49,47 @@ class ModelCheckpoint(Callback):
         self.dirpath = Path(dirpath) if dirpath else None
         self.every_n_steps, self.save_last, self.keep, self.async_save = every_n_steps, save_last, keep, async_save
         self._saved: list[Path] = []
+        self._run_dir: Path | None = None  # during and after fit: where this run writes
+        self._saved_step: int | None = None
 
     def checkpoint_dir(self, trainer: Trainer) -> Path:
-        """Where this callback writes (and ``fit(ckpt_path="last")`` looks)."""
+        """Where ``fit(ckpt_path="last")`` looks (with the runs beside it), and a first run writes."""
         return self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
+
+    def run_dir(self, trainer: Trainer) -> Path:
+        """Where this run writes: :meth:`checkpoint_dir`, unless it holds another run's checkpoints."""
+        return self._run_dir or self.checkpoint_dir(trainer)
+
+    def on_fit_start(self, trainer: Trainer, module: RLModule) -> None:
+        base, resumed = self.checkpoint_dir(trainer), trainer.ckpt_path
+        newest = {last.resolve(): d for d in run_directories(base) if (last := find_last(d)) is not None}
+        if resumed is not None and resumed.resolve() in newest:  # a run's newest: it goes on where it was
+            self._run_dir, self._saved_step = newest[resumed.resolve()], trainer.global_step
+        elif resumed is None and self._run_dir is not None:
+            return  # fit() again in this process: the same run
+        else:
+            self._run_dir, self._saved, self._saved_step = fresh_run_directory(base), [], None
+            if self._run_dir != base:
+                log.warning("%s holds the checkpoints of an earlier run; this run starts %s and writes its "
+                            "checkpoints to %s beside them, which stay as they are. To resume the newest run "
+                            "instead, pass ckpt_path='last' (command line: --ckpt_path last).", base,
+                            f"from {resumed}" if resumed else "from scratch", self._run_dir)
 
     def on_step_end(self, trainer: Trainer, module: RLModule, metrics: dict[str, float]) -> None:
         if trainer.global_step % self.every_n_steps == 0:
-            self._save(trainer)
+            self.save(trainer)
 
     def on_fit_end(self, trainer: Trainer, module: RLModule) -> None:
-        if self.save_last and trainer.global_step % self.every_n_steps != 0:
-            self._save(trainer)
+        if self.save_last:
+            self.save(trainer)
 
-    def _save(self, trainer: Trainer) -> None:
-        directory = self.checkpoint_dir(trainer)
-        path = directory / f"step={trainer.global_step}.ckpt"
-        trainer.save_checkpoint(path, async_save=self.async_save, on_saved=self._on_saved)
+    def save(self, trainer: Trainer) -> Path:
+        """Save ``step=<global_step>.ckpt`` in this run's directory (once per step) and return it."""
+        path = self.run_dir(trainer) / f"step={trainer.global_step}.ckpt"
+        if self._saved_step != trainer.global_step:
+            self._saved_step = trainer.global_step
+            trainer.save_checkpoint(path, async_save=self.async_save, on_saved=self._on_saved)
+        return path
 
     def _on_saved(self, path: Path) -> None:
         """``path`` is complete: point ``last`` at it, then delete the oldest beyond ``keep``."""
@@ -65,3 +99,19 @@ class ModelCheckpoint(Callback):
             point_last(path.parent, path)  # before deleting: last never points at a removed checkpoint
         while len(self._saved) > self.keep:
             remove_checkpoint(self._saved.pop(0))
+
+
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path) -> Path | None:
+    """``fit(ckpt_path=...)``: ``"last"`` is the newest checkpoint in the checkpoint directory (a
+    ``ModelCheckpoint``'s, else ``<default_root_dir>/checkpoints``) or beside it, or ``None`` (with a
+    warning) on a fresh run, which then starts from scratch; any other value is a path."""
+    if str(ckpt_path) != "last":
+        return Path(ckpt_path)
+    dirs = [c.checkpoint_dir(trainer) for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
+    dirs = dirs or [Path(trainer.default_root_dir) / "checkpoints"]
+    found = [p for p in map(find_last_run, dirs) if p is not None]
+    if not found:
+        log.warning("ckpt_path='last': no checkpoint in %s yet; training starts from scratch",
+                    ", ".join(str(d) for d in dirs))
+        return None
+    return found[0]

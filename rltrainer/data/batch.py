@@ -42,11 +42,13 @@ field                     shape        meaning
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+
+if TYPE_CHECKING:  # imported where a batch is built: it imports torch._dynamo (seconds), which --help does not need
+    from tensordict import TensorDict
 
 Index = int | slice | Sequence[int] | torch.Tensor | np.ndarray
 
@@ -76,6 +78,8 @@ class RolloutBatch:
         wrong = {k: n for k, n in sizes.items() if n != batch_size}
         if wrong:
             raise ValueError(f"All fields of a RolloutBatch need {batch_size} rows; these differ: {wrong}")
+        from tensordict import TensorDict
+
         self.tensors = TensorDict(tensors, batch_size=[batch_size])
         self.non_tensors: dict[str, np.ndarray] = non_tensors
         self.meta: dict[str, Any] = dict(meta or {})

@@ -80,6 +80,12 @@ def _score_in_worker(payload: bytes, completion: str, fields: dict[str, list[Any
             signal.signal(signal.SIGALRM, previous)
 
 
+def _ignore_sigint() -> None:
+    """A pool worker ignores SIGINT: a Ctrl-C in the terminal reaches the whole process group, and the
+    controller finishes the step (with these workers) before it stops (:mod:`rltrainer.interrupt`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _ready() -> None:
     """A pool worker's first task: import what scoring needs, and hold the worker a moment so
     that the other first tasks start the other workers."""
@@ -150,8 +156,8 @@ class RewardPool:
         if self._pool is None:
             import multiprocessing
 
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.num_workers, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = concurrent.futures.ProcessPoolExecutor(  # Ctrl-C is the controller's to handle
+                self.num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint)
             # start every worker and import this package there once, outside any timeout
             concurrent.futures.wait([self._pool.submit(_ready) for _ in range(self.num_workers)])
         return self._pool

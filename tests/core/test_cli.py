@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rltrainer.cli import build_parser, fit_parser, instantiate_fit, main
+from rltrainer.cli import build_parser, fit_parser, instantiate_fit, main, run_fit, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "recipes" / "configs"
@@ -32,7 +32,7 @@ def test_shipped_configs_parse(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the configs' data paths are relative to the repository root
     config = parse("--config", str(path))
     assert config.module.class_path == "rltrainer.GRPO"
-    assert Path(config.data.train_file).exists()
+    assert Path(config.data.init_args.train_file).exists()
 
 
 def test_cpu_config_holds_the_recipes_cpu_preset():
@@ -60,7 +60,7 @@ def test_flags_override_every_layer_and_print_config_is_complete(capsys, tmp_pat
              "--trainer.strategy.init_args.gradient_clip_val", "0.5", "--data.batch_size", "2"]
     config = parse(*flags)
     assert config.trainer.max_steps == 3 and config.module.init_args.temperature == 0.7
-    assert config.trainer.strategy.init_args.gradient_clip_val == 0.5 and config.data.batch_size == 2
+    assert config.trainer.strategy.init_args.gradient_clip_val == 0.5 and config.data.init_args.batch_size == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["fit", *flags, "--print_config"])
     printed = capsys.readouterr().out
@@ -80,16 +80,35 @@ def test_a_strategy_by_name_and_a_bad_value_is_refused():
         parse("--config", str(CPU), "--trainer.max_steps", "many")
 
 
-def test_a_tiny_run_fits_from_the_shipped_config(tmp_path, monkeypatch):
+def test_a_tiny_run_fits_from_the_shipped_config_and_ends_with_a_summary(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    trainer = main(["fit", "--config", str(CPU), "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
-                    "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path),
-                    "--trainer.enable_progress_bar", "false", "--module.init_args.max_new_tokens", "8",
-                    "--module.init_args.num_generations", "2", "--data.batch_size", "2",
-                    "--data.limit_train_rows", "4", "--data.limit_val_rows", "2"])
+    argv = ["fit", "--config", str(CPU), "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
+            "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.enable_progress_bar", "false", "--module.init_args.max_new_tokens", "8",
+            "--module.init_args.num_generations", "2", "--data.batch_size", "2",
+            "--data.limit_train_rows", "4", "--data.limit_val_rows", "2"]
+    parser = fit_parser()
+    trainer = run_fit(instantiate_fit(parser, parser.parse_args(argv[1:])))
     assert trainer.global_step == 1
     assert {"val/accuracy", "critic/score/mean"} <= set(trainer.callback_metrics)
-    assert list(tmp_path.glob("lightning_logs/version_*/metrics.csv"))
+    (log_dir,) = tmp_path.glob("lightning_logs/version_*")
+    assert (log_dir / "metrics.csv").is_file()
+    assert (tmp_path / "checkpoints" / "step=1.ckpt").is_dir()  # the CLI adds a ModelCheckpoint
+    text = summary(trainer, 12.3, argv)
+    assert text.startswith("rltrainer fit done: 1/1 steps in 12 s") and "resume" not in text
+    assert "critic/score/mean" in text and "val/accuracy" in text
+    assert f"logs:         {log_dir}" in text and f"plot:         python -m rltrainer.plot {log_dir}" in text
+    assert f"checkpoints:  {tmp_path / 'checkpoints'}" in text
+
+
+def test_main_returns_an_exit_code_and_prints_the_summary(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert main(["fit", "--config", str(CPU), "--trainer.fast_dev_run", "true", "--trainer.enable_progress_bar",
+                 "false", "--trainer.default_root_dir", str(tmp_path), "--module.init_args.max_new_tokens", "4",
+                 "--module.init_args.num_generations", "2", "--data.batch_size", "2", "--data.limit_train_rows",
+                 "2", "--data.val_file", "null"]) == 0
+    assert "rltrainer fit done: 1/1 steps" in capsys.readouterr().out
+    assert not (tmp_path / "checkpoints").exists()  # fast_dev_run: no default ModelCheckpoint
 
 
 def test_python_dash_m_rltrainer_prints_its_help():

@@ -113,3 +113,17 @@ def test_token_rewards_keep_what_the_scores_gained_since_on_the_last_token():
     scores = torch.tensor([1.0 - 0.25])  # an overlong penalty added after the reward step
     rewards = outcome_token_rewards(scores, mask, AdvantageContext(token_level_scores=tokens), 0.0, "k1", "test")
     assert rewards.tolist() == [[0.5, 0.0, 0.25, 0.0]]
+
+
+def test_pool_workers_leave_ctrl_c_to_the_controller():
+    """A Ctrl-C in a terminal reaches the whole process group: the reward workers ignore it, so the
+    controller can finish the step with them and save a checkpoint (rltrainer.interrupt)."""
+    import signal
+
+    from rltrainer.rewards.parallel import RewardPool
+
+    pool = RewardPool(num_workers=1, timeout=None)
+    try:
+        assert pool._executor().submit(signal.getsignal, signal.SIGINT).result(timeout=120) == signal.SIG_IGN
+    finally:
+        pool.close()
