@@ -1,0 +1,85 @@
+"""MkDocs hooks for the rltrainer site (``hooks:`` in mkdocs.yml).
+
+- ``<!-- registries -->`` in a page becomes one table per registry: each entry's name, its
+  description (the docstring's first line, or the one it was registered with) and its parameters
+  with their defaults. The registries are found in the source (every module-level
+  ``NAME = Registry(...)`` under ``rltrainer/``) and read from the imported package, so a new entry,
+  or a new registry, appears without editing a page.
+- ``<!-- include tests/benchmarks/README.md -->`` includes a file of the repository (its first
+  heading dropped), so the benchmark figures live in one place.
+- Images a page names by a path under ``tests/benchmarks/figures/`` are copied into the site.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[2]
+REGISTRY = re.compile(r"^(?P<name>[A-Z][A-Z_]*)\s*(?::[^=]+)?=\s*Registry\(", re.M)
+INCLUDE = re.compile(r"^<!-- include (?P<path>[\w./-]+) -->$", re.M)
+FIGURES = "tests/benchmarks/figures"
+
+
+def find_registries() -> list[tuple[str, str]]:
+    """``(module, NAME)`` of every module-level registry in the package's source, in path order."""
+    found = []
+    for path in sorted((ROOT / "rltrainer").rglob("*.py")):
+        for match in REGISTRY.finditer(path.read_text()):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found.append((module.removesuffix(".__init__"), match["name"]))
+    return found
+
+
+def public_path(module: str, name: str) -> str:
+    """The shortest import path that exports ``name`` (``rltrainer.STRATEGIES`` before
+    ``rltrainer.strategies.strategy.STRATEGIES``)."""
+    parts = module.split(".")
+    for end in range(1, len(parts) + 1):
+        candidate = ".".join(parts[:end])
+        if name in getattr(importlib.import_module(candidate), "__all__", ()):
+            return f"{candidate}.{name}"
+    return f"{module}.{name}"
+
+
+def cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def registry_tables() -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # this checkout's package, not another installed copy
+    out = []
+    for module, name in find_registries():
+        registry = getattr(importlib.import_module(module), name)
+        out += [f"## `{public_path(module, name)}`", "",
+                f"{len(registry.names())} {registry.kind} names.", "",
+                "| name | what it is | parameters (defaults) |", "| --- | --- | --- |"]
+        for entry, description in registry.describe().items():
+            params = ", ".join(f"`{k}={v!r}`" for k, v in registry.defaults(entry).items()) or "none"
+            out.append(f"| `{entry}` | {cell(description) or '(no docstring)'} | {cell(params)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def include(match: re.Match) -> str:
+    text = (ROOT / match["path"]).read_text()
+    return re.sub(r"\A# [^\n]*\n", "", text)  # the page has its own title
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    if "<!-- registries -->" in markdown:
+        markdown = markdown.replace("<!-- registries -->", registry_tables())
+    return INCLUDE.sub(include, markdown)
+
+
+def on_files(files: Files, config: Any) -> Files:
+    for figure in sorted((ROOT / FIGURES).glob("*.png")):
+        path = f"{FIGURES}/{figure.name}".replace("tests/benchmarks/", "")
+        files.append(File(path, str(ROOT / "tests/benchmarks"), config["site_dir"], config["use_directory_urls"]))
+    return files
