@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = re.compile(r"^(?P<name>[A-Z][A-Z_]*)\s*(?::[^=]+)?=\s*Registry\(", re.M)
 INCLUDE = re.compile(r"^<!-- include (?P<path>[\w./-]+) -->$", re.M)
 FIGURES = "tests/benchmarks/figures"
+SENTENCE_END = re.compile(r"(?<!\bal)(?<!\bDr)(?<!\bvs)\.\s(?=[A-Z])")  # not "et al. 2024", "Dr. GRPO"
 
 
 def find_registries() -> list[tuple[str, str]]:
@@ -48,21 +50,36 @@ def public_path(module: str, name: str) -> str:
 
 
 def cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Docstring text as a Markdown table cell: Sphinx roles (``:func:`name```) as code, no pipes."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"``\1``", str(text))
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def summary(fn: Any, described: str) -> str:
+    """The entry's description: the one it was registered with, or its docstring's first sentence
+    (the registry keeps the first line, which a wrapped docstring cuts mid-sentence)."""
+    doc = inspect.getdoc(fn) or ""
+    if not described or not doc.startswith(described):
+        return described
+    paragraph = " ".join(doc.split("\n\n", 1)[0].split())
+    end = SENTENCE_END.search(paragraph)
+    return paragraph if end is None else paragraph[:end.start() + 1]
 
 
 def registry_tables() -> str:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # this checkout's package, not another installed copy
+    found = [(public_path(module, name), importlib.import_module(module), name) for module, name in find_registries()]
     out = []
-    for module, name in find_registries():
-        registry = getattr(importlib.import_module(module), name)
-        out += [f"## `{public_path(module, name)}`", "",
+    for path, module, name in sorted(found, key=lambda item: (item[0].count("."), item[0])):
+        registry = getattr(module, name)
+        out += [f"## `{path}`", "",
                 f"{len(registry.names())} {registry.kind} names.", "",
                 "| name | what it is | parameters (defaults) |", "| --- | --- | --- |"]
-        for entry, description in registry.describe().items():
+        for entry, described in registry.describe().items():
             params = ", ".join(f"`{k}={v!r}`" for k, v in registry.defaults(entry).items()) or "none"
-            out.append(f"| `{entry}` | {cell(description) or '(no docstring)'} | {cell(params)} |")
+            out.append(f"| `{entry}` | {cell(summary(registry.get(entry), described)) or '(no docstring)'} "
+                       f"| {cell(params)} |")
         out.append("")
     return "\n".join(out)
 
