@@ -7,7 +7,8 @@
   or a new registry, appears without editing a page.
 - ``<!-- include tests/benchmarks/README.md -->`` includes a file of the repository (its first
   heading dropped), so the benchmark figures live in one place.
-- Images a page names by a path under ``tests/benchmarks/figures/`` are copied into the site.
+- The images of ``tests/benchmarks/figures/`` are copied into the site (``figures/``).
+- Sphinx roles left in the docstrings (``:class:`Name```) are shown as code in the API pages.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = re.compile(r"^(?P<name>[A-Z][A-Z_]*)\s*(?::[^=]+)?=\s*Registry\(", re.M)
 INCLUDE = re.compile(r"^<!-- include (?P<path>[\w./-]+) -->$", re.M)
 FIGURES = "tests/benchmarks/figures"
+#: A Sphinx role the docstrings use (``:class:`~rltrainer.data.RolloutBatch```), as mkdocstrings renders it.
+ROLE = re.compile(r":(?:mod|class|func|meth|attr|data|exc|obj):<code>(~?)([^<]*)</code>")
 SENTENCE_END = re.compile(r"(?<!\bal)(?<!\bDr)(?<!\bvs)\.\s(?=[A-Z])")  # not "et al. 2024", "Dr. GRPO"
 
 
@@ -51,8 +54,11 @@ def public_path(module: str, name: str) -> str:
 
 def cell(text: Any) -> str:
     """Docstring text as a Markdown table cell: Sphinx roles (``:func:`name```) as code, no pipes."""
-    text = re.sub(r":\w+:`~?([^`]+)`", r"``\1``", str(text))
-    return text.replace("|", "\\|").replace("\n", " ")
+    text = re.sub(r":\w+:`~?([^`]+)`", r"``\1``", str(text)).replace("\n", " ")
+    # a pipe inside a code span stays as it is (the table splits around code spans, and an escape
+    # there would be shown); outside one it is escaped
+    parts = re.split(r"(`+[^`]*?`+)", text)
+    return "".join(part if part.startswith("`") else part.replace("|", "\\|") for part in parts)
 
 
 def summary(fn: Any, described: str) -> str:
@@ -93,6 +99,11 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     if "<!-- registries -->" in markdown:
         markdown = markdown.replace("<!-- registries -->", registry_tables())
     return INCLUDE.sub(include, markdown)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    """Sphinx roles in docstrings shown as code (``~`` keeps the last name, as Sphinx does)."""
+    return ROLE.sub(lambda m: f"<code>{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}</code>", html)
 
 
 def on_files(files: Files, config: Any) -> Files:
