@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,21 @@ def test_the_registries_page_lists_every_entry(site: Path) -> None:
         assert f"<code>{path}</code>" in html, f"registries.html has no section for {path}"
         missing = [name for name in registry.names() if f"<code>{name}</code>" not in html]
         assert not missing, f"registries.html does not list {path} entries {missing}"
+
+
+def test_the_readme_links_resolve() -> None:
+    """The README links into the pages (read on GitHub or from a clone): every relative link names a
+    file of the repository, and an anchor one of its headings."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert any(link.startswith(".ci/docs/pages/") for link in links), "the README links to no page of the docs"
+    for link in links:
+        if re.match(r"\w+://", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.is_file(), f"README.md links to {link}, which does not exist"
+        if anchor:
+            slugs = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
+                     for h in re.findall(r"^#+ (.+)$", target.read_text(), re.M)}
+            assert anchor in slugs, f"README.md links to {link}: {path} has no heading {anchor!r} ({sorted(slugs)})"
