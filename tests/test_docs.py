@@ -5,7 +5,9 @@ is generated at build time (``.ci/docs/hooks.py``): every entry of every registr
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -89,3 +91,16 @@ def test_the_readme_links_resolve() -> None:
             slugs = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
                      for h in re.findall(r"^#+ (.+)$", target.read_text(), re.M)}
             assert anchor in slugs, f"README.md links to {link}: {path} has no heading {anchor!r} ({sorted(slugs)})"
+
+
+def test_the_grpo_signature_on_the_algorithms_page_is_the_real_one() -> None:
+    text = (CONFIG.parent / "pages" / "algorithms.md").read_text()
+    block = re.search(r"```python\n(GRPO\(.*?)\n```", text, re.S)
+    assert block, "algorithms.md has no GRPO(...) signature block"
+    call = ast.parse(block[1]).body[0].value
+    written = [arg.id for arg in call.args] + [keyword.arg for keyword in call.keywords]
+    defaults = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    real = inspect.signature(rltrainer.GRPO).parameters
+    assert written == list(real), f"algorithms.md lists GRPO's arguments as {written}; they are {list(real)}"
+    wrong = {name: (value, real[name].default) for name, value in defaults.items() if real[name].default != value}
+    assert not wrong, f"algorithms.md gives GRPO defaults that differ (page, real): {wrong}"
