@@ -66,10 +66,6 @@ class Trainer:
             ``use_remove_padding``; see :mod:`rltrainer.packing`); ``max_tokens_per_micro_batch``
             then counts real tokens. Off by default (measured on CPU: tests/benchmarks/README.md).
             ``"megatron"`` refuses it.
-
-        ``precision`` and the micro-batch / clipping / packing settings configure a strategy built from
-        its name; a ``Strategy`` instance carries its own (``FSDP2Strategy(micro_batch_size=4)``), and a
-        Trainer value changed from its default that disagrees with the instance's raises.
         seed: seeds Python, numpy and torch at the start of ``fit``.
         default_root_dir: where logs and checkpoints go (default: the working directory).
         callbacks: a list of :class:`~rltrainer.callbacks.Callback`.
@@ -107,6 +103,10 @@ class Trainer:
             response, reward, advantage, finish reason, per-function rewards) to the loggers every
             N steps, and at every validation (``None``: never); see :mod:`rltrainer.generations`.
         log_generations_rows: how many rows each time.
+
+    ``precision`` and the micro-batch / clipping / packing settings configure a strategy built from
+    its name; a ``Strategy`` instance carries its own (``FSDP2Strategy(micro_batch_size=4)``), and a
+    Trainer value changed from its default that disagrees with the instance's raises.
     """
 
     def __init__(

@@ -1,4 +1,5 @@
-"""Every snippet in the README runs as written (issue 18, item 2).
+"""Every snippet in the README and in the documentation site's pages (``.ci/docs/pages``) runs as
+written (issue 18, item 2; the pages since issue 31, item 8, took over most of the README's text).
 
 - Every ``python`` block compiles. A block with an ``import`` is a complete program: every name
   it uses is defined in it (the README's first example once used a ``tokenizer`` it never made)
@@ -26,21 +27,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The README, then every page of the site (a page added later is checked without editing this test).
+DOCS = [ROOT / "README.md", *sorted((ROOT / ".ci" / "docs" / "pages").rglob("*.md"))]
 RUN_MARK = "<!-- runs in tests/test_readme.py -->"
 BLOCK = re.compile(r"(?P<mark><!--[^\n]*-->\n)?```(?P<lang>[\w-]*)\n(?P<code>.*?)^```", re.S | re.M)
 #: Where a fragment's class names may come from (the names the README's prose has introduced).
 PACKAGES = ("rltrainer", "rltrainer.strategies", "rltrainer.algorithms", "rltrainer.rewards", "rltrainer.data")
 
 
-def blocks(lang: str) -> list[tuple[int, str, bool]]:
-    """``(line, code, marked to run)`` for every fenced block of ``lang`` in the README."""
-    text = (ROOT / "README.md").read_text()
-    return [(text.count("\n", 0, m.start("code")) + 1, m["code"], (m["mark"] or "").strip() == RUN_MARK)
-            for m in BLOCK.finditer(text) if m["lang"] == lang]
+def blocks(lang: str, docs: list[Path] = DOCS) -> list[tuple[str, str, bool]]:
+    """``(where, code, marked to run)`` for every fenced block of ``lang`` in ``docs``; ``where`` is
+    ``path:line`` (the path from the repository root)."""
+    out = []
+    for path in docs:
+        text = path.read_text()
+        out += [(f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start('code')) + 1}", m["code"],
+                 (m["mark"] or "").strip() == RUN_MARK) for m in BLOCK.finditer(text) if m["lang"] == lang]
+    return out
 
 
 PYTHON = blocks("python")
 BASH = blocks("bash")
+README_PYTHON = blocks("python", DOCS[:1])
+README_BASH = blocks("bash", DOCS[:1])
 
 
 def names(tree: ast.AST) -> tuple[set[str], set[str]]:
@@ -65,45 +74,48 @@ def is_complete(tree: ast.AST) -> bool:
     return any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.walk(tree))
 
 
-def ids(items: list[tuple[int, str, bool]]) -> list[str]:
-    return [f"README.md:{line}" for line, *_ in items]
+def ids(items: list[tuple[str, str, bool]]) -> list[str]:
+    return [where for where, *_ in items]
 
 
 def test_the_readme_has_snippets_to_run():
-    assert PYTHON and BASH and any(run for *_, run in PYTHON)
+    assert README_PYTHON and README_BASH and any(run for *_, run in README_PYTHON)
+    assert len(DOCS) > 10, f"the site's pages are missing: {DOCS}"
 
 
-@pytest.mark.parametrize("line, code, run", PYTHON, ids=ids(PYTHON))
-def test_python_snippet_is_sound(line, code, run):
-    tree = ast.parse(code, filename=f"README.md:{line}")
+@pytest.mark.parametrize("where, code, run", PYTHON, ids=ids(PYTHON))
+def test_python_snippet_is_sound(where, code, run):
+    tree = ast.parse(code, filename=where)
     used, bound = names(tree)
     undefined = used - bound - set(dir(builtins))
     if is_complete(tree):
-        assert not undefined, f"the snippet at README.md:{line} uses names it never defines: {sorted(undefined)}"
+        assert not undefined, f"the snippet at {where} uses names it never defines: {sorted(undefined)}"
         for node in ast.walk(tree):  # its imports resolve (imports only: nothing is built or downloaded)
             if isinstance(node, ast.ImportFrom):
                 module = importlib.import_module(node.module)
                 missing = [a.name for a in node.names if not hasattr(module, a.name)]
-                assert not missing, f"README.md:{line}: {node.module} has no {missing}"
+                assert not missing, f"{where}: {node.module} has no {missing}"
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     importlib.import_module(alias.name)
     else:
         exported = {name for package in PACKAGES for name in dir(importlib.import_module(package))}
         unknown = {name for name in undefined if name[0].isupper()} - exported
-        assert not unknown, f"the fragment at README.md:{line} names classes the package lacks: {sorted(unknown)}"
+        assert not unknown, f"the fragment at {where} names classes the package lacks: {sorted(unknown)}"
 
 
-@pytest.mark.parametrize("line, code, run", [b for b in PYTHON if b[2]], ids=ids([b for b in PYTHON if b[2]]))
-def test_cpu_snippet_runs(line, code, run, monkeypatch):
+@pytest.mark.parametrize("where, code, run", [b for b in PYTHON if b[2]], ids=ids([b for b in PYTHON if b[2]]))
+def test_cpu_snippet_runs(where, code, run, monkeypatch):
     monkeypatch.chdir(ROOT)  # the snippets use repository paths (recipes/data/...)
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": f"readme_{line}"})
+    name = "readme_" + re.sub(r"\W", "_", where)
+    exec(compile(code, where, "exec"), {"__name__": name})
 
 
-def commands() -> list[tuple[int, list[str]]]:
-    """Every command of the bash blocks, split at ``&&``, comments dropped."""
+def commands() -> list[tuple[str, list[str]]]:
+    """Every command of the bash blocks (``(path:line, words)``), split at ``&&``, comments dropped."""
     out = []
-    for line, code, _ in BASH:
+    for where, code, _ in BASH:
+        path, line = where.rsplit(":", 1)
         logical: list[tuple[int, str]] = []  # lines continued with a trailing backslash joined
         for offset, text in enumerate(code.splitlines()):
             if logical and logical[-1][1].endswith("\\"):
@@ -114,7 +126,7 @@ def commands() -> list[tuple[int, list[str]]]:
             words = shlex.split(text, comments=True)
             while words:
                 cut = words.index("&&") if "&&" in words else len(words)
-                out.append((line + offset, words[:cut]))
+                out.append((f"{path}:{int(line) + offset}", words[:cut]))
                 words = words[cut + 1:]
     return out
 
@@ -135,8 +147,8 @@ def test_bash_commands_name_what_exists():
     extras.read(ROOT / "setup.cfg")
     known_extras = set(extras["options.extras_require"])
     checked = 0
-    for line, words in commands():
-        where = f"README.md:{line}: {' '.join(words)}"
+    for place, words in commands():
+        where = f"{place}: {' '.join(words)}"
         if words[:1] == ["python"] and len(words) > 1 and words[1].endswith(".py") and "/" in words[1]:
             script = ROOT / words[1]  # a bare name (``python train.py``) is the user's own script
             assert script.is_file(), f"{where}: no such script"
@@ -155,4 +167,4 @@ def test_bash_commands_name_what_exists():
 
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert any(ci == code.strip() for _, code, _ in BASH), f".ci/run's command is not in the README: {ci}"
+    assert any(ci == code.strip() for _, code, _ in README_BASH), f".ci/run's command is not in the README: {ci}"

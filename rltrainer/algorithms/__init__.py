@@ -1,5 +1,6 @@
 """Algorithm math as registry entries: advantages, policy losses, KL estimators, aggregation,
-off-policy rollout corrections. (See the README's "Algorithms" section for every entry.)"""
+off-policy rollout corrections. (Every entry: the docs' "Registries" and "Algorithms" pages,
+``.ci/docs/pages/registries.md`` and ``algorithms.md``.)"""
 
 from rltrainer.algorithms.advantages import (ADVANTAGES, AdvantageContext, check_advantage, gae_advantages,
                                              grpo_advantages, required_fields, rloo_advantages)

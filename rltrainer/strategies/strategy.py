@@ -54,8 +54,8 @@ class Strategy(abc.ABC):
     """
 
     #: The model families (transformers ``config.model_type``) this strategy is tested with, the
-    #: README's "Model families per strategy" table; setup refuses a policy of any other family
-    #: (:func:`check_model_type`). ``None``: no check (e.g. a user's own strategy).
+    #: docs' "Model families per strategy" table (``.ci/docs/pages/gpus.md``); setup refuses a policy
+    #: of any other family (:func:`check_model_type`). ``None``: no check (e.g. a user's own strategy).
     supported_model_types: frozenset[str] | None = None
     #: the controller's :class:`~rltrainer.controller.watchdog.Watchdog` over the waits on worker
     #: processes (the Trainer sets it from ``stage_timeout_s``); ``None``: waits have no limit.
@@ -259,7 +259,8 @@ def check_model_type(model: torch.nn.Module, strategy: str, supported: frozenset
         raise ValueError(
             f"strategy={strategy!r} supports the model families {', '.join(sorted(supported))} (transformers "
             f"config.model_type), the ones its tests cover; the policy is {got}. Use a model of one of these "
-            f"families or a strategy that supports it (README: 'Model families per strategy')."
+            f"families or a strategy that supports it (docs: 'Model families per strategy', in 'GPUs, engines "
+            f"and Megatron')."
         )
 
 

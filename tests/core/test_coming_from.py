@@ -1,5 +1,6 @@
-"""The README's "Coming from TRL or verl" tables are true: each TRL default is TRL's own
-(``GRPOConfig()`` built here; TRL is in the dev extra), each rltrainer default the signature's."""
+"""The "Coming from TRL or verl" tables (the docs page ``.ci/docs/pages/coming-from.md``) are true:
+each TRL default is TRL's own (``GRPOConfig()`` built here; TRL is in the dev extra), each rltrainer
+default the signature's."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import pytest
 import rltrainer
 import rltrainer.data
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / ".ci" / "docs" / "pages" / "coming-from.md"
 CALL = re.compile(r"^`(\w+)\((\w+)\)`$")
 
 
 def table(header: str) -> list[list[str]]:
-    """The rows (cells stripped) of the README table whose header starts with ``header``."""
-    lines = README.read_text().splitlines()
+    """The rows (cells stripped) of the page's table whose header starts with ``header``."""
+    lines = PAGE.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header}"))
     rows = []
     for line in lines[start + 2:]:
@@ -55,8 +56,8 @@ def test_trl_table_matches_both_defaults():
     for trl_arg, trl_default, ours, our_default, _note in rows:
         actual = getattr(config, trl_arg.strip("`"))
         actual = actual.value if isinstance(actual, enum.Enum) else actual
-        assert actual == literal(trl_default), f"TRL {trl_arg}: README says {trl_default}, TRL has {actual!r}"
-        assert rltrainer_default(ours) == literal(our_default), f"{ours}: README says {our_default}"
+        assert actual == literal(trl_default), f"TRL {trl_arg}: the page says {trl_default}, TRL has {actual!r}"
+        assert rltrainer_default(ours) == literal(our_default), f"{ours}: the page says {our_default}"
 
 
 def test_verl_table_names_real_arguments_with_their_defaults():
@@ -64,4 +65,4 @@ def test_verl_table_names_real_arguments_with_their_defaults():
     assert len(rows) >= 30
     for key, ours, our_default, _note in rows:
         assert re.match(r"^`(algorithm|actor_rollout_ref|critic|data|trainer)\.", key), key
-        assert rltrainer_default(ours) == literal(our_default), f"{key} -> {ours}: README says {our_default}"
+        assert rltrainer_default(ours) == literal(our_default), f"{key} -> {ours}: the page says {our_default}"
