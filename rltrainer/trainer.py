@@ -537,7 +537,8 @@ class Trainer:
         self._write_generations("val")
         call_hooks(self, "on_validation_end", metrics)
         self._validated_this_step = True
-        if log:
+        if log:  # outside a step (after fit, validate()): the latest val/* also in callback_metrics
+            self.callback_metrics = {**self.callback_metrics, **metrics}
             self._log(metrics)
             save_loggers(self.loggers)  # a validate() after fit is in metrics.csv at once
         return metrics
