@@ -41,9 +41,11 @@ def char_tokenizer(alphabet: Iterable[str], pad: str = "<pad>", bos: str | None 
 
     The ids are, in order: ``pad``, ``bos`` (``None``: none), ``eos``, ``special_tokens`` (each one
     token, e.g. chat markers), ``unk`` (``None``: a character outside the alphabet becomes ``pad``),
-    then the alphabet's characters. ``decode`` joins characters without spaces. ``chat_template``
+    then the alphabet's characters. ``tokenizer(text)`` starts with ``bos`` (``add_special_tokens=False``
+    leaves it out), so prompts tokenised the usual way begin as the model saw them in
+    :func:`warm_up`. ``decode`` joins characters without spaces. ``chat_template``
     (a Jinja template) is set only when given: a multi-turn environment needs one."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     chars = list(dict.fromkeys(alphabet))
@@ -58,6 +60,9 @@ def char_tokenizer(alphabet: Iterable[str], pad: str = "<pad>", bos: str | None 
     tok = Tokenizer(models.WordLevel(vocab, unk_token=unk or pad))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     tok.decoder = decoders.Fuse()  # decode to "9590", not "9 5 9 0"
+    if bos is not None:  # tokenizer(text) starts with bos, as a Llama tokenizer's does (add_special_tokens=False: not)
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
+                                                          special_tokens=[(bos, vocab[bos])])
     kwargs = {"bos_token": bos} if bos is not None else {}
     if unk is not None:
         kwargs["unk_token"] = unk

@@ -267,10 +267,21 @@ def prepare_prompts(
         raise ValueError(f"Row {index}: column {prompt_column!r} must hold a string or a non-empty list of chat "
                          f"messages; got {type(value).__name__} {_preview(value)}.")
 
+    templated = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+
     def to_prompts(values: list[Any], indices: list[int]) -> dict[str, list[Any]]:
         prompts = [render(value, index) for value, index in zip(values, indices)]
-        prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        return {"prompt": prompts, "prompt_ids": [list(ids) for ids in prompt_ids]}
+        # A chat template writes the start token itself; plain text gets the tokenizer's own (a bos
+        # the model was trained to see first), as tokenizer(text) would add it.
+        plain = [isinstance(value, str) and not templated for value in values]
+        prompt_ids: list[list[int]] = [[] for _ in prompts]
+        for special in (False, True):
+            rows = [i for i, flag in enumerate(plain) if flag == special]
+            if rows:
+                encoded = tokenizer([prompts[i] for i in rows], add_special_tokens=special)["input_ids"]
+                for i, ids in zip(rows, encoded):
+                    prompt_ids[i] = list(ids)
+        return {"prompt": prompts, "prompt_ids": prompt_ids}
 
     from datasets.fingerprint import generate_random_fingerprint
 

@@ -23,6 +23,22 @@ def test_char_tokenizer_round_trips_and_pickles():
     assert len(tokenizer) == 4 + 11 and tokenizer.chat_template is None
     assert tokenizer("x", add_special_tokens=False).input_ids == [tokenizer.unk_token_id]
     assert toy.encode_prompt(tokenizer, "12") == [1, *tokenizer("12", add_special_tokens=False).input_ids]
+    assert tokenizer("12").input_ids == toy.encode_prompt(tokenizer, "12")  # tokenizer(text) starts with bos
+    assert toy.char_tokenizer("12", bos=None)("12").input_ids == [3, 4]  # pad, eos, unk, then the alphabet
+
+
+def test_plain_prompts_from_a_file_start_with_the_tokenizers_bos_as_in_the_warm_up():
+    """A toy task through ``prepare_prompts`` (the CLI's ``format: prompts``) gets the same prompt ids
+    the warm-up trained on: the start token first (issue 31: without it every response was empty)."""
+    from datasets import Dataset
+
+    from rltrainer.data import prepare_prompts
+
+    tokenizer = toy.char_tokenizer("0123456789>")
+    rows = prepare_prompts(Dataset.from_list([{"q": "12>", "a": "21"}, {"q": "305>", "a": "503"}]), tokenizer,
+                           prompt_column="q", use_chat_template=False, max_prompt_length=None)
+    assert [row["prompt_ids"] for row in rows] == [toy.encode_prompt(tokenizer, "12>"), toy.encode_prompt(tokenizer, "305>")]
+    assert rows[0]["prompt_ids"][0] == tokenizer.bos_token_id and rows[1]["a"] == "503"
 
 
 def test_char_tokenizer_without_bos_with_chat_markers_and_template():
