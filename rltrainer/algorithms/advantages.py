@@ -66,6 +66,18 @@ def group_estimators() -> list[str]:
     return [name for name in ADVANTAGES.names() if getattr(ADVANTAGES.get(name), "uses_groups", False)]
 
 
+def check_group_size(estimator: str, num_generations: int) -> None:
+    """Refuse one sample per prompt with an estimator whose baseline is the group's (its advantages
+    would be the raw score, or 0, with no group to compare to: a run that cannot learn)."""
+    if num_generations == 1 and getattr(ADVANTAGES.get(estimator), "uses_groups", False):
+        others = [n for n in ADVANTAGES.names() if n not in group_estimators() and n != "gae"]
+        raise ValueError(
+            f"num_generations=1 with advantage_estimator={estimator!r}: its baseline comes from the other samples "
+            f"of each prompt's group ({', '.join(group_estimators())} all do), and a group of one has none, so "
+            f"every group has zero reward spread and no learning signal. Use num_generations >= 2 (GRPO papers "
+            f"use 4-16), or an estimator without groups: {', '.join(others)} (or rltrainer.PPO's 'gae').")
+
+
 def _kl_fields(params: dict) -> set[str]:
     return {"old_log_probs", "ref_log_probs"} if params.get("kl_in_reward_coef", 0.0) else set()
 

@@ -15,7 +15,7 @@ import torch
 from rltrainer.algorithms import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, AdvantageContext,
                                   LossContext, aggregate, check_advantage, check_policy_loss, kl_penalty,
                                   required_fields)
-from rltrainer.algorithms.advantages import group_estimators, group_signal_metrics
+from rltrainer.algorithms.advantages import check_group_size, group_signal_metrics
 from rltrainer.algorithms.aggregation import masked_sum_over
 from rltrainer.algorithms.distill import Teacher, check_same_vocabulary, check_teacher_vocab, distillation_term
 from rltrainer.algorithms.rollout_corr import (ROLLOUT_CORRECTIONS, check_rollout_correction, mismatch_metrics,
@@ -49,18 +49,6 @@ def required_stages(moves: bool, needs_old: bool, needs_ref: bool, needs_values:
     return ((["old_log_prob"] if moves or needs_old or teacher else []) + (["ref"] if needs_ref else [])
             + (["teacher"] if teacher else []) + (["reward_model"] if reward_model else [])
             + (["values"] if needs_values else []))
-
-
-def check_group_size(estimator: str, num_generations: int) -> None:
-    """Refuse one sample per prompt with an estimator whose baseline is the group's (its advantages
-    would be the raw score, or 0, with no group to compare to: a run that cannot learn)."""
-    if num_generations == 1 and getattr(ADVANTAGES.get(estimator), "uses_groups", False):
-        others = [n for n in ADVANTAGES.names() if n not in group_estimators() and n != "gae"]
-        raise ValueError(
-            f"num_generations=1 with advantage_estimator={estimator!r}: its baseline comes from the other samples "
-            f"of each prompt's group ({', '.join(group_estimators())} all do), and a group of one has none, so "
-            f"every group has zero reward spread and no learning signal. Use num_generations >= 2 (GRPO papers "
-            f"use 4-16), or an estimator without groups: {', '.join(others)} (or rltrainer.PPO's 'gae').")
 
 
 class GRPO(RLModule):
