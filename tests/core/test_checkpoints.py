@@ -20,7 +20,7 @@ import torch
 from rltrainer import GRPO, Callback, ModelCheckpoint, Trainer, prompt_dataloader
 from rltrainer.checkpoints import (MANIFEST, CheckpointError, atomic_directory, find_last, point_last,
                                    remove_checkpoint, write_manifest)
-from rltrainer.testing import tiny_qwen2_config
+from rltrainer.testing import scribble, tiny_qwen2_config
 
 
 def zero_reward(completions, **kwargs):
@@ -148,16 +148,6 @@ def unverified(checkpoint: Path) -> None:
     state = torch.load(checkpoint / "trainer.pt", weights_only=False)
     del state["checksums"]
     torch.save(state, checkpoint / "trainer.pt")
-
-
-def scribble(file: Path, seed: int = 0) -> None:
-    """4 KiB of random bytes (a quarter of the file if it is smaller) in the middle of ``file``."""
-    data = bytearray(file.read_bytes())
-    n = min(4096, len(data) // 4)
-    start = len(data) // 2 - n // 2
-    data[start:start + n] = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed),
-                                          dtype=torch.uint8).numpy().tobytes()
-    file.write_bytes(bytes(data))
 
 
 def zero_header(file: Path) -> None:
