@@ -20,9 +20,9 @@ import torch
 from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, LearningSignal, ProgressBar
 from rltrainer.callbacks.checkpoint import resolve_ckpt_path
-from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, commit_directory,
-                                   controller_rng_state, read_trainer_state, set_controller_rng_state,
-                                   temporary_directory)
+from rltrainer.checkpoints import (FORMAT, MANIFEST, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError,
+                                   commit_directory, controller_rng_state, load_training, read_trainer_state, seal,
+                                   set_controller_rng_state, temporary_directory)
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.generations import generation_rows, spread, write_generations
@@ -335,7 +335,7 @@ class Trainer:
                           "strategy_class": type(self.strategy).__name__, "strategy": strategy_state,
                           "pipeline": {"mode": self.pipeline, **pipeline}, "global_step": self.global_step,
                           "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch,
-                          "rng": controller_rng_state(), "loggers": log_versions(self.loggers)}
+                          "rng": controller_rng_state(), "loggers": log_versions(self.loggers), "checksums": MANIFEST}
             call_callback_hooks(self, "on_save_checkpoint", checkpoint)
             torch.save(checkpoint, tmp / TRAINER_FILE)
         except BaseException:
@@ -353,7 +353,7 @@ class Trainer:
             return
         (tmp, path, on_saved), self._pending_checkpoint = self._pending_checkpoint, None
         try:
-            self.strategy.wait_checkpoint()
+            seal(tmp, self.strategy)  # the ranks' writes are done; checksums.json lists every file's sha256
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -558,7 +558,7 @@ class Trainer:
             raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
                              f"resume it with the same pipeline (this Trainer has {self.pipeline!r})")
         try:
-            self.strategy.load_checkpoint(path.resolve() / TRAINING_DIR, checkpoint["strategy"])
+            load_training(self.strategy, path, checkpoint["strategy"])  # checked against checksums.json first
         except CheckpointError as exc:
             if str(path) in str(exc) or str(path.resolve()) in str(exc):
                 raise

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rltrainer.callbacks.callback import Callback
-from rltrainer.checkpoints import (find_last, find_last_run, fresh_run_directory, point_last, remove_checkpoint,
-                                   run_directories)
+from rltrainer.checkpoints import (CheckpointError, clean_leftovers, dangling_last, find_last, find_last_run,
+                                   fresh_run_directory, is_complete, point_last, remove_checkpoint, run_directories,
+                                   step_checkpoints)
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -34,7 +35,8 @@ class ModelCheckpoint(Callback):
         every_n_steps: save after every N-th step.
         save_last: keep ``last.ckpt`` pointing at the newest checkpoint, and save at the end of fit.
         keep: how many ``step=N.ckpt`` of this run to keep (the oldest are deleted once a newer one is
-            complete; those of an earlier run are never deleted).
+            complete; a resumed run goes on pruning those it wrote before; another run's are never
+            deleted).
         async_save: write in the background while training goes on (``fsdp2``; see
             :meth:`Trainer.save_checkpoint`): the checkpoint, ``last`` and the deletions follow when it
             is complete, at the next save or the end of fit.
@@ -62,9 +64,12 @@ class ModelCheckpoint(Callback):
 
     def on_fit_start(self, trainer: Trainer, module: RLModule) -> None:
         base, resumed = self.checkpoint_dir(trainer), trainer.ckpt_path
+        for directory in run_directories(base):  # deletions a crash interrupted: already decided
+            clean_leftovers(directory)
         newest = {last.resolve(): d for d in run_directories(base) if (last := find_last(d)) is not None}
         if resumed is not None and resumed.resolve() in newest:  # a run's newest: it goes on where it was
             self._run_dir, self._saved_step = newest[resumed.resolve()], trainer.global_step
+            self._saved = self._written_before(self._run_dir)
         elif resumed is None and self._run_dir is not None:
             return  # fit() again in this process: the same run
         else:
@@ -74,6 +79,20 @@ class ModelCheckpoint(Callback):
                             "checkpoints to %s beside them, which stay as they are. To resume the newest run "
                             "instead, pass ckpt_path='last' (command line: --ckpt_path last).", base,
                             f"from {resumed}" if resumed else "from scratch", self._run_dir)
+
+    @staticmethod
+    def _written_before(run_dir: Path) -> list[Path]:
+        """The checkpoints of the run in ``run_dir`` (it resumes), oldest first, to prune as it goes on;
+        those left incomplete (a crash mid-save or mid-delete of an older rltrainer) are removed."""
+        clean_leftovers(run_dir, temporary=True)
+        saved = []
+        for _, path in step_checkpoints(run_dir):
+            if is_complete(path):
+                saved.append(path)
+            else:
+                log.info("Removing %s: an incomplete checkpoint (a save or deletion that did not finish)", path)
+                remove_checkpoint(path)
+        return saved
 
     def on_step_end(self, trainer: Trainer, module: RLModule, metrics: dict[str, float]) -> None:
         if trainer.global_step % self.every_n_steps == 0:
@@ -104,11 +123,22 @@ class ModelCheckpoint(Callback):
 def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path) -> Path | None:
     """``fit(ckpt_path=...)``: ``"last"`` is the newest checkpoint in the checkpoint directory (a
     ``ModelCheckpoint``'s, else ``<default_root_dir>/checkpoints``) or beside it, or ``None`` (with a
-    warning) on a fresh run, which then starts from scratch; any other value is a path."""
+    warning) on a fresh run, which then starts from scratch; any other value is a path. A ``last.ckpt``
+    that points to a deleted checkpoint raises :class:`~rltrainer.checkpoints.CheckpointError`
+    (``ckpt_path=None`` starts fresh)."""
     if str(ckpt_path) != "last":
         return Path(ckpt_path)
     dirs = [c.checkpoint_dir(trainer) for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
     dirs = dirs or [Path(trainer.default_root_dir) / "checkpoints"]
+    for directory in (d for base in dirs for d in run_directories(base)):
+        if (target := dangling_last(directory)) is not None:
+            older = find_last(directory)  # the newest step=N.ckpt left, if any
+            raise CheckpointError(
+                f"ckpt_path='last': {directory / 'last.ckpt'} points to {target}, which does not exist (deleted?), "
+                f"so what to resume is unknown. "
+                + (f"Pass the checkpoint to resume, e.g. the newest left there: ckpt_path={str(older)!r}, "
+                   if older is not None else "No checkpoint is left there: ")
+                + "or start fresh with ckpt_path=None (command line: leave out --ckpt_path).")
     found = [p for p in map(find_last_run, dirs) if p is not None]
     if not found:
         log.warning("ckpt_path='last': no checkpoint in %s yet; training starts from scratch",

@@ -300,6 +300,16 @@ class WorkerGroupStrategy(Strategy):
         if self.group is not None:
             self.group.execute_all("wait_checkpoint")
 
+    def checkpoint_digests(self, directory: Path) -> dict[str, str]:
+        """Every rank hashes the files it wrote (nothing is read here)."""
+        return {name: digest for part in self._require_group().execute_all("checkpoint_digests", str(directory))
+                for name, digest in part.items()}
+
+    def verify_checkpoint(self, directory: Path, expected: dict[str, str]) -> list[str]:
+        """Every rank checks a share of the files (nothing is read here)."""
+        return [line for part in self._require_group().execute_all("verify_checkpoint", str(directory), expected)
+                for line in part]
+
     def checkpoint_layout(self) -> dict[str, int]:
         """How the ranks split the state when saving (a checkpoint records it)."""
         return {"world_size": self.world_size}

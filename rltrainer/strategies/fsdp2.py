@@ -20,6 +20,7 @@ import logging
 import os
 import uuid
 from concurrent.futures import Future
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -253,6 +254,11 @@ class FSDP2Worker(TrainingWorker):
         pending, self.pending_save = self.pending_save, None
         if pending is not None:
             pending.result()
+
+    def checkpoint_files(self, directory: str) -> list[str]:
+        """DCP's files of this rank (``__<rank>_<k>.distcp``), and on rank 0 its ``.metadata``."""
+        own = sorted(p.name for p in Path(directory).glob(f"__{self.rank}_*.distcp"))
+        return own + [".metadata"] * (self.rank == 0)
 
     def load_checkpoint(self, directory: str) -> None:
         """Fill this rank's shards from a checkpoint saved on any number of ranks (DCP reshards)."""

@@ -115,6 +115,25 @@ class TrainingWorker(Worker):
     def wait_checkpoint(self) -> None:
         """Wait for this rank's background checkpoint write, if any."""
 
+    def checkpoint_files(self, directory: str) -> list[str]:
+        """The files this rank wrote into ``directory`` at its last :meth:`save_checkpoint` (names)."""
+        return [self._rank_file(directory).name]
+
+    def checkpoint_digests(self, directory: str) -> dict[str, str]:
+        """The sha256 of :meth:`checkpoint_files`, hashed here where they were written (after
+        :meth:`wait_checkpoint`)."""
+        from rltrainer.checkpoints import digest_files
+
+        return digest_files(Path(directory), self.checkpoint_files(directory))
+
+    def verify_checkpoint(self, directory: str, expected: dict[str, str]) -> list[str]:
+        """What is wrong with this rank's share of the files (every ``world_size``-th name) against
+        their recorded sha256 ``expected``: one line per missing or changed file."""
+        from rltrainer.checkpoints import check_files
+
+        names = sorted(expected)[self.rank::self.world_size]
+        return check_files(Path(directory), {name: expected[name] for name in names})
+
     def load_checkpoint(self, directory: str) -> None:
         from rltrainer.checkpoints import safe_load
 

@@ -204,6 +204,20 @@ class Strategy(abc.ABC):
     def wait_checkpoint(self) -> None:
         """Wait until the files of the last :meth:`save_checkpoint` are written."""
 
+    def checkpoint_digests(self, directory: Path) -> dict[str, str]:
+        """After :meth:`wait_checkpoint`: the sha256 of the files the ranks wrote into ``directory``
+        (by name relative to it), each hashed by the rank that wrote it. Here none: the controller
+        wrote them and hashes them (:func:`~rltrainer.checkpoints.write_manifest`)."""
+        return {}
+
+    def verify_checkpoint(self, directory: Path, expected: dict[str, str]) -> list[str]:
+        """Before :meth:`load_checkpoint`: what is wrong with the files in ``directory`` against their
+        recorded sha256 ``expected`` (one line each, :func:`~rltrainer.checkpoints.check_files`). Here:
+        checked in this process."""
+        from rltrainer.checkpoints import check_files
+
+        return check_files(directory, expected)
+
     def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
         """The inverse of :meth:`save_checkpoint` (``state``: what it returned); raises
         :class:`~rltrainer.checkpoints.CheckpointError` for a part missing, unreadable or of another model."""

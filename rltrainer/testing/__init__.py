@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,17 @@ def prepared_batch(module: Any, strategy: Any, prompts: Any) -> Any:
     batch = module.advantage_step(batch)
     batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
     return batch
+
+
+def scribble(file: str | Path, size: int = 4096, seed: int = 0) -> None:
+    """Overwrite ``size`` bytes in the middle of ``file`` (a quarter of it if it is smaller) with
+    random ones: the damage a bad disk or a stray write does, for checkpoint tests."""
+    file = Path(file)
+    data = bytearray(file.read_bytes())
+    n = min(size, len(data) // 4)
+    start = len(data) // 2 - n // 2
+    data[start:start + n] = random.Random(seed).randbytes(n)
+    file.write_bytes(bytes(data))
 
 
 def length_reward(completions: list[str], **kwargs: Any) -> list[float]:

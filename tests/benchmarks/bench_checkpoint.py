@@ -16,6 +16,9 @@ A random-init Qwen2-architecture model (the 4k GSM8K BPE vocabulary) trains one 
   any layout loads.
 - ``async``: ``save_checkpoint(dir, async_save=True)``: the time training is blocked (the shards
   are copied to host memory), and until the files are written (``wait_checkpoint``; FSDP2 only).
+- ``checksums``: what ``checksums.json`` adds to ``sharded``: each rank's sha256 of the files it
+  wrote (``strategy.checkpoint_digests``, at save) and of its share of them (``verify_checkpoint``,
+  at load, before anything is read).
 
 Each is the median of ``--repeats`` trials; the controller's peak resident memory growth is
 measured once per mode (sharded first: the peak only rises).
@@ -59,15 +62,20 @@ def timed(fn: Any) -> float:
 def measure(strategy: Any, root: Path, repeats: int, async_save: bool = True) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     rss = peak_rss_mb()
-    saves, loads = [], []
+    saves, loads, hashes, checks = [], [], [], []
     for i in range(repeats):
         directory = root / f"sharded{i}"
         directory.mkdir()
         state: dict[str, Any] = {}
+        digests: dict[str, str] = {}
         saves.append(timed(lambda: state.update(strategy.save_checkpoint(directory))))
+        hashes.append(timed(lambda: digests.update(strategy.checkpoint_digests(directory))))
+        checks.append(timed(lambda: strategy.verify_checkpoint(directory, digests)))
         loads.append(timed(lambda: strategy.load_checkpoint(directory, state)))
     out["sharded"] = {"save_s": statistics.median(saves), "load_s": statistics.median(loads),
                       "size_mb": size_mb(root / "sharded0"), "controller_peak_rss_growth_mb": peak_rss_mb() - rss}
+    out["checksums"] = {"save_s": statistics.median(hashes), "load_s": statistics.median(checks),
+                        "size_mb": size_mb(root / "sharded0")}  # sha256 by each rank of its own files
     blocked, total = [], []
     for i in range(repeats if async_save else 0):
         directory = root / f"async{i}"

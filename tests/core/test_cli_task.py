@@ -144,7 +144,8 @@ def test_a_yaml_task_is_interrupted_with_ctrl_c_and_resumed_from_the_cli(task, t
     assert steps_of(tmp_path)[-2:] == [interrupted + 1, interrupted + 2]  # went on, not from step 1
     assert f"(step {interrupted})" in err and f"done: {interrupted + 2}/{interrupted + 2} steps" in out
     assert "critic/score/mean" in out and f"checkpoints:  {checkpoints}" in out and "python -m rltrainer.plot" in out
-    assert saved.is_dir()  # the interrupted run's checkpoint is still there
+    assert not saved.exists()  # the interrupted run's checkpoint: pruned, keep=1 holds across the resume
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", f"step={interrupted + 2}.ckpt"]
     assert read_trainer_state(checkpoints / "last.ckpt")["global_step"] == interrupted + 2
 
 

@@ -3,19 +3,23 @@ changed, a dead worker is an error in the driver, not a hang."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer.checkpoints import CheckpointError
 from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 from rltrainer.strategies.dispatch import partition_for_ranks
-from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch, tiny_qwen3_config
+from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch, scribble, tiny_qwen3_config
 
 
 class DyingGRPO(GRPO):
@@ -264,6 +268,40 @@ def test_fsdp2_sharded_checkpoint_reshards_2_to_1_and_1_to_2(tiny_config, bpe_to
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per rank, nothing gathered
     assert_same_state(trained, run(1, ckpt=tmp_path / "two.ckpt", save=tmp_path / "one.ckpt"), "2 -> 1")
     assert_same_state(trained, run(2, ckpt=tmp_path / "one.ckpt"), "1 -> 2")
+
+
+def test_fsdp2_ranks_checksum_their_shards_and_a_corrupt_one_is_named(tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                                      tmp_path, ray_session, monkeypatch):
+    """Each rank hashes the DCP files it wrote (the controller only its trainer.pt: it reads no shard),
+    checksums.json lists them all, and at load the ranks check them before DCP reads anything: random
+    bytes in a shard or the metadata raise a CheckpointError naming the file."""
+    from rltrainer import checkpoints
+
+    hashed = []
+    digest = checkpoints.file_digest
+    monkeypatch.setattr(checkpoints, "file_digest", lambda path: hashed.append(Path(path).name) or digest(path))
+
+    def run(ckpt=None, save=None):
+        module = make_module(GRPO, tiny_config, bpe_tokenizer, num_generations=2)
+        with Trainer(strategy="fsdp2", devices=2, max_steps=1, logger=False, enable_progress_bar=False, seed=6,
+                     default_root_dir=tmp_path) as trainer:
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2), ckpt_path=ckpt)
+            if save:
+                trainer.save_checkpoint(save)
+
+    run(save=tmp_path / "two.ckpt")
+    assert hashed == ["trainer.pt"]  # by this process; the shards by their ranks
+    files = json.loads((tmp_path / "two.ckpt" / checkpoints.MANIFEST).read_text())["files"]
+    assert sorted(files) == ["trainer.pt", "training/.metadata", "training/__0_0.distcp", "training/__1_0.distcp"]
+    for part in ("__1_0.distcp", ".metadata"):
+        bad = tmp_path / f"bad{part}.ckpt"
+        shutil.copytree(tmp_path / "two.ckpt", bad)
+        scribble(bad / "training" / part)
+        hashed.clear()
+        with pytest.raises(CheckpointError) as info:
+            run(ckpt=bad)
+        assert str(info.value).startswith(f"{bad}/training/{part} is corrupted: its sha256 is "), str(info.value)
+        assert files[f"training/{part}"] in str(info.value) and set(hashed) == {"trainer.pt"}
 
 
 # Fresh rank processes (no warm_ranks): sharded_checkpoint keeps its background-write group per process

@@ -6,6 +6,7 @@ loss and gradient norm), within the rounding by which the layouts differ."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -90,3 +91,24 @@ def test_megatron_checkpoint_reshards_tp2_to_tp1_and_back(bpe_tokenizer, gsm8k_p
     with pytest.raises(CheckpointError, match=r"step=2\.ckpt.*does not fit the model: .*model \(48, 48\)"):
         run(other, bpe_tokenizer, gsm8k_prompts, tmp_path / "other", tp=1, max_steps=3,
             ckpt=tmp_path / "tp1" / "step=2.ckpt", devices=1)  # in this process
+
+
+@pytest.mark.slow
+def test_megatron_ranks_checksum_their_files_and_a_corrupt_one_is_named(bpe_tokenizer, gsm8k_prompts, tmp_path,
+                                                                       ray_session):
+    """checksums.json lists every file both TP ranks wrote (each hashed by its rank); random bytes in
+    one raise a CheckpointError naming it before any tensor is read."""
+    from rltrainer.testing import scribble, tiny_qwen2_config
+
+    config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
+    run(config, bpe_tokenizer, gsm8k_prompts, tmp_path / "tp2", tp=2, max_steps=1)
+    checkpoint = tmp_path / "tp2" / "step=1.ckpt"
+    files = json.loads((checkpoint / "checksums.json").read_text())["files"]
+    written = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file())
+    assert sorted(files) == [n for n in written if n != "checksums.json"]
+    assert "training/state.pt" in files and any(n.startswith("training/rank=1-") for n in files)
+    part = next(n for n in sorted(files) if n.startswith("training/rank=1-"))
+    scribble(checkpoint / part)
+    with pytest.raises(CheckpointError, match=rf"{checkpoint}/{part} is corrupted: its sha256 is [0-9a-f]{{64}}"):
+        run(config, bpe_tokenizer, gsm8k_prompts, tmp_path / "other", tp=1, max_steps=2, ckpt=checkpoint,
+            devices=1)

@@ -397,6 +397,13 @@ class MegatronWorker(TrainingWorker):
         checkpoint.save(Path(directory), self._checkpoint_models(), self._optimizer, self.schedulers, self.rank,
                         self.bucket_bytes)
 
+    def checkpoint_files(self, directory: str) -> list[str]:
+        """This rank's ``rank=<r>-<k>.safetensors``, and on rank 0 the ``state.pt``."""
+        from rltrainer.strategies.megatron.checkpoint import STATE_FILE
+
+        own = sorted(p.name for p in Path(directory).glob(f"rank={self.rank}-*.safetensors"))
+        return own + [STATE_FILE] * (self.rank == 0)
+
     def load_checkpoint(self, directory: str) -> None:
         """Fill this rank's shards and optimizer state from a checkpoint saved with any tensor,
         pipeline and data-parallel sizes."""
