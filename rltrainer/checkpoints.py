@@ -19,11 +19,16 @@ the RNG state and dataset rows hold, are allowed): a checkpoint cannot run code 
 object a callback adds to the checkpoint must be a plain type or registered with
 ``torch.serialization.add_safe_globals``. Every failure to read raises :class:`CheckpointError`,
 naming the path, what was expected and what was found.
+
+Every file of a checkpoint is written through :func:`save_file` (or inside :func:`reporting_disk_full`,
+for ``torch.distributed.checkpoint`` and safetensors shards): a full disk raises :class:`DiskFullError`
+naming the file, the bytes it needed and those that were free, instead of torch's ``unexpected pos``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import io
 import os
@@ -47,6 +52,87 @@ LAST = "last.ckpt"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing a part, truncated, not an rltrainer checkpoint, or of another model."""
+
+
+class DiskFullError(OSError):
+    """No space left on the device while writing a file (``errno`` is ``ENOSPC``, ``filename`` the
+    file); the message names the file, the bytes it needed when known and those that were free."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def disk_full_error(path: Path, what: str, needed: int | None, free_before: int | None = None) -> DiskFullError:
+    """A :class:`DiskFullError` for ``path`` (``what`` it held), ``needed`` bytes (``None``: unknown)."""
+    with contextlib.suppress(OSError):
+        free_before = free_before if free_before is not None else shutil.disk_usage(_existing(path)).free
+    need = f"about {needed:,} bytes" if needed is not None else "more space"
+    free = f"{free_before:,} bytes were free" if free_before is not None else "the free space is unknown"
+    return DiskFullError(errno.ENOSPC, f"The disk is full (No space left on device) writing {path} ({what}): it "
+                                       f"needed {need} and {free} on its file system. Nothing written before was "
+                                       f"changed. Free space there, or write elsewhere (default_root_dir, "
+                                       f"ModelCheckpoint(dirpath=...))", str(path))
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from or wraps (DCP's ``CheckpointException`` keeps
+    each rank's), is a full disk."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err):
+            return True
+        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        wrapped = list(failures.values()) if isinstance(failures, Mapping) else []
+        todo += [err.__cause__, err.__context__, *(e for e in wrapped if isinstance(e, BaseException))]
+    return False
+
+
+@contextlib.contextmanager
+def reporting_disk_full(path: Path, what: str, needed: int | None = None) -> Iterator[None]:
+    """Run the block that writes ``path``; a full disk in it raises :class:`DiskFullError` (from the
+    original error), any other error passes unchanged."""
+    free = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(_existing(path)).free
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        raise disk_full_error(path, what, needed, free) from exc
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (what ``shutil.disk_usage`` can look at)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (nested dicts, lists and tuples): about what saving it takes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def save_file(obj: Any, path: Path, what: str) -> None:
+    """``torch.save(obj, path)`` through an open file, so that a full disk is :class:`DiskFullError`
+    naming ``path`` (torch's own writer reports it as ``unexpected pos``, with no path)."""
+    with reporting_disk_full(Path(path), what, tensor_bytes(obj)), open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 # -- writing ---------------------------------------------------------------------------------------
