@@ -155,3 +155,98 @@ def test_a_full_disk_while_appending_leaves_metrics_csv_as_it_was(tmp_path, monk
     with pytest.raises(DiskFullError, match=r"disk is full .* writing .*metrics.csv \(1 metrics row"):
         append_rows(path, ["a", "step"], [{"a": 2, "step": 2}])
     assert path.read_bytes() == before  # the half row was cut off
+
+
+# -- a full disk ------------------------------------------------------------------------------------------
+needs_tmpfs = pytest.mark.skipif(tmpfs_unavailable() is not None, reason=str(tmpfs_unavailable()))
+
+#: ``python disk_full.py ROOT LEAVE_BYTES STRATEGY DEVICES EVERY REPORT``: a checkpoint every EVERY steps;
+#: after step 1 the disk is filled but LEAVE_BYTES. Writes REPORT: the error, its step and its timing.
+DISK_FULL = textwrap.dedent("""
+    import json, os, sys, time, traceback
+    import torch
+    torch.set_num_threads(1)
+    from rltrainer import GRPO, Callback, ModelCheckpoint, Trainer, prompt_dataloader
+    from rltrainer.data import load_rows, prepare_gsm8k
+    from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config
+    from rltrainer.testing.tmpfs import fill
+
+    root, leave, strategy, devices, every = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    filled = {}
+
+    class FillDisk(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            if trainer.global_step == 1:
+                fill(root, leave)
+                filled["at"] = time.perf_counter()
+
+    def parity(completions, **kwargs):
+        return [float(len(c) % 2) for c in completions]
+
+    if strategy == "fsdp2":
+        import ray
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    tok = load_tokenizer("gsm8k-bpe4k")
+    rows = prepare_gsm8k(load_rows(str(data_path("gsm8k", "train.jsonl"))).select(range(8)), tok,
+                         max_prompt_length=160)
+    module = GRPO(tiny_qwen2_config(len(tok), hidden_size=32, num_layers=2), tok, reward_funcs=parity,
+                  num_generations=2, max_new_tokens=4, lr=1e-3)
+    trainer = Trainer(strategy=strategy, devices=devices, max_steps=3 if every == 1 else 16, enable_progress_bar=False,
+                      default_root_dir=root, log_generations_every_n_steps=None,
+                      callbacks=[ModelCheckpoint(every_n_steps=every), FillDisk()])
+    report = {}
+    try:
+        trainer.fit(module, prompt_dataloader(rows, batch_size=2, shuffle=False))
+    except BaseException as exc:
+        report = {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__],
+                  "errno": getattr(exc, "errno", None), "message": str(exc),
+                  "step": trainer.global_step, "seconds": time.perf_counter() - filled["at"],
+                  "traceback": traceback.format_exc()}
+    os.remove(os.path.join(root, "filler"))
+    with open(sys.argv[6], "w") as f:
+        json.dump(report, f)
+""")
+
+
+def run_disk_full(tmp_path: Path, leave_bytes: int, every: int = 1, strategy: str = "single", devices: int = 1,
+                  size_bytes: int = 24 << 20) -> tuple[dict, Path]:
+    """Run :data:`DISK_FULL` on a private tmpfs; its report and a copy of what it left on the disk."""
+    script, mnt, kept, report = tmp_path / "disk_full.py", tmp_path / "mnt", tmp_path / "kept", tmp_path / "report.json"
+    script.write_text(DISK_FULL)
+    mnt.mkdir()
+    done = run_in_tmpfs([sys.executable, str(script), str(mnt), str(leave_bytes), strategy, str(devices), str(every),
+                         str(report)],
+                        mnt, size_bytes, keep=kept, env=ENV, timeout=300)
+    assert done.returncode == 0 and report.is_file(), done.stderr[-3000:]
+    return json.loads(report.read_text()), kept
+
+
+def assert_disk_full(report: dict, file: str) -> None:
+    assert report["type"] == "DiskFullError" and report["errno"] == 28 and "OSError" in report["mro"], report
+    assert "The disk is full (No space left on device) writing " in report["message"]
+    assert f"{file} (" in report["message"] and "bytes were free" in report["message"], report["message"]
+    assert "unexpected pos" not in report["message"] and report["seconds"] < 30
+
+
+@needs_tmpfs
+def test_a_full_disk_in_a_checkpoint_save_is_one_clear_error_and_loses_nothing_written(tmp_path):
+    """64 KiB left after step 1: step 2's checkpoint (its models and Adam moments: ~2.5 MB) does not fit.
+    One DiskFullError naming the file and the bytes (not torch's "unexpected pos", and not the CSV logger's
+    final save failing in its turn); last.ckpt is step 1, whole; metrics.csv has steps 1 and 2."""
+    report, kept = run_disk_full(tmp_path, 64 << 10)
+    assert_disk_full(report, "training/state.pt")
+    assert "needed about 2," in report["message"] and report["step"] == 2
+    assert os.readlink(kept / "checkpoints" / "last.ckpt") == "step=1.ckpt"
+    assert read_trainer_state(kept / "checkpoints" / "step=1.ckpt")["global_step"] == 1
+    assert not list((kept / "checkpoints").glob(".*tmp-*"))  # the failed save removed its partial directory
+    assert steps_logged(kept / "lightning_logs" / "version_0" / "metrics.csv") == [1, 2]
+
+
+@needs_tmpfs
+def test_a_full_disk_while_logging_is_one_clear_error_and_keeps_every_row_written(tmp_path):
+    """Nothing left after step 1 (no checkpoints): the first row that needs a new page of metrics.csv
+    (4 KiB; a row is ~400 bytes) fails. One DiskFullError naming metrics.csv; the rows before it are all there, none torn."""
+    report, kept = run_disk_full(tmp_path, 0, every=100)
+    assert_disk_full(report, "metrics.csv")
+    assert report["step"] >= 2
+    assert steps_logged(kept / "lightning_logs" / "version_0" / "metrics.csv") == list(range(1, report["step"]))
