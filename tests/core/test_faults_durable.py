@@ -17,7 +17,8 @@ import pytest
 from rltrainer import Trainer
 from rltrainer.checkpoints import DiskFullError, read_trainer_state
 from rltrainer.csv_logger import CSVLogger, append_rows, read_rows
-from rltrainer.testing.tmpfs import run_in_tmpfs, tmpfs_unavailable
+from rltrainer.testing import disk_full
+from rltrainer.testing.tmpfs import tmpfs_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
@@ -160,65 +161,10 @@ def test_a_full_disk_while_appending_leaves_metrics_csv_as_it_was(tmp_path, monk
 # -- a full disk ------------------------------------------------------------------------------------------
 needs_tmpfs = pytest.mark.skipif(tmpfs_unavailable() is not None, reason=str(tmpfs_unavailable()))
 
-#: ``python disk_full.py ROOT LEAVE_BYTES STRATEGY DEVICES EVERY REPORT``: a checkpoint every EVERY steps;
-#: after step 1 the disk is filled but LEAVE_BYTES. Writes REPORT: the error, its step and its timing.
-DISK_FULL = textwrap.dedent("""
-    import json, os, sys, time, traceback
-    import torch
-    torch.set_num_threads(1)
-    from rltrainer import GRPO, Callback, ModelCheckpoint, Trainer, prompt_dataloader
-    from rltrainer.data import load_rows, prepare_gsm8k
-    from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config
-    from rltrainer.testing.tmpfs import fill
-
-    root, leave, strategy, devices, every = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-    filled = {}
-
-    class FillDisk(Callback):
-        def on_step_end(self, trainer, module, metrics):
-            if trainer.global_step == 1:
-                fill(root, leave)
-                filled["at"] = time.perf_counter()
-
-    def parity(completions, **kwargs):
-        return [float(len(c) % 2) for c in completions]
-
-    if strategy == "fsdp2":
-        import ray
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    tok = load_tokenizer("gsm8k-bpe4k")
-    rows = prepare_gsm8k(load_rows(str(data_path("gsm8k", "train.jsonl"))).select(range(8)), tok,
-                         max_prompt_length=160)
-    module = GRPO(tiny_qwen2_config(len(tok), hidden_size=32, num_layers=2), tok, reward_funcs=parity,
-                  num_generations=2, max_new_tokens=4, lr=1e-3)
-    trainer = Trainer(strategy=strategy, devices=devices, max_steps=3 if every == 1 else 16, enable_progress_bar=False,
-                      default_root_dir=root, log_generations_every_n_steps=None,
-                      callbacks=[ModelCheckpoint(every_n_steps=every), FillDisk()])
-    report = {}
-    try:
-        trainer.fit(module, prompt_dataloader(rows, batch_size=2, shuffle=False))
-    except BaseException as exc:
-        report = {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__],
-                  "errno": getattr(exc, "errno", None), "message": str(exc),
-                  "step": trainer.global_step, "seconds": time.perf_counter() - filled["at"],
-                  "traceback": traceback.format_exc()}
-    os.remove(os.path.join(root, "filler"))
-    with open(sys.argv[6], "w") as f:
-        json.dump(report, f)
-""")
-
-
-def run_disk_full(tmp_path: Path, leave_bytes: int, every: int = 1, strategy: str = "single", devices: int = 1,
-                  size_bytes: int = 24 << 20) -> tuple[dict, Path]:
-    """Run :data:`DISK_FULL` on a private tmpfs; its report and a copy of what it left on the disk."""
-    script, mnt, kept, report = tmp_path / "disk_full.py", tmp_path / "mnt", tmp_path / "kept", tmp_path / "report.json"
-    script.write_text(DISK_FULL)
-    mnt.mkdir()
-    done = run_in_tmpfs([sys.executable, str(script), str(mnt), str(leave_bytes), strategy, str(devices), str(every),
-                         str(report)],
-                        mnt, size_bytes, keep=kept, env=ENV, timeout=300)
-    assert done.returncode == 0 and report.is_file(), done.stderr[-3000:]
-    return json.loads(report.read_text()), kept
+def run_disk_full(tmp_path: Path, leave_bytes: int, every: int = 1) -> tuple[dict, Path]:
+    report, kept, done = disk_full.run_disk_full(tmp_path, leave_bytes, every=every)
+    assert done.returncode == 0 and report, done.stderr[-3000:]
+    return report, kept
 
 
 def assert_disk_full(report: dict, file: str) -> None:
