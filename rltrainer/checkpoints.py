@@ -74,21 +74,29 @@ def disk_full_error(path: Path, what: str, needed: int | None, free_before: int 
                                        f"ModelCheckpoint(dirpath=...))", str(path))
 
 
-def is_disk_full(exc: BaseException) -> bool:
+def is_disk_full(exc: BaseException, path: Path | None = None) -> bool:
     """Whether ``exc``, or an error it was raised from or wraps (DCP's ``CheckpointException`` keeps
-    each rank's), is a full disk."""
+    each rank's), is a full disk; with ``path``, torch's zip writer's ``unexpected pos`` (a short
+    write, its only report of ENOSPC) counts when less than 1 MiB is free there."""
     seen: set[int] = set()
-    todo = [exc]
+    todo: list[Any] = [exc]
+    short_write = False
     while todo:
         err = todo.pop()
-        if err is None or id(err) in seen:
+        if isinstance(err, tuple):  # DCP: (exception, stack)
+            todo += [e for e in err if isinstance(e, BaseException)]
+            continue
+        if not isinstance(err, BaseException) or id(err) in seen:
             continue
         seen.add(id(err))
         if getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err):
             return True
+        short_write |= "unexpected pos" in str(err)
         failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        wrapped = list(failures.values()) if isinstance(failures, Mapping) else []
-        todo += [err.__cause__, err.__context__, *(e for e in wrapped if isinstance(e, BaseException))]
+        todo += [err.__cause__, err.__context__, *(failures.values() if isinstance(failures, Mapping) else [])]
+    if short_write and path is not None:
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(_existing(path)).free < 1 << 20
     return False
 
 
@@ -103,10 +111,28 @@ def reporting_disk_full(path: Path, what: str, needed: int | None = None) -> Ite
         yield
     except DiskFullError:
         raise
-    except Exception as exc:
-        if not is_disk_full(exc):
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if not is_disk_full(exc, path):
             raise
         raise disk_full_error(path, what, needed, free) from exc
+
+
+@contextlib.contextmanager
+def raising_ranks_disk_full() -> Iterator[None]:
+    """Around the controller's calls into training ranks: a rank's :class:`DiskFullError` (the cause
+    of the ``WorkerError`` that reports it) is raised here as a :class:`DiskFullError` too, from that
+    ``WorkerError``, so a full disk is the same error on every strategy."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as exc:
+        cause = exc.__cause__
+        if not isinstance(cause, DiskFullError):
+            raise
+        raise DiskFullError(cause.errno, f"Rank {getattr(exc, 'rank', '?')}: {cause.strerror}. The ranks were "
+                                         f"stopped (the WorkerError this is raised from has each rank's "
+                                         f"report)", cause.filename) from exc
 
 
 def _existing(path: Path) -> Path:
@@ -120,7 +146,8 @@ def _existing(path: Path) -> Path:
 def tensor_bytes(obj: Any) -> int:
     """The bytes of the tensors in ``obj`` (nested dicts, lists and tuples): about what saving it takes."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        local = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's shard
+        return local.numel() * local.element_size()
     if isinstance(obj, Mapping):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
