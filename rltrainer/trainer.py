@@ -197,6 +197,7 @@ class Trainer:
         self.should_stop = False  # a callback sets it to end fit() after this step (as in Lightning)
         self.interrupted = False  # the last fit() was stopped by Ctrl-C (and saved a checkpoint)
         self.ckpt_path: Path | None = None  # the checkpoint the last fit() resumed from
+        self.ckpt_step: int | None = None  # and its step
         self.current_epoch = 0
         self.batches_seen_in_epoch = 0
         self.step_metrics: dict[str, float] = {}
@@ -556,7 +557,8 @@ class Trainer:
         if path is None:
             return
         checkpoint = read_trainer_state(path)
-        log.info("Resuming from %s (step %d)", path, checkpoint["global_step"])
+        log.info("Resuming from checkpoint %s%s (step %d)", path, f" -> {path.resolve()}" * path.is_symlink(),
+                 checkpoint["global_step"])
         pipeline = dict(checkpoint["pipeline"])
         if pipeline.pop("mode", self.pipeline) != self.pipeline and pipeline:
             raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
@@ -573,7 +575,7 @@ class Trainer:
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
         self._pipeline_state = pipeline
         set_controller_rng_state(checkpoint["rng"])
-        self.ckpt_path = path
+        self.ckpt_path, self.ckpt_step = path, checkpoint["global_step"]
         call_callback_hooks(self, "on_load_checkpoint", checkpoint)
         self.sync_weights()
 

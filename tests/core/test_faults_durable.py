@@ -196,3 +196,26 @@ def test_a_full_disk_while_logging_is_one_clear_error_and_keeps_every_row_writte
     assert_disk_full(report, "metrics.csv")
     assert report["step"] >= 2
     assert steps_logged(kept / "lightning_logs" / "version_0" / "metrics.csv") == list(range(1, report["step"]))
+
+
+# -- which checkpoint a resume loaded -------------------------------------------------------------------
+def test_a_resume_logs_which_checkpoint_it_loaded_and_the_summary_says_it(tmp_path, tiny_config, bpe_tokenizer,
+                                                                          gsm8k_prompts, caplog):
+    from rltrainer import GRPO, ModelCheckpoint, prompt_dataloader
+    from rltrainer.cli import summary
+
+    def run(max_steps, ckpt_path=None):
+        trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                          callbacks=[ModelCheckpoint(every_n_steps=1)])
+        module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                      num_generations=2, max_new_tokens=4)
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False), ckpt_path=ckpt_path)
+        return trainer
+
+    assert "resumed from" not in summary(run(2), 1.0, [])
+    caplog.set_level("INFO", logger="rltrainer.trainer")
+    trainer = run(3, ckpt_path="last")
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert f"Resuming from checkpoint {last} -> {(tmp_path / 'checkpoints' / 'step=2.ckpt').resolve()} (step 2)" \
+        in caplog.text
+    assert f"  resumed from: {last} (step 2)" in summary(trainer, 1.0, []).splitlines()
