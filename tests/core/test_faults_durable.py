@@ -219,3 +219,35 @@ def test_a_resume_logs_which_checkpoint_it_loaded_and_the_summary_says_it(tmp_pa
     assert f"Resuming from checkpoint {last} -> {(tmp_path / 'checkpoints' / 'step=2.ckpt').resolve()} (step 2)" \
         in caplog.text
     assert f"  resumed from: {last} (step 2)" in summary(trainer, 1.0, []).splitlines()
+
+
+@pytest.mark.parametrize("log_flush_s", [0, float("inf")])
+def test_each_logged_step_is_on_disk_before_the_next_step(log_flush_s, tmp_path, tiny_config, bpe_tokenizer,
+                                                          gsm8k_prompts):
+    """What a callback at the end of step 2 finds on disk: metrics.csv and TensorBoard's events hold steps
+    1 and 2 (``log_flush_s=0``), or, in metrics.csv, nothing yet (``inf``: only at the end of fit)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rltrainer import GRPO, Callback, prompt_dataloader
+
+    seen = {}
+
+    class Look(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            if trainer.global_step == 2:
+                csv_path = Path(trainer.loggers[0].log_dir) / "metrics.csv"
+                seen["csv"] = steps_logged(csv_path) if csv_path.is_file() else []
+                events = EventAccumulator(trainer.loggers[1].log_dir)
+                events.Reload()
+                tags = events.Tags()["scalars"]
+                seen["tb"] = [e.step for e in events.Scalars("critic/score/mean")] if "critic/score/mean" in tags else []
+
+    trainer = Trainer(max_steps=2, logger=["csv", "tensorboard"], log_flush_s=log_flush_s, enable_progress_bar=False,
+                      default_root_dir=tmp_path, log_generations_every_n_steps=None, callbacks=[Look()])
+    module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                  num_generations=2, max_new_tokens=4)
+    trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False))
+    assert seen["csv"] == ([1, 2] if log_flush_s == 0 else [])
+    if log_flush_s == 0:  # (TensorBoard's writer also flushes when its queue of 10 events fills: not a test of inf)
+        assert seen["tb"] == [1, 2]
+    assert steps_logged(Path(trainer.loggers[0].log_dir) / "metrics.csv") == [1, 2]  # all there at the end
