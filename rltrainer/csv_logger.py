@@ -104,10 +104,14 @@ def _encode(keys: Sequence[str], rows: Iterable[dict[str, Any]], header: bool) -
 
 
 def append_rows(path: Path, keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> None:
-    """Append ``rows`` (under the file's header ``keys``) in one write; on an error, cut the file
-    back to its length before, so it never ends in half a row."""
-    data = _encode(keys, rows, header=False)
-    with reporting_disk_full(path, f"{len(rows)} metrics row(s)", len(data)), open(path, "ab", buffering=0) as f:
+    """Append ``rows`` (under the file's header ``keys``) in one write (:func:`append_bytes`)."""
+    append_bytes(path, _encode(keys, rows, header=False), f"{len(rows)} metrics row(s)")
+
+
+def append_bytes(path: Path, data: bytes, what: str) -> None:
+    """Append ``data`` (``what`` it holds) to ``path`` in one write; on an error, cut the file back to
+    its length before, so it never ends in half a row; a full disk is a ``DiskFullError``."""
+    with reporting_disk_full(path, what, len(data)), open(path, "ab", buffering=0) as f:
         start = f.seek(0, os.SEEK_END)
         try:
             view = memoryview(data)
