@@ -58,9 +58,26 @@ def main(root: str, leave: int, strategy: str, devices: int, every: int, report_
     except BaseException as exc:
         report = {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__],
                   "errno": getattr(exc, "errno", None), "message": str(exc), "step": trainer.global_step,
-                  "seconds": time.perf_counter() - filled["at"], "traceback": traceback.format_exc()}
+                  "seconds": time.perf_counter() - filled["at"], "traceback": traceback.format_exc(),
+                  "left_running": _processes_after(2.0)}
     os.remove(os.path.join(root, "filler"))
     Path(report_path).write_text(json.dumps(report))
+
+
+def _processes_after(seconds: float) -> list[str]:
+    """The names (``ray::FSDP2Worker``, ``raylet``...) of this process's descendants ``seconds`` from now."""
+    try:
+        import psutil
+    except ImportError:  # only Ray brings it
+        return ["(psutil is not installed)"]
+    time.sleep(seconds)
+    names = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            names.append((child.cmdline() or [child.name()])[0].rsplit("/", 1)[-1])
+        except psutil.Error:  # it ended meanwhile
+            pass
+    return sorted(names)
 
 
 def run_disk_full(tmp: Path, leave_bytes: int, every: int = 1, strategy: str = "single", devices: int = 1,

@@ -172,6 +172,7 @@ def assert_disk_full(report: dict, file: str) -> None:
     assert "The disk is full (No space left on device) writing " in report["message"]
     assert f"{file} (" in report["message"] and "bytes were free" in report["message"], report["message"]
     assert "unexpected pos" not in report["message"] and report["seconds"] < 30
+    assert report["left_running"] == []  # no process of the run outlives the error
 
 
 @needs_tmpfs

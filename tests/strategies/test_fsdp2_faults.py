@@ -31,3 +31,4 @@ def test_a_full_disk_on_two_ranks_is_one_clear_error_and_loses_nothing_written(t
     assert not list((kept / "checkpoints").glob(".*tmp-*"))
     rows = read_rows(kept / "lightning_logs" / "version_0" / "metrics.csv")[1]
     assert [int(r["step"]) for r in rows if r.get("critic/score/mean")] == [1, 2]
+    assert not [name for name in report["left_running"] if "Worker" in name], report["left_running"]  # ranks gone
