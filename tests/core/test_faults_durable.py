@@ -158,6 +158,33 @@ def test_a_full_disk_while_appending_leaves_metrics_csv_as_it_was(tmp_path, monk
     assert path.read_bytes() == before  # the half row was cut off
 
 
+
+class Saver:
+    def __init__(self, error=None):
+        self.error, self.saved = error, 0
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def save(self):
+        self.saved += 1
+        if self.error:
+            raise self.error
+
+
+def test_a_logger_failing_to_save_never_hides_the_error_that_ends_fit(caplog):
+    """Every logger is saved even if one fails; while an error ends fit, a failing save is logged (the
+    CSV logger's final save used to raise a second ENOSPC over the checkpoint's)."""
+    from rltrainer.loggers import save_loggers
+
+    full, fine = Saver(OSError(28, "No space left on device")), Saver()
+    with pytest.raises(OSError, match="No space"):
+        save_loggers([full, fine])
+    assert fine.saved == 1
+    save_loggers([full, fine], failing=RuntimeError("the first error"))  # logged, not raised
+    assert fine.saved == 2 and "Saver could not save its log (OSError" in caplog.text
+    assert "while RuntimeError ends the run" in caplog.text
+
 # -- a full disk ------------------------------------------------------------------------------------------
 needs_tmpfs = pytest.mark.skipif(tmpfs_unavailable() is not None, reason=str(tmpfs_unavailable()))
 
