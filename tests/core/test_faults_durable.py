@@ -185,6 +185,23 @@ def test_a_logger_failing_to_save_never_hides_the_error_that_ends_fit(caplog):
     assert fine.saved == 2 and "Saver could not save its log (OSError" in caplog.text
     assert "while RuntimeError ends the run" in caplog.text
 
+
+def test_fit_raises_its_own_error_not_the_final_logger_save_s(tmp_path, tiny_config, bpe_tokenizer, gsm8k_prompts):
+    from rltrainer import GRPO, Callback, prompt_dataloader
+
+    class Boom(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            raise RuntimeError("the first error")
+
+    full = Saver(OSError(28, "No space left on device"))
+    trainer = Trainer(max_steps=2, logger=[full], log_flush_s=float("inf"), enable_progress_bar=False,
+                      default_root_dir=tmp_path, callbacks=[Boom()])
+    module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                  num_generations=2, max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="the first error"):
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False))
+    assert full.saved == 1  # the final save ran, and failed quietly
+
 # -- a full disk ------------------------------------------------------------------------------------------
 needs_tmpfs = pytest.mark.skipif(tmpfs_unavailable() is not None, reason=str(tmpfs_unavailable()))
 
