@@ -4,7 +4,6 @@ with the previous checkpoint and every metric already written intact."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
