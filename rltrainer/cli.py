@@ -160,6 +160,8 @@ def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
     state = "interrupted after" if trainer.interrupted else "done:"
     steps = f"{trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps != -1 else "")
     lines = [f"rltrainer fit {state} {steps} steps in {seconds:.0f} s"]
+    if trainer.ckpt_path is not None:  # as given ("last.ckpt" points to a newer one by now): its step says which
+        lines.append(f"  resumed from: {trainer.ckpt_path} (step {trainer.ckpt_step})")
     metrics = trainer.callback_metrics
     shown = [k for k in SUMMARY_METRICS if k in metrics] + sorted(k for k in metrics if k.startswith("val/"))
     if shown:

@@ -114,11 +114,12 @@ def write_generations(loggers: list[Any], rows: list[dict[str, Any]], step: int,
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]], step: int, split: str) -> None:
-    """Append one JSON line per row (with ``step`` and ``split``) to ``path``."""
+    """Append one JSON line per row (with ``step`` and ``split``) to ``path``, in one write (never half a line)."""
+    from rltrainer.csv_logger import append_bytes
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps({"step": step, "split": split, **row}, ensure_ascii=False) + "\n")
+    lines = "".join(json.dumps({"step": step, "split": split, **row}, ensure_ascii=False) + "\n" for row in rows)
+    append_bytes(path, lines.encode("utf-8"), f"{len(rows)} generation row(s)")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -6,13 +6,19 @@ so a preempted run resumes as the same W&B run); every logger gets the hyperpara
 A log is whole: a ``validate()`` after ``fit`` reaches every logger and is saved at once
 (:func:`save_loggers`), and a run resumed with ``fit(ckpt_path=...)`` writes on in the CSV /
 TensorBoard version the checkpointed run wrote (:func:`log_versions`, :func:`continue_logs`), so
-one ``metrics.csv`` (and one plot) covers the whole run."""
+one ``metrics.csv`` (and one plot) covers the whole run.
+
+A log is durable: the Trainer saves the loggers after every logged step (``Trainer(log_flush_s=0)``,
+:class:`LogFlush`), the CSV one appending its rows (:mod:`rltrainer.csv_logger`) and TensorBoard
+flushing its writer, so a killed run loses at most the step in flight. A logger failing to save
+while ``fit`` already fails (a full disk) is logged, and the first error is the one raised."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import logging
+import math
+import time
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -21,7 +27,7 @@ from typing import Any
 
 #: name -> (module, class).
 LOGGER_NAMES = {
-    "csv": ("lightning.pytorch.loggers", "CSVLogger"),
+    "csv": ("rltrainer.csv_logger", "CSVLogger"),  # Lightning's, never losing or truncating metrics.csv
     "tensorboard": ("lightning.pytorch.loggers", "TensorBoardLogger"),
     "wandb": ("lightning.pytorch.loggers", "WandbLogger"),
     "mlflow": ("lightning.pytorch.loggers", "MLFlowLogger"),
@@ -110,11 +116,42 @@ def _scalar(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def save_loggers(loggers: list[Any]) -> None:
-    """Write what the loggers hold (Lightning's CSV logger keeps rows in memory until ``save``)."""
+def save_loggers(loggers: list[Any], failing: BaseException | None = None) -> None:
+    """Write what the loggers hold (Lightning's CSV logger keeps rows in memory until ``save``). Every
+    logger is saved even if one fails; the first error is raised then, unless ``failing`` (the error
+    that is ending ``fit``) is given: then it is logged, so that it does not hide ``failing``."""
+    first: BaseException | None = None
     for logger in loggers:
-        if hasattr(logger, "save"):
-            logger.save()
+        try:
+            if hasattr(logger, "save"):
+                logger.save()
+        except Exception as exc:
+            if failing is None and first is None:
+                first = exc
+            else:
+                log.error("%s could not save its log (%s: %s)%s", type(logger).__name__, type(exc).__name__, exc,
+                          f" while {type(failing).__name__} ends the run" if failing is not None else "")
+    if first is not None:
+        raise first
+
+
+class LogFlush:
+    """When the loggers write what they hold: ``every_s=0`` after every logged step, before the next
+    step starts; ``every_s > 0`` at the first logged step ``every_s`` seconds or more after the last
+    write (and at the end of ``fit``); ``math.inf`` only at the end of ``fit`` (Lightning's CSV logger
+    alone would write every 100 steps)."""
+
+    def __init__(self, every_s: float) -> None:
+        if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s >= 0:
+            raise ValueError(f"log_flush_s must be a number of seconds >= 0 (0: after every logged step; math.inf: "
+                             f"only at the end of fit), got {every_s!r}")
+        self.every_s, self.last = float(every_s), time.monotonic()
+
+    def __call__(self, loggers: list[Any]) -> None:
+        if math.isinf(self.every_s) or time.monotonic() - self.last < self.every_s:
+            return
+        save_loggers(loggers)
+        self.last = time.monotonic()
 
 
 def _versioned_kind(logger: Any) -> str | None:
@@ -152,21 +189,17 @@ def continue_logs(loggers: list[Any], checkpoint: Mapping[str, Any]) -> None:
 
 
 def _continue_csv(logger: Any, step: int) -> None:
-    """Open the CSV logger's existing version, keeping its rows up to ``step``."""
+    """Open the CSV logger's existing version, keeping its rows up to ``step`` (and none a killed write
+    left torn), rewritten atomically."""
+    from rltrainer.csv_logger import read_rows, write_csv_atomically
+
     path = Path(logger.log_dir) / "metrics.csv"
-    keys: list[str] = []
-    rows: list[dict[str, str]] = []
-    if path.is_file():
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            keys = list(reader.fieldnames or [])
-            rows = [row for row in reader if not row.get("step") or float(row["step"]) <= step]
+    keys, rows = read_rows(path) if path.is_file() else ([], [])
+    rows = [row for row in rows if not row.get("step") or float(row["step"]) <= step]
     with warnings.catch_warnings():  # "... exists and is not empty. Previous log files ... will be deleted"
         warnings.simplefilter("ignore")
-        experiment = logger.experiment  # Lightning removes metrics.csv of an existing directory here
+        experiment = logger.experiment  # Lightning's own CSVLogger removes metrics.csv here (ours does not)
+    experiment.fresh = False  # rltrainer's CSVLogger: write on after these rows
     if keys:
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv_atomically(path, keys, rows)
         experiment.metrics_keys = keys  # later rows append under this header (a new key rewrites it)

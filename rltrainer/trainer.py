@@ -21,14 +21,14 @@ from rltrainer.call import call_callback_hooks, call_hooks
 from rltrainer.callbacks import Callback, LearningSignal, ProgressBar
 from rltrainer.callbacks.checkpoint import resolve_ckpt_path
 from rltrainer.checkpoints import (FORMAT, MANIFEST, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError,
-                                   commit_directory, controller_rng_state, load_training, read_trainer_state, seal,
-                                   set_controller_rng_state, temporary_directory)
+                                   commit_directory, controller_rng_state, load_training, read_trainer_state, save_file,
+                                   seal, set_controller_rng_state, temporary_directory)
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.generations import generation_rows, spread, write_generations
 from rltrainer.interrupt import save_interrupted, stop_on_interrupt
-from rltrainer.loggers import (build_loggers, continue_logs, hyperparameters, log_hyperparameters, log_versions,
-                               save_loggers)
+from rltrainer.loggers import (LogFlush, build_loggers, continue_logs, hyperparameters, log_hyperparameters,
+                               log_versions, save_loggers)
 from rltrainer.loop import batch_metrics, check_skipped_steps, training_step, validation_loop
 from rltrainer.module import RLModule, check_hooks
 from rltrainer.pipelines import Pipeline, build_pipeline, check_module_pipeline, check_pipeline
@@ -55,6 +55,8 @@ class Trainer:
         val_check_interval: validate every N steps (``None``: only at the end of ``fit``).
         limit_val_batches: validate on at most this many batches.
         log_every_n_steps: send metrics to the loggers every N steps.
+        log_flush_s: loggers write their rows after every logged step (``0``), or at the first one
+            ``log_flush_s`` seconds after the last write (:class:`~rltrainer.loggers.LogFlush`).
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``.
         micro_batch_size: rows per forward/backward pass on each rank (``None``: the strategy's
             default, 8).
@@ -120,6 +122,7 @@ class Trainer:
         val_check_interval: int | None = None,
         limit_val_batches: int | None = None,
         log_every_n_steps: int = 1,
+        log_flush_s: float = 0.0,
         precision: str = "32-true",
         micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
@@ -185,6 +188,7 @@ class Trainer:
         defaults = [ProgressBar] * bool(enable_progress_bar) + [LearningSignal]  # unless given (configured)
         self.callbacks += [cls() for cls in defaults if not any(isinstance(c, cls) for c in self.callbacks)]
         self.loggers = build_loggers(logger, self.default_root_dir, project, run_name, run_id)
+        self.log_flush = LogFlush(log_flush_s)
         self.log_generations_every_n_steps = log_generations_every_n_steps
         self.log_generations_rows = log_generations_rows
         self._generations: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}  # rows to log, per split
@@ -193,6 +197,7 @@ class Trainer:
         self.should_stop = False  # a callback sets it to end fit() after this step (as in Lightning)
         self.interrupted = False  # the last fit() was stopped by Ctrl-C (and saved a checkpoint)
         self.ckpt_path: Path | None = None  # the checkpoint the last fit() resumed from
+        self.ckpt_step: int | None = None  # and its step
         self.current_epoch = 0
         self.batches_seen_in_epoch = 0
         self.step_metrics: dict[str, float] = {}
@@ -226,7 +231,7 @@ class Trainer:
         module.estimated_optimizer_steps = estimate_optimizer_steps(  # before setup: LR schedules read it
             self.estimated_total_steps, module, getattr(train_loader, "batch_size", None))
         self._setup(module)
-        self.ckpt_path, self.interrupted = None, False
+        self.ckpt_path, self.interrupted, failure = None, False, None
         try:
             if resume is not None:
                 self._restore(resume)
@@ -245,11 +250,12 @@ class Trainer:
             call_hooks(self, "on_fit_end")
             self.wait_for_checkpoint()
         except BaseException as exc:
+            failure = exc
             call_callback_hooks(self, "on_exception", exc)
             self.teardown()
             raise
         finally:
-            save_loggers(self.loggers)
+            save_loggers(self.loggers, failing=failure)  # a logger failing too must not hide the error
 
     def validate(self, module: RLModule | None = None, dataloaders: Iterable[Any] | None = None,
                  datamodule: Any = None) -> dict[str, float]:
@@ -337,7 +343,7 @@ class Trainer:
                           "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch,
                           "rng": controller_rng_state(), "loggers": log_versions(self.loggers), "checksums": MANIFEST}
             call_callback_hooks(self, "on_save_checkpoint", checkpoint)
-            torch.save(checkpoint, tmp / TRAINER_FILE)
+            save_file(checkpoint, tmp / TRAINER_FILE, "the trainer state")
         except BaseException:
             with contextlib.suppress(Exception):
                 self.strategy.wait_checkpoint()  # nothing writes into it any more
@@ -386,10 +392,8 @@ class Trainer:
             self._pipeline.close()
             self._pipeline = None
         if self._pending_sync is not None:
-            try:
+            with contextlib.suppress(Exception):  # already failing; teardown must still release everything
                 self._pending_sync.result()
-            except Exception:  # already failing; teardown must still release everything
-                pass
             self._pending_sync = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -546,13 +550,15 @@ class Trainer:
     def _log(self, metrics: dict[str, float]) -> None:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.global_step)
+        self.log_flush(self.loggers)
 
     def _restore(self, ckpt_path: str | Path) -> None:
         path = resolve_ckpt_path(self, ckpt_path)  # fit() passes it resolved; export passes its argument
         if path is None:
             return
         checkpoint = read_trainer_state(path)
-        log.info("Resuming from %s (step %d)", path, checkpoint["global_step"])
+        log.info("Resuming from checkpoint %s%s (step %d)", path, f" -> {path.resolve()}" * path.is_symlink(),
+                 checkpoint["global_step"])
         pipeline = dict(checkpoint["pipeline"])
         if pipeline.pop("mode", self.pipeline) != self.pipeline and pipeline:
             raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
@@ -569,7 +575,7 @@ class Trainer:
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
         self._pipeline_state = pipeline
         set_controller_rng_state(checkpoint["rng"])
-        self.ckpt_path = path
+        self.ckpt_path, self.ckpt_step = path, checkpoint["global_step"]
         call_callback_hooks(self, "on_load_checkpoint", checkpoint)
         self.sync_weights()
 

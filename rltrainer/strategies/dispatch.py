@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.checkpoints import raising_ranks_disk_full
 from rltrainer.controller.worker import InOrderWorker, Worker
 from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
                                                get_together)
@@ -285,7 +286,8 @@ class WorkerGroupStrategy(Strategy):
         """Every rank writes its own part into ``directory`` (``TrainingWorker.save_checkpoint``;
         nothing passes through this process); this process keeps the layout and every rank's RNG
         state, the split replicas' too."""
-        self._require_group().execute_all("save_checkpoint", str(directory), async_save)
+        with raising_ranks_disk_full():
+            self._require_group().execute_all("save_checkpoint", str(directory), async_save)
         state = {"layout": self.checkpoint_layout(), "rng": self._require_group().execute_all("rng_state")}
         if self.rollout_group is not None:
             state["rollout_rng"] = self.rollout_group.execute_all("rng_state")
@@ -298,7 +300,8 @@ class WorkerGroupStrategy(Strategy):
 
     def wait_checkpoint(self) -> None:
         if self.group is not None:
-            self.group.execute_all("wait_checkpoint")
+            with raising_ranks_disk_full():
+                self.group.execute_all("wait_checkpoint")
 
     def checkpoint_digests(self, directory: Path) -> dict[str, str]:
         """Every rank hashes the files it wrote (nothing is read here)."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.checkpoints import reporting_disk_full
 from rltrainer.models import (RandomInit, SafetensorsWeights, deferred_init, parameter_aliases, share_rng_state,
                               source_key, take_weight_source)
 from rltrainer.strategies.dispatch import WorkerGroupStrategy
@@ -48,6 +49,7 @@ class FSDP2Worker(TrainingWorker):
         self.shared: SharedBuffers | None = None
         self.loaded: dict[str, dict[str, Any]] = {}
         self.pending_save: Future | None = None  # an asynchronous checkpoint write
+        self.pending_dir = Path()  # and where it writes
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
@@ -249,11 +251,13 @@ class FSDP2Worker(TrainingWorker):
 
         self.wait_checkpoint()
         self.pending_save = save_sharded(self._sharded_state(), directory, async_save=async_save)
+        self.pending_dir = Path(directory)
 
     def wait_checkpoint(self) -> None:
         pending, self.pending_save = self.pending_save, None
         if pending is not None:
-            pending.result()
+            with reporting_disk_full(self.pending_dir, "this rank's shards (an asynchronous save)"):
+                pending.result()
 
     def checkpoint_files(self, directory: str) -> list[str]:
         """DCP's files of this rank (``__<rank>_<k>.distcp``), and on rank 0 its ``.metadata``."""

@@ -110,7 +110,10 @@ class TrainingWorker(Worker):
     def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
         """This rank's models, optimizers and schedulers as ``directory/rank=<r>.pt``, written at once
         (a layout that reshards or saves in the background overrides it, see ``FSDP2Worker``)."""
-        torch.save(local_training_state(self.module, self.optimizers, self.schedulers), self._rank_file(directory))
+        from rltrainer.checkpoints import save_file
+
+        save_file(local_training_state(self.module, self.optimizers, self.schedulers), self._rank_file(directory),
+                  f"rank {self.rank}'s models, optimizers and schedulers")
 
     def wait_checkpoint(self) -> None:
         """Wait for this rank's background checkpoint write, if any."""

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from rltrainer.checkpoints import CheckpointError, check_state_matches, safe_load
+from rltrainer.checkpoints import (CheckpointError, check_state_matches, reporting_disk_full, safe_load,
+                                   tensor_bytes)
 
 _METADATA_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"), ("torch", "Size"),
                      ("torch.serialization", "_get_layout"), ("torch._utils", "_get_layout"),
@@ -89,7 +90,9 @@ def save_sharded(state: dict[str, Any], directory: str | Path, async_save: bool 
     ``async_save``: copy them to host memory, write them in a background thread whose collectives
     use a gloo group of their own (training's go on meanwhile), and return its future."""
     if not async_save:
-        dcp_save(state, checkpoint_id=str(directory))
+        with reporting_disk_full(Path(directory), "this rank's shards (torch.distributed.checkpoint)",
+                                 tensor_bytes(state)):
+            dcp_save(state, checkpoint_id=str(directory))
         return None
     from torch.distributed.checkpoint import async_save as dcp_async_save
 

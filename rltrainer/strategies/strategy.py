@@ -198,7 +198,9 @@ class Strategy(abc.ABC):
         small state the controller keeps in ``trainer.pt``. With ``async_save`` a strategy may
         return before the files are written (:meth:`wait_checkpoint` waits). Here: :meth:`state_dict`
         as one file, written at once."""
-        torch.save(self.state_dict(), directory / "state.pt")
+        from rltrainer.checkpoints import save_file
+
+        save_file(self.state_dict(), directory / "state.pt", "the models, optimizers and schedulers")
         return {}
 
     def wait_checkpoint(self) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from rltrainer.checkpoints import CheckpointError, check_state_matches, safe_load
+from rltrainer.checkpoints import CheckpointError, check_state_matches, reporting_disk_full, safe_load, save_file
 from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, hf_from_megatron, megatron_shard,
                                                    state_reader)
 from rltrainer.strategies.megatron.models import MegatronValueModel, critic_trunk_config
@@ -97,7 +97,9 @@ class _Writer:
         from rltrainer.export import write_safetensors
 
         if self.bucket:
-            write_safetensors(self.directory / f"rank={self.rank}-{self.files:05d}.safetensors", self.bucket)
+            path = self.directory / f"rank={self.rank}-{self.files:05d}.safetensors"
+            with reporting_disk_full(path, f"rank {self.rank}'s tensors", self.size):
+                write_safetensors(path, self.bucket)
             self.files += 1
         self.bucket, self.size = [], 0
 
@@ -135,7 +137,7 @@ def save(directory: Path, models: dict[str, ModelTensors], optimizer: Any, sched
         state = {"format": FORMAT, "step": step, "kinds": kinds, "models": sorted(models),
                  "groups": {tag: g for part in groups for tag, g in part.items()},
                  "schedulers": [s.state_dict() for s in schedulers]}
-        torch.save(state, directory / STATE_FILE)
+        save_file(state, directory / STATE_FILE, "the optimizer groups and schedulers")
 
 
 def _global_step(slots: dict[int, Any]) -> float:
