@@ -37,7 +37,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -207,7 +207,8 @@ class Pipeline:
         logged: dict[str, float] = {}
         token = LOG_TARGET.set(logged)  # this thread's logs belong to this batch's step
         try:
-            batch = call_module_hook(self.trainer, "rollout_step", with_positions(prompts), engine)
+            batch = self.trainer.watchdog.call("rollout.rollout_step", call_module_hook, self.trainer, "rollout_step",
+                                               with_positions(prompts), engine)  # an engine here: watched here
         finally:
             LOG_TARGET.reset(token)
         batch.meta["timing_s/gen"] = time.perf_counter() - start
@@ -218,6 +219,7 @@ class Pipeline:
         """The request's rows (its error, if it failed); time spent here is the trainer's idle time."""
         start = time.perf_counter()
         try:
+            self.trainer.watchdog.wait_first("pipeline.wait", [future], threads="rltrainer-rollout")
             batch = future.result()
         finally:
             self._waited += time.perf_counter() - start
@@ -378,7 +380,7 @@ class AsyncPipeline(Pipeline):
                 done = [self._in_flight[0]]  # oldest request first
             else:
                 start = time.perf_counter()
-                done = list(wait(self._in_flight, return_when=FIRST_COMPLETED).done)
+                done = self.trainer.watchdog.wait_first("pipeline.wait", self._in_flight, threads="rltrainer-rollout")
                 self._waited += time.perf_counter() - start
             for future in done:
                 self._receive(future)
