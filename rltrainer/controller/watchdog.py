@@ -116,6 +116,7 @@ class Watchdog:
         self._durations: dict[str, deque[float]] = {}
         self._in_flight: dict[int, tuple[str, float]] = {}  # call id -> (stage, start)
         self._deadlines: dict[int, float] = {}  # call id -> when it times out (time.monotonic)
+        self._reporting: dict[int, float] = {}  # a failed call -> until when it may still be reporting
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -145,16 +146,23 @@ class Watchdog:
         return call
 
     def others_deadline(self, call: int) -> float:
-        """The latest deadline of the other calls in flight (maybe a wait inside ``call``, e.g. on the
-        Ray workers a push goes to, or the work ``call`` waits for in another thread), or ``-inf``."""
+        """Until when another call may still report an error: the latest deadline (plus a grace to
+        report) of the other calls in flight (maybe a wait inside ``call``, e.g. on the Ray workers a
+        push goes to, or the work ``call`` waits for in another thread), and the grace of those that
+        just failed (reporting now: stacks, shutdown); ``-inf`` if none."""
+        now = time.monotonic()
         with self._lock:
-            return max((d for c, d in self._deadlines.items() if c != call), default=float("-inf"))
+            self._reporting = {c: t for c, t in self._reporting.items() if t > now}
+            ends = [d + INNER_GRACE_S for c, d in self._deadlines.items() if c != call]
+            return max(ends + list(self._reporting.values()), default=float("-inf"))
 
     def end(self, call: int, completed: bool = True) -> None:
         """The call ended; a completed call's duration joins its stage's median."""
         with self._lock:
             stage, start = self._in_flight.pop(call, (None, 0.0))
             self._deadlines.pop(call, None)
+            if stage is not None and not completed:  # it reports its error now: outer waits let it
+                self._reporting[call] = time.monotonic() + INNER_GRACE_S
             if stage is not None and completed:
                 self._durations.setdefault(stage, deque(maxlen=self.window)).append(time.monotonic() - start)
 
@@ -228,10 +236,10 @@ class Watchdog:
                 return done
             # another watched wait in flight (inside this one, or the work it waits for) reports first:
             # it knows more (the ranks); it gets until its own deadline plus a grace, within a bound
-            later = min(self.others_deadline(call) + INNER_GRACE_S, start + 2 * timeout + INNER_GRACE_S)
-            if later <= time.monotonic():
+            now, later = time.monotonic(), min(self.others_deadline(call), start + 2 * timeout + INNER_GRACE_S)
+            if later <= now:
                 break
-            deadline = later
+            deadline = min(later, now + 0.5)  # and look again soon: it may end before
         self.end(call, completed=False)
         if isinstance(threads, str):
             threads = [t for t in threading.enumerate() if t.name.startswith(threads)]
