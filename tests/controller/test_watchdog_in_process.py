@@ -176,3 +176,21 @@ def test_a_hung_weight_push(tiny_config, bpe_tokenizer, gsm8k_prompts, monkeypat
     monkeypatch.setattr(InProcessTransport, "_start", hang_on_call(2, InProcessTransport._start))  # 1: setup's
     error, after_s = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, stage_timeout_s={"weights": TIMEOUT_S})
     check(error, "weights.push", "in start_weight_sync", after_s)
+
+
+@pytest.mark.usefixtures("warm_ranks")  # the split replica reuses a warm process (tests/conftest.py)
+@pytest.mark.parametrize("pipeline, policy", [("one_step_off", "wait"), ("async", "drop")])
+def test_a_hung_rollout_thread_under_the_buffer_wait(pipeline, policy, tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                     ray_session, monkeypatch):
+    from rltrainer.pipelines import Pipeline
+    from rltrainer.strategies import FSDP2Strategy
+
+    monkeypatch.setattr(Pipeline, "_run", hang_on_call(2, Pipeline._run))  # outside rollout_step's own watch
+    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4)
+    start = time.monotonic()
+    error, after_s = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, strategy=strategy, pipeline=pipeline,
+                         staleness_policy=policy, stage_timeout_s={"pipeline.wait": TIMEOUT_S})
+    check(error, "pipeline.wait", "in stand_in", None)
+    assert "'rltrainer-rollout_" in str(error).splitlines()[0]
+    assert after_s < 2 * TIMEOUT_S + SLACK_S  # the trainer's wait began after the hang (one step later)
+    assert time.monotonic() - start < 120  # fit's teardown did not wait for the stuck request
