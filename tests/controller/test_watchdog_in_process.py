@@ -37,12 +37,12 @@ def hang(*args, **kwargs):
 
 
 def hang_on_call(n: int, original):
-    """A stand-in for ``original`` that hangs on its ``n``-th call."""
+    """A stand-in for ``original`` that hangs from its ``n``-th call on."""
     calls = []
 
     def stand_in(*args, **kwargs):
         calls.append(1)
-        return hang() if len(calls) == n else original(*args, **kwargs)
+        return hang() if len(calls) >= n else original(*args, **kwargs)
     return stand_in
 
 
