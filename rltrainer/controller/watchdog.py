@@ -245,7 +245,8 @@ class Watchdog:
             threads = [t for t in threading.enumerate() if t.name.startswith(threads)]
         stopped = _stop(current)
         group, method = stage.rsplit(".", 1) if "." in stage else ("controller", stage)
-        who = (f"{stopped or 'the call'} did not return in the controller's thread "
+        where = "".join(f" (in {w})" for w in map(_where, threads[:1]) if w)
+        who = (f"{stopped or 'the call'} did not return{where} in the controller's thread "
                f"{', '.join(repr(t.name) for t in threads) or '(none running)'}")
         stacks = {-1 - i: _thread_stack(t) for i, t in enumerate(threads)}
         error = StageTimeout(group, method, [], time.monotonic() - start, self.timeout_for(stage), stacks,
@@ -301,6 +302,20 @@ def _finish(context: contextvars.Context, run: Callable[[], None], future: Futur
         context.run(run)
     finally:
         future.set_result(None)
+
+
+def _where(thread: threading.Thread) -> str:
+    """The innermost frame of ``thread`` outside the standard library: ``"fn (file.py:12)"``."""
+    import os
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None and frame.f_code.co_filename.startswith(stdlib):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
 
 
 def _thread_stack(thread: threading.Thread) -> str:

@@ -90,7 +90,8 @@ def test_a_call_past_its_timeout_raises_with_its_stack_and_leaves_a_daemon_threa
         dog.call("reward.reward_step", hang)
     assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + SLACK_S
     headline = check(info.value, "reward.reward_step", "in hang", None)
-    assert "did not return in the controller's thread 'rltrainer-reward.reward_step'" in headline
+    assert "did not return (in hang (test_watchdog_in_process.py:" in headline, headline  # where it hangs
+    assert "in the controller's thread 'rltrainer-reward.reward_step'" in headline
     left = [t for t in threading.enumerate() if t.name == "rltrainer-reward.reward_step"]
     assert left and all(t.daemon for t in left)  # it does not keep the process alive at exit
     assert dog.call("single.compute", lambda x: x + 1, 1) == 2 and not dog.in_flight()
@@ -162,7 +163,8 @@ def test_a_hung_reward_function_in_a_pool_kills_the_pool(tiny_config, bpe_tokeni
 def test_a_hung_single_strategy_stage(tiny_config, bpe_tokenizer, gsm8k_prompts):
     module = grpo(tiny_config, bpe_tokenizer, cls=HangingPolicyStep)
     error, after_s = fit(module, gsm8k_prompts, strategy="single", stage_timeout_s={"train_step": TIMEOUT_S})
-    check(error, "single.train_step", "in policy_step", after_s)
+    headline = check(error, "single.train_step", "in policy_step", after_s)
+    assert "the call did not return (in hang (test_watchdog_in_process.py:" in headline, headline
 
 
 def test_a_hung_engine_call_in_process(tiny_config, bpe_tokenizer, gsm8k_prompts, monkeypatch):
