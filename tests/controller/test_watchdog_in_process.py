@@ -196,3 +196,27 @@ def test_a_hung_rollout_thread_under_the_buffer_wait(pipeline, policy, tiny_conf
     assert "'rltrainer-rollout_" in str(error).splitlines()[0]
     assert after_s < 2 * TIMEOUT_S + SLACK_S  # the trainer's wait began after the hang (one step later)
     assert time.monotonic() - start < 120  # fit's teardown did not wait for the stuck request
+
+
+class HangingReplicaEngine(HFEngine):
+    """An ``hf`` engine whose second ``generate`` never returns (in its replica's process)."""
+
+    def generate(self, prompts, sampling):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls >= 2:
+            while True:
+                time.sleep(3600)
+        return super().generate(prompts, sampling)
+
+
+@pytest.mark.usefixtures("warm_ranks")
+def test_a_hung_engine_replica_names_its_rank(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
+    from rltrainer.strategies import FSDP2Strategy
+
+    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4)
+    start = time.monotonic()
+    error, _ = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, strategy=strategy, rollout=HangingReplicaEngine(),
+                   stage_timeout_s={"generate": TIMEOUT_S})
+    headline = check(error, "rollout.generate", "generate", None)
+    assert "rank 0 of 'rollout' did not answer" in headline and error.ranks == [0]
+    assert time.monotonic() - start < 120
