@@ -40,7 +40,7 @@ def training_step(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
     metrics.update(batch.meta.get("logged", {}))  # what rollout_step logged, in whichever thread ran it
     metrics.update({k: float(v) for k, v in batch.meta.items() if k.startswith(("pipeline/", "timing_s/"))})
     with timer(metrics, "reward"):
-        batch = call_module_hook(trainer, "reward_step", batch)  # + scores [N]
+        batch = trainer.watchdog.call("reward.reward_step", call_module_hook, trainer, "reward_step", batch)  # + scores
     for stage in module.compute_stages():  # old_log_prob, ref, values, ...
         with timer(metrics, stage):
             batch = batch.union(strategy.compute(batch, stage))

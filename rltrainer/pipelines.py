@@ -37,7 +37,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -207,7 +207,8 @@ class Pipeline:
         logged: dict[str, float] = {}
         token = LOG_TARGET.set(logged)  # this thread's logs belong to this batch's step
         try:
-            batch = call_module_hook(self.trainer, "rollout_step", with_positions(prompts), engine)
+            batch = self.trainer.watchdog.call("rollout.rollout_step", call_module_hook, self.trainer, "rollout_step",
+                                               with_positions(prompts), engine)  # an engine here: watched here
         finally:
             LOG_TARGET.reset(token)
         batch.meta["timing_s/gen"] = time.perf_counter() - start
@@ -218,10 +219,11 @@ class Pipeline:
         """The request's rows (its error, if it failed); time spent here is the trainer's idle time."""
         start = time.perf_counter()
         try:
+            self.trainer.watchdog.wait_first("pipeline.wait", [future], threads="rltrainer-rollout")
             batch = future.result()
         finally:
             self._waited += time.perf_counter() - start
-            if future in self._in_flight:
+            if future in self._in_flight and future.done():  # a timed-out one stays: close() leaves it behind
                 self._in_flight.remove(future)
         self._engine_busy += float(batch.meta.get("rollout/gen_time_s", 0.0))
         return batch
@@ -255,15 +257,14 @@ class Pipeline:
         pass
 
     def close(self) -> None:
-        """Wait for requests still in flight (their rows are not trained on) and stop the threads."""
-        for future in self._in_flight:
-            try:
-                future.result()
-            except Exception:  # the run is ending (maybe failing already); the engine is released next
-                pass
+        """Wait for requests still in flight (their rows are not trained on) and stop the threads; with
+        ``stage_timeout_s``, a request stuck past its stage's timeout is left behind."""
+        dog = self.trainer.watchdog
+        patience = dog.timeout_for("pipeline.wait") if dog.watches_in_process else None
+        stuck = wait(self._in_flight, timeout=patience).not_done  # errors: the run is ending, maybe failing
         self._in_flight = []
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor.shutdown(wait=not stuck, cancel_futures=True)
             self._executor = None
 
 
@@ -378,7 +379,7 @@ class AsyncPipeline(Pipeline):
                 done = [self._in_flight[0]]  # oldest request first
             else:
                 start = time.perf_counter()
-                done = list(wait(self._in_flight, return_when=FIRST_COMPLETED).done)
+                done = self.trainer.watchdog.wait_first("pipeline.wait", self._in_flight, threads="rltrainer-rollout")
                 self._waited += time.perf_counter() - start
             for future in done:
                 self._receive(future)

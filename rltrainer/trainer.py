@@ -94,13 +94,12 @@ class Trainer:
         staleness_policy: ``"async"``: ``"wait"`` (train on the oldest requests first, never
             exceed the bound) or ``"drop"`` (train on what finished first; drop rows that fell
             behind the bound, count them and generate their prompts again).
-        stage_timeout_s: the watchdog over the controller's waits on worker processes
-            (:mod:`rltrainer.controller.watchdog`): a stage (``actor.train_step``,
-            ``rollout.generate``...) that runs longer raises in the controller, naming the stage, the
-            ranks that have not answered and their Python stacks, and everything is shut down. One
-            number for every stage, a dict by stage or method name (``{"train_step": 900}``; the
-            others: the default), or ``None``: 10x the stage's running median, at least 300 s
-            (1800 s before the stage has completed once). ``float("inf")``: no limit.
+        stage_timeout_s: the watchdog over the controller's waits (:mod:`rltrainer.controller.watchdog`):
+            a stage (``actor.train_step``, ``rollout.generate``; when set, also ``reward.reward_step``,
+            ``single.train_step``, ``weights.push``...) that runs longer raises in the controller, naming
+            the stage, the ranks that did not answer and their Python stacks; everything is shut down. One
+            number for every stage, a dict by stage, method or group name (``{"train_step": 900}``; the others:
+            the default), or ``None``: 10x its median, >= 300 s (1800 s before it completed once); inf: none.
         log_generations_every_n_steps: send ``log_generations_rows`` sample generations (prompt,
             response, reward, advantage, finish reason, per-function rewards) to the loggers every
             N steps, and at every validation (``None``: never); see :mod:`rltrainer.generations`.
@@ -275,7 +274,7 @@ class Trainer:
         """Push the policy's changed weights from the strategy to the engine and wait. Returns
         ``tensors``, ``bytes``, ``skipped`` (unchanged since the last sync) and ``seconds``."""
         self._await_weights()
-        return self._start_push(self.global_step).wait()
+        return self.watchdog.call("weights.push", self._start_push(self.global_step).wait)
 
     def draw_prompts(self) -> RolloutBatch | None:
         """During ``fit``, for a ``rollout_step`` that needs more prompts than its batch (dynamic
@@ -446,7 +445,8 @@ class Trainer:
         if self.weight_sync == "async":  # sync pipeline: pushed in a thread, waited before the next rollout
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltrainer-weight-sync")
-            self._pending_sync = self._executor.submit(lambda: self._start_push(version).wait())
+            start, dog = self._start_push, self.watchdog  # the push is watched in its thread
+            self._pending_sync = self._executor.submit(dog.call, "weights.push", lambda: start(version).wait())
             return
         self._pending_sync = self._start_push(version)
         if self.pipeline == "sync":
@@ -456,7 +456,7 @@ class Trainer:
         """Start a push; requests keep going meanwhile (a replica changes weights between two of
         them, see :mod:`rltrainer.weights.staging`). Requests sent once it returns ask for this
         version: replicas where it has not arrived yet wait for it."""
-        handle = self.strategy.start_weight_sync(self.engine, version)
+        handle = self.watchdog.call("weights.push", self.strategy.start_weight_sync, self.engine, version)
         self.engine.weight_version = version
         return handle
 
@@ -466,7 +466,7 @@ class Trainer:
             return {}
         start = time.perf_counter()
         pending, self._pending_sync = self._pending_sync, None
-        metrics = sync_metrics(pending.result() if isinstance(pending, Future) else pending.wait())
+        metrics = sync_metrics(self.watchdog.result("weights.push", pending))
         metrics["timing_s/wait_weights"] = time.perf_counter() - start
         return metrics
 

@@ -13,42 +13,81 @@ The timeout of a stage: ``timeout_s`` if given (one number for every stage, or a
 or method name, e.g. ``{"train_step": 600}``; a stage it does not name gets the default). The
 default is ``factor`` times the stage's running median (its last ``window`` completed calls), at
 least ``floor_s``; before a stage has completed once (its first call compiles, loads, warms up),
-``first_timeout_s``. Calls that run in the controller's own process (the ``single`` strategy, an
-in-process rank) are not watched: there, a debugger or ``py-spy dump`` on the controller shows them.
+``first_timeout_s``.
+
+With ``stage_timeout_s`` set, the controller's own waits are watched too (:meth:`Watchdog.call`,
+:meth:`Watchdog.wait_first`): ``reward.reward_step`` (the reward functions, in this process or in a
+reward pool), the ``single`` strategy's ``single.compute`` / ``single.train_step``,
+``rollout.rollout_step`` (an engine in this process generating), ``weights.push`` and
+``pipeline.wait`` (the trainer waiting for rows from the rollout threads). A call in this process
+cannot be killed: it runs in a daemon thread, and past its timeout the controller raises
+:class:`StageTimeout` with that thread's Python stack and leaves the thread behind (it does not keep
+the interpreter alive at exit); what can be stopped is stopped (a reward pool is killed). While
+another watched wait is in flight (inside this one, e.g. a push waiting on its Ray workers, or the
+work this one waits for in another thread), that one reports first: it knows more. Without
+``stage_timeout_s``, only the waits on worker processes are watched (with the defaults above); a
+debugger or ``py-spy dump`` on the controller shows the rest.
 """
 
 from __future__ import annotations
 
+import contextvars
 import itertools
+import logging
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
+import traceback
 from collections import deque
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from rltrainer.controller.worker_group import WorkerError
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+INNER_GRACE_S = 30.0  # past its own deadline, an outer wait gives an inner watched wait this long to report
+
 
 class StageTimeout(WorkerError):
-    """A stage ran past its timeout: ``stage``, ``ranks`` (those that had not answered),
-    ``waited_s``, ``timeout_s`` and ``stacks`` (rank -> Python stack, or why there is none)."""
+    """A stage ran past its timeout: ``stage``, ``ranks`` (those that had not answered), ``hung``
+    (those of them not waiting for a peer in a collective: the ones to look at), ``waited_s``,
+    ``timeout_s`` and ``stacks`` (rank -> Python stack, or why there is none). A call in the
+    controller's own process has no ranks: ``stacks`` holds its thread's stack under rank ``-1``."""
 
     def __init__(self, group: str, method: str, ranks: Sequence[int], waited_s: float, timeout_s: float,
-                 stacks: Mapping[int, str], in_flight: Sequence[str] = ()) -> None:
+                 stacks: Mapping[int, str], in_flight: Sequence[str] = (), who: str | None = None) -> None:
         self.stage, self.ranks, self.waited_s, self.timeout_s = f"{group}.{method}", list(ranks), waited_s, timeout_s
         self.stacks = dict(stacks)
-        lines = [f"Stage {self.stage!r} exceeded its timeout of {timeout_s:.0f} s (waited {waited_s:.0f} s): "
-                 f"ranks {self.ranks} of {group!r} have not answered. Everything is shut down.",
-                 "If the stage is only slow, raise its timeout: Trainer(stage_timeout_s={" + repr(method)
-                 + ": seconds}) (or one number for every stage)."]
+        waiting = [r for r in self.ranks if _in_collective(self.stacks.get(r, ""))]
+        self.hung = [r for r in self.ranks if r not in waiting] or list(self.ranks)
+        if who is None:
+            who = f"{_ranks(self.hung)} of {group!r} did not answer"
+            if waiting and self.hung != self.ranks:
+                who += f" ({_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} for it in a collective)"
+        headline = f"Stage {self.stage!r} timed out after {waited_s:.0f} s (its timeout: {timeout_s:.0f} s): {who}."
+        lines = ["Everything is shut down. If the stage is only slow, raise its timeout: Trainer(stage_timeout_s={"
+                 + repr(method) + ": seconds}) (or one number for every stage)."]
         if in_flight:
             lines.append("Other stages in flight: " + "; ".join(in_flight))
-        for rank in self.ranks:
-            lines.append(f"--- rank {rank}: Python stack ---\n{self.stacks.get(rank, '(not obtained)').rstrip()}")
-        super().__init__(group, self.ranks[0] if self.ranks else -1, method, "\n".join(lines))
+        for rank in self.ranks or sorted(self.stacks):
+            where = f"rank {rank}" if rank >= 0 else "the controller's thread"
+            lines.append(f"--- {where}: Python stack ---\n{self.stacks.get(rank, '(not obtained)').rstrip()}")
+        super().__init__(group, self.hung[0] if self.hung else -1, method, "\n".join(lines), headline)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _in_collective(stack: str) -> bool:
+    """Whether a rank's stack shows it waiting in torch.distributed (on a peer), not hung itself."""
+    return "torch/distributed/" in stack.replace("\\", "/")
 
 
 class Watchdog:
@@ -76,14 +115,16 @@ class Watchdog:
         self.window = window
         self._durations: dict[str, deque[float]] = {}
         self._in_flight: dict[int, tuple[str, float]] = {}  # call id -> (stage, start)
+        self._deadlines: dict[int, float] = {}  # call id -> when it times out (time.monotonic)
+        self._reporting: dict[int, float] = {}  # a failed call -> until when it may still be reporting
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
     def timeout_for(self, stage: str) -> float:
         """Seconds ``stage`` (``group.method``) may take now."""
-        method = stage.rsplit(".", 1)[-1]
+        method, group = stage.rsplit(".", 1)[-1], stage.split(".", 1)[0]
         if isinstance(self.timeout_s, Mapping):
-            fixed = self.timeout_s.get(stage, self.timeout_s.get(method))
+            fixed = next((self.timeout_s[k] for k in (stage, method, group) if k in self.timeout_s), None)
             if fixed is not None:
                 return float(fixed)
         elif self.timeout_s is not None:
@@ -96,15 +137,32 @@ class Watchdog:
 
     def begin(self, stage: str) -> int:
         """A call of ``stage`` starts (its wait, in the controller); returns its id for :meth:`end`."""
+        timeout = self.timeout_for(stage)
         with self._lock:
             call = next(self._ids)
-            self._in_flight[call] = (stage, time.monotonic())
+            now = time.monotonic()
+            self._in_flight[call] = (stage, now)
+            self._deadlines[call] = now + timeout
         return call
+
+    def others_deadline(self, call: int) -> float:
+        """Until when another call may still report an error: the latest deadline (plus a grace to
+        report) of the other calls in flight (maybe a wait inside ``call``, e.g. on the Ray workers a
+        push goes to, or the work ``call`` waits for in another thread), and the grace of those that
+        just failed (reporting now: stacks, shutdown); ``-inf`` if none."""
+        now = time.monotonic()
+        with self._lock:
+            self._reporting = {c: t for c, t in self._reporting.items() if t > now}
+            ends = [d + INNER_GRACE_S for c, d in self._deadlines.items() if c != call]
+            return max(ends + list(self._reporting.values()), default=float("-inf"))
 
     def end(self, call: int, completed: bool = True) -> None:
         """The call ended; a completed call's duration joins its stage's median."""
         with self._lock:
             stage, start = self._in_flight.pop(call, (None, 0.0))
+            self._deadlines.pop(call, None)
+            if stage is not None and not completed:  # it reports its error now: outer waits let it
+                self._reporting[call] = time.monotonic() + INNER_GRACE_S
             if stage is not None and completed:
                 self._durations.setdefault(stage, deque(maxlen=self.window)).append(time.monotonic() - start)
 
@@ -114,6 +172,157 @@ class Watchdog:
         with self._lock:
             return [f"{stage} for {now - start:.0f} s" for call, (stage, start) in self._in_flight.items()
                     if call != exclude]
+
+
+    # -- waits in the controller's own process -------------------------------------------------------
+    @property
+    def watches_in_process(self) -> bool:
+        """Whether the controller's own waits are watched (``stage_timeout_s`` was set)."""
+        return self.timeout_s is not None
+
+    def call(self, stage: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` under ``stage``'s timeout, in a daemon thread with this thread's
+        context (context variables, grad mode, CUDA device); its result, or what it raised. Past the
+        timeout: :class:`StageTimeout` with the thread's stack, after stopping what the call declared
+        (:func:`doing`); the thread is left behind. Unwatched (no ``stage_timeout_s``), or already
+        inside a watched call of this stage: a plain call."""
+        if not self.watches_in_process or (_CURRENT.get() is not None and _CURRENT.get().stage == stage):
+            return fn(*args, **kwargs)
+        import torch
+
+        current = _Current(stage)
+        outcome: dict[str, Any] = {}
+        grad = torch.is_grad_enabled()
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+        def run() -> None:
+            _CURRENT.set(current)
+            if device is not None:
+                torch.cuda.set_device(device)
+            try:
+                with torch.set_grad_enabled(grad):
+                    outcome["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # raised again in the caller
+                outcome["error"] = exc
+
+        future: Future = Future()
+        thread = threading.Thread(target=_finish, args=(contextvars.copy_context(), run, future), daemon=True,
+                                  name=f"rltrainer-{stage}")
+        thread.start()
+        self.wait_first(stage, [future], threads=[thread], current=current)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def result(self, stage: str, pending: Future | Any) -> Any:
+        """A ``Future``'s result (its work is watched where it runs), or ``pending.wait()`` (a
+        weight push's handle) under ``stage``'s timeout."""
+        return pending.result() if isinstance(pending, Future) else self.call(stage, pending.wait)
+
+    def wait_first(self, stage: str, futures: Sequence[Future], threads: Sequence[threading.Thread] | str = (),
+                   current: _Current | None = None) -> set[Future]:
+        """Wait until one of ``futures`` is done (``concurrent.futures.wait``, ``FIRST_COMPLETED``);
+        return the done ones. Watched, past ``stage``'s timeout: :class:`StageTimeout` with the
+        stacks of ``threads`` (or of the threads whose name starts with it), the ones doing the work."""
+        if not self.watches_in_process:
+            return wait(futures, return_when=FIRST_COMPLETED).done
+        call = self.begin(stage)
+        start, timeout = time.monotonic(), self.timeout_for(stage)
+        deadline = start + timeout
+        while True:
+            done = wait(futures, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED).done
+            if done:
+                self.end(call)
+                return done
+            # another watched wait in flight (inside this one, or the work it waits for) reports first:
+            # it knows more (the ranks); it gets until its own deadline plus a grace, within a bound
+            now, later = time.monotonic(), min(self.others_deadline(call), start + 2 * timeout + INNER_GRACE_S)
+            if later <= now:
+                break
+            deadline = min(later, now + 0.5)  # and look again soon: it may end before
+        self.end(call, completed=False)
+        if isinstance(threads, str):
+            threads = [t for t in threading.enumerate() if t.name.startswith(threads)]
+        stopped = _stop(current)
+        group, method = stage.rsplit(".", 1) if "." in stage else ("controller", stage)
+        where = "".join(f" (in {w})" for w in map(_where, threads[:1]) if w)
+        who = (f"{stopped or 'the call'} did not return{where} in the controller's thread "
+               f"{', '.join(repr(t.name) for t in threads) or '(none running)'}")
+        stacks = {-1 - i: _thread_stack(t) for i, t in enumerate(threads)}
+        error = StageTimeout(group, method, [], time.monotonic() - start, self.timeout_for(stage), stacks,
+                             self.in_flight(), who=who)
+        error.add_note("A call in the controller's process cannot be killed: its thread is left behind (a daemon, "
+                       "it does not keep the process alive).")
+        log.error("%s", error)
+        raise error
+
+
+class _Current:
+    """The watched call this thread runs in: what it is doing (:func:`doing`), how to stop it."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+        self.doing: list[tuple[str, Callable[[], Any] | None]] = []
+
+
+_CURRENT: contextvars.ContextVar[_Current | None] = contextvars.ContextVar("rltrainer_watched_call", default=None)
+
+
+@contextmanager
+def doing(what: str, stop: Callable[[], Any] | None = None) -> Iterator[None]:
+    """Inside a watched call (:meth:`Watchdog.call`): say what runs now (``"reward function 'f'"``:
+    a timeout's headline names it) and how to stop it if the stage times out (``pool.close``).
+    Elsewhere: nothing."""
+    current = _CURRENT.get()
+    entry = (what, stop)
+    if current is not None:
+        current.doing.append(entry)
+    try:
+        yield
+    finally:
+        if current is not None:
+            current.doing.remove(entry)
+
+
+def _stop(current: _Current | None) -> str:
+    """Stop what a timed-out call declared it was doing; return its description."""
+    if current is None:
+        return ""
+    for what, stop in list(current.doing):
+        if stop is not None:
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - reporting the timeout matters more
+                log.exception("Could not stop %s after its timeout", what)
+    return "; ".join(what for what, _ in current.doing)
+
+
+def _finish(context: contextvars.Context, run: Callable[[], None], future: Future) -> None:
+    try:
+        context.run(run)
+    finally:
+        future.set_result(None)
+
+
+def _where(thread: threading.Thread) -> str:
+    """The innermost frame of ``thread`` outside the standard library: ``"fn (file.py:12)"``."""
+    import os
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None and frame.f_code.co_filename.startswith(stdlib):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+
+
+def _thread_stack(thread: threading.Thread) -> str:
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return f"(thread {thread.name!r} has ended)"
+    return f"thread {thread.name!r}:\n" + "".join(traceback.format_stack(frame))
 
 
 def python_stacks(pids: Mapping[int, int], timeout_s: float = 20.0) -> dict[int, str]:

@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 class WorkerError(RuntimeError):
     """A worker raised or died while running a method."""
 
-    def __init__(self, group: str, rank: int, method: str, detail: str) -> None:
+    def __init__(self, group: str, rank: int, method: str, detail: str, headline: str | None = None) -> None:
         self.group, self.rank, self.method, self.detail = group, rank, method, detail
-        super().__init__(f"Worker {group}[rank {rank}] failed in {method}():\n{detail}")
+        super().__init__(f"{headline or f'Worker {group}[rank {rank}] failed in {method}():'}\n{detail}")
 
 
 class _Done:

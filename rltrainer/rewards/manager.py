@@ -16,7 +16,9 @@ A function that returns the wrong number of scores, or ``None``, is a bug and ra
 Slow rewards run in parallel (:mod:`rltrainer.rewards.parallel`): ``async def`` functions are
 awaited sample by sample, ``max_concurrency`` at once; with ``num_workers > 0`` synchronous ones run
 sample by sample in a pool of that many processes, all functions' samples queued at once. Under a
-``timeout`` (seconds per sample) a sample that runs past it scores 0 and counts as an error.
+``timeout`` (seconds per sample) a sample that runs past it scores 0 and counts as an error. A
+function that never returns is the Trainer's ``stage_timeout_s`` to catch (stage
+``reward.reward_step``): the timeout names the function, and kills the pool it hangs in.
 
 Per-token rewards: a function may return, for a completion, a list of numbers (one per response
 token) instead of one number; ``per_func`` and ``scores`` hold their sums and ``token_scores`` the
@@ -38,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rltrainer.controller.watchdog import doing
 from rltrainer.rewards.parallel import RewardPool, RewardTimeout, is_async, run_async, sample_fields
 
 logger = logging.getLogger(__name__)
@@ -237,12 +240,15 @@ class RewardManager:
         tokens: list[list[float] | None] = [None] * n
         invalid = torch.zeros(n, dtype=torch.bool)
         for fn, name, weight in zip(self.reward_funcs, self.names, self.weights):
-            if is_async(fn):
-                outcomes = run_async(fn, completions, columns, self.timeout, self.max_concurrency)
-            elif name in pending:
-                outcomes = self.pool.collect(*pending[name])
-            else:
-                outcomes = self._evaluate(fn, name, completions, columns)
+            pooled = name in pending
+            with doing(f"reward function {name!r}" + (f" (in a pool of {self.pool.num_workers} processes, killed)"
+                                                      if pooled else ""), self.pool.close if pooled else None):
+                if is_async(fn):
+                    outcomes = run_async(fn, completions, columns, self.timeout, self.max_concurrency)
+                elif pooled:
+                    outcomes = self.pool.collect(*pending[name])
+                else:
+                    outcomes = self._evaluate(fn, name, completions, columns)
             values, errors = self._collect(name, outcomes)
             scores = torch.tensor([_total(v) for v in values], dtype=torch.float32)  # [N]
             bad = self._non_finite(name, scores)  # [N] bool

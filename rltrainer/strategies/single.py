@@ -1,4 +1,6 @@
-"""Single-device strategy: one process, one device (CPU or one GPU), no Ray, so breakpoints work."""
+"""Single-device strategy: one process, one device (CPU or one GPU), no Ray, so breakpoints work.
+With ``Trainer(stage_timeout_s=...)`` its ``compute`` and ``train_step`` run under the watchdog
+(stages ``single.compute``, ``single.train_step``; :meth:`~rltrainer.controller.watchdog.Watchdog.call`)."""
 
 from __future__ import annotations
 
@@ -84,11 +86,21 @@ class SingleDeviceStrategy(Strategy):
         return list(self.module.trainable_models().values())
 
     def compute(self, batch: RolloutBatch, stage: str) -> RolloutBatch:
+        if self.watchdog is not None:  # with stage_timeout_s: "single.compute" past it raises StageTimeout
+            return self.watchdog.call("single.compute", self._compute, batch, stage)
+        return self._compute(batch, stage)
+
+    def _compute(self, batch: RolloutBatch, stage: str) -> RolloutBatch:
         micro_batches = self.micro_batches(batch.to(self.device))
         out = run_compute(self.module, micro_batches, stage, self._models(), autocast_context(self.precision, self.device))
         return RolloutBatch(out, batch_size=len(batch))
 
     def train_step(self, mini_batch: RolloutBatch) -> dict[str, float]:
+        if self.watchdog is not None:
+            return self.watchdog.call("single.train_step", self._train_step, mini_batch)
+        return self._train_step(mini_batch)
+
+    def _train_step(self, mini_batch: RolloutBatch) -> dict[str, float]:
         micro_batches = self.micro_batches(mini_batch.to(self.device))
         metrics, stepped = run_train_step(self.module, micro_batches, self._models(), self.optimizers, self.schedulers,
                                           self.gradient_clip_val,

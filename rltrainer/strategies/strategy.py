@@ -58,7 +58,8 @@ class Strategy(abc.ABC):
     #: of any other family (:func:`check_model_type`). ``None``: no check (e.g. a user's own strategy).
     supported_model_types: frozenset[str] | None = None
     #: the controller's :class:`~rltrainer.controller.watchdog.Watchdog` over the waits on worker
-    #: processes (the Trainer sets it from ``stage_timeout_s``); ``None``: waits have no limit.
+    #: processes and, with ``stage_timeout_s``, on in-process stages (``single.train_step``); the
+    #: Trainer sets it from ``stage_timeout_s``; ``None``: waits have no limit.
     watchdog: Watchdog | None = None
 
     def __init__(self, micro_batch_size: int = 8, max_tokens_per_micro_batch: int | None = None,

@@ -54,7 +54,9 @@ def test_a_hung_policy_step_on_two_fsdp2_ranks_raises_with_stacks_and_leaves_no_
     raised_after = time.monotonic() - module.logged_update_start
     error, message = info.value, str(info.value)
     assert error.stage == "actor.train_step" and error.ranks == [0, 1]
-    assert "'actor.train_step' exceeded its timeout of 15 s" in message and "ranks [0, 1]" in message
+    headline = message.splitlines()[0]
+    assert headline.startswith("Stage 'actor.train_step' timed out after ") and "(its timeout: 15 s)" in headline
+    assert "ranks 0, 1 of 'actor' did not answer" in headline, headline  # both hang: no collective to wait in
     assert TRAIN_STEP_TIMEOUT_S <= error.waited_s < TRAIN_STEP_TIMEOUT_S + 5
     assert raised_after < TRAIN_STEP_TIMEOUT_S + 45  # the stacks and the shutdown included, under load
     if shutil.which("py-spy"):
@@ -64,6 +66,36 @@ def test_a_hung_policy_step_on_two_fsdp2_ranks_raises_with_stacks_and_leaves_no_
     while any(alive(p) for p in pids.pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not [p for p in pids.pids if alive(p)], "worker processes survived the timeout"
+
+
+class HangingOnRank1(GRPO):
+    """``policy_step`` never returns on rank 1; rank 0 then waits for it in FSDP2's collectives."""
+
+    def policy_step(self, micro_batch):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            while True:
+                time.sleep(3600)
+        return super().policy_step(micro_batch)
+
+
+@pytest.mark.usefixtures("warm_ranks")
+def test_the_headline_names_the_rank_that_hung_not_the_one_waiting_for_it(tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                                           ray_session):
+    module = HangingOnRank1(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2,
+                            max_new_tokens=8)
+    trainer = Trainer(strategy=FSDP2Strategy(devices=2, micro_batch_size=4), max_steps=2, logger=False,
+                      enable_progress_bar=False, stage_timeout_s={"train_step": TRAIN_STEP_TIMEOUT_S})
+    start = time.monotonic()
+    with pytest.raises(StageTimeout) as info:
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    error, headline = info.value, str(info.value).splitlines()[0]
+    assert error.ranks == [0, 1]  # neither answered...
+    if shutil.which("py-spy"):  # ...but rank 0's stack shows it waiting in a collective
+        assert error.hung == [1] and error.rank == 1, str(error)
+        assert "rank 1 of 'actor' did not answer (rank 0 waits for it in a collective)" in headline, headline
+    assert time.monotonic() - start < TRAIN_STEP_TIMEOUT_S + 90  # setup, one step, the stacks, the shutdown
 
 
 def test_timeouts_scale_with_the_running_median_above_a_floor():
