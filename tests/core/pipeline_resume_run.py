@@ -1,5 +1,5 @@
 """One run of ``test_pipeline_resume.py``, as a script a test can SIGKILL: a tiny GRPO on ten GSM8K
-prompts (loader batches of 4, 4 and 2, shuffled per epoch), two epochs, FSDP2 with one ``hf`` replica in split placement, a seeded
+prompts (three loader batches of 4, shuffled per epoch), two epochs, FSDP2 with one ``hf`` replica in split placement, a seeded
 engine, a checkpoint after every step.
 
     python pipeline_resume_run.py OUT PIPELINE [--kill boundary|mid_step --kill-step K] [--resume]
@@ -26,7 +26,7 @@ from rltrainer.callbacks import Callback, ModelCheckpoint
 from rltrainer.strategies import FSDP2Strategy
 from rltrainer.testing import length_reward, load_tokenizer, tiny_qwen2_config
 
-B, G, PROMPTS, EPOCHS = 4, 2, 10, 2
+B, G, PROMPTS, EPOCHS = 4, 2, 12, 2
 
 
 def prompts(tokenizer):
@@ -48,7 +48,8 @@ class Recording(GRPO):
             os.kill(os.getpid(), signal.SIGKILL)
         self.current = {"positions": batch["prompt_position"][::G].tolist(),
                         "prompts": [[int(t) for t in row if t != self.tokenizer.pad_token_id]
-                                    for row in batch["prompts"][::G].tolist()]}
+                                    for row in batch["prompts"][::G].tolist()],
+                        "versions": batch["policy_version"].tolist(), "responses": batch["responses"].tolist()}
         return super().advantage_step(batch)
 
 
