@@ -2,7 +2,7 @@
 prompts (three loader batches of 4, shuffled per epoch), two epochs, FSDP2 with one ``hf`` replica in split placement, a seeded
 engine, a checkpoint after every step.
 
-    python pipeline_resume_run.py OUT PIPELINE [--kill boundary|mid_step --kill-step K] [--resume]
+    python pipeline_resume_run.py OUT PIPELINE [--kill boundary|mid_step --kill-step K] [--resume] [--prompts JSON]
 
 Each trained step appends ``{"step", "positions", "prompts"}`` to ``OUT/trained.jsonl`` (flushed
 and fsynced before the step's checkpoint is written). ``--kill boundary`` SIGKILLs this process
@@ -29,12 +29,16 @@ from rltrainer.testing import length_reward, load_tokenizer, tiny_qwen2_config
 B, G, PROMPTS, EPOCHS = 4, 2, 12, 2
 
 
-def prompts(tokenizer):
+def prompts(tokenizer, path: Path | None) -> list[dict]:
+    """The rows in ``path`` (JSON, as the test writes them from its fixture: no ``datasets`` to load
+    here), or the first GSM8K train prompts."""
+    if path is not None:
+        return json.loads(path.read_text())[:PROMPTS]
     from rltrainer.data import load_rows, prepare_gsm8k
     from rltrainer.testing import data_path
 
     rows = load_rows(str(data_path("gsm8k", "train.jsonl"))).select(range(16))
-    return prepare_gsm8k(rows, tokenizer, max_prompt_length=160).select(range(PROMPTS))
+    return list(prepare_gsm8k(rows, tokenizer, max_prompt_length=160).select(range(PROMPTS)))
 
 
 class Recording(GRPO):
@@ -85,6 +89,7 @@ def main() -> None:
     parser.add_argument("--kill", choices=["boundary", "mid_step"])
     parser.add_argument("--kill-step", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--prompts", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = load_tokenizer("gsm8k-bpe4k")
@@ -101,7 +106,7 @@ def main() -> None:
     strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=1, micro_batch_size=4)
     with Trainer(strategy=strategy, pipeline=args.pipeline, max_epochs=EPOCHS, logger=False,
                  enable_progress_bar=False, seed=5, default_root_dir=args.out, callbacks=callbacks, **extra) as t:
-        t.fit(module, prompt_dataloader(prompts(tokenizer), batch_size=B, drop_last=False), ckpt_path="last" if args.resume else None)
+        t.fit(module, prompt_dataloader(prompts(tokenizer, args.prompts), batch_size=B, drop_last=False), ckpt_path="last" if args.resume else None)
         torch.save(dict(t.strategy.export_weights()), args.out / "weights.pt")
 
 
