@@ -26,6 +26,15 @@ whichever groups finished first (a slow replica does not hold the trainer up); a
 more than ``max_staleness`` versions behind is dropped, counted, and its prompt queued again, so
 no prompt of an epoch is lost.
 
+A checkpoint holds everything generated or read ahead of the trainer, so a resume neither skips
+nor repeats a prompt and trains on the rows the run would have: ``one_step_off``'s next batch,
+and ``async``'s finished groups, the rows of the requests in flight (the save waits for them) and
+the prompts queued, with the prompts trained on in the epochs not finished. With a seeded engine
+and one replica a resumed run ends with the uninterrupted run's weights, bit for bit. (Which
+version a request generates with is the version pushed when it was sent, or a later one if a push
+lands while it waits behind another request on its replica: with two replicas, or ``"drop"``,
+that is timing, so only the prompts trained are then the same.)
+
 Generation overlaps training only when the engines have processes of their own (split
 placement); :func:`check_pipeline` refuses the other modes otherwise. ``sync`` puts an engine to
 sleep after each rollout only where it shares the trainer's memory (:func:`engine_shares_memory`).
