@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer("gsm8k-bpe4k")
     config = tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=2)
     module = Recording(config, tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6, lr=1e-3)
