@@ -3,6 +3,7 @@ prompts (three loader batches of 4, shuffled per epoch), two epochs, FSDP2 with 
 engine, a checkpoint after every step.
 
     python pipeline_resume_run.py OUT PIPELINE [--kill boundary|mid_step --kill-step K] [--resume] [--prompts JSON]
+                                  [--replicas R] [--policy wait|drop]
 
 Each trained step appends ``{"step", "positions", "prompts"}`` to ``OUT/trained.jsonl`` (flushed
 and fsynced before the step's checkpoint is written). ``--kill boundary`` SIGKILLs this process
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--prompts", type=Path)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--policy", choices=["wait", "drop"], default="wait")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -103,8 +106,8 @@ def main() -> None:
         callbacks.append(KillAtBoundary(args.kill_step, args.out / "killed.json"))
     elif args.kill == "mid_step":
         module.kill_in_step = args.kill_step + 1
-    extra = {"max_staleness": 1, "staleness_policy": "wait"} if args.pipeline == "async" else {}
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=1, micro_batch_size=4)
+    extra = {"max_staleness": 1, "staleness_policy": args.policy} if args.pipeline == "async" else {}
+    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=args.replicas, micro_batch_size=4)
     with Trainer(strategy=strategy, pipeline=args.pipeline, max_epochs=EPOCHS, logger=False,
                  enable_progress_bar=False, seed=5, default_root_dir=args.out, callbacks=callbacks, **extra) as t:
         t.fit(module, prompt_dataloader(prompts(tokenizer, args.prompts), batch_size=B, drop_last=False), ckpt_path="last" if args.resume else None)

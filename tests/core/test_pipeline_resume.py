@@ -91,6 +91,17 @@ def test_a_killed_run_resumes_without_losing_or_repeating_a_prompt(pipeline, kil
         assert torch.equal(weights[name], tensor), name
 
 
+def test_a_killed_run_on_two_replicas_that_drop_stale_groups_trains_every_prompt_once_an_epoch(run):
+    """Two replicas, ``"drop"``: which groups finish first, and which version a queued request gets,
+    is timing, so the rows (and weights) may differ from another run; the prompts trained may not."""
+    reference = uninterrupted(run, "async")
+    args = ("--replicas", "2", "--policy", "drop")
+    out = run("async", *args, "--kill", "boundary", "--kill-step", str(KILL_STEP), killed=True)
+    run("async", *args, "--resume", out=out)
+    assert [r["step"] for r in trained(out)] == list(range(1, STEPS + 1))
+    assert prompts(trained(out)) == prompts(trained(reference))
+
+
 # -- what AsyncPipeline's checkpoint holds (no engine) ---------------------------------------------
 def rows(position: tuple[int, int, int], version: int, group_size: int = 2) -> RolloutBatch:
     return RolloutBatch({"responses": torch.full((group_size, 3), position[2]),
