@@ -26,6 +26,15 @@ whichever groups finished first (a slow replica does not hold the trainer up); a
 more than ``max_staleness`` versions behind is dropped, counted, and its prompt queued again, so
 no prompt of an epoch is lost.
 
+A checkpoint holds everything generated or read ahead of the trainer, so a resume neither skips
+nor repeats a prompt and trains on the rows the run would have: ``one_step_off``'s next batch,
+and ``async``'s finished groups, the rows of the requests in flight (the save waits for them) and
+the prompts queued, with the prompts trained on in the epochs not finished. With a seeded engine
+and one replica a resumed run ends with the uninterrupted run's weights, bit for bit. (Which
+version a request generates with is the version pushed when it was sent, or a later one if a push
+lands while it waits behind another request on its replica: with two replicas, or ``"drop"``,
+that is timing, so only the prompts trained are then the same.)
+
 Generation overlaps training only when the engines have processes of their own (split
 placement); :func:`check_pipeline` refuses the other modes otherwise. ``sync`` puts an engine to
 sleep after each rollout only where it shares the trainer's memory (:func:`engine_shares_memory`).
@@ -304,9 +313,7 @@ class OneStepOffPipeline(Pipeline):
             return {}
         batch = self._held.result()
         epoch, index, _ = batch["prompt_position"][0].tolist()
-        plain = {"tensors": dict(batch.tensors.items()), "non_tensors": batch.non_tensors, "meta": batch.meta,
-                 "batch_size": len(batch)}  # plain types: a checkpoint loads with weights_only=True
-        return {"next_batch": plain, "loader_batch": (epoch, index)}
+        return {"next_batch": plain_batch(batch), "loader_batch": (epoch, index)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "next_batch" in state:
@@ -329,6 +336,7 @@ class AsyncPipeline(Pipeline):
         self.queue: deque[tuple[Position, RolloutBatch]] = deque()  # prompts not yet sent
         self.ready: list[tuple[Position, RolloutBatch]] = []  # finished groups, in arrival order
         self.consumed: set[Position] = set()  # prompts trained on (their epochs not finished)
+        self.restored: set[Position] = set()  # prompts a checkpoint brought back queued, in flight or ready
         self.batch_size: int | None = None
         self._dropped = 0
 
@@ -365,7 +373,8 @@ class AsyncPipeline(Pipeline):
                 self._exhausted = True
                 break
             self.batch_size = self.batch_size or len(prompts.positions)
-            fresh = [(p, prompts.batch[[i]]) for i, p in enumerate(prompts.positions) if p not in self.consumed]
+            fresh = [(p, prompts.batch[[i]]) for i, p in enumerate(prompts.positions)
+                     if p not in self.consumed and p not in self.restored]
             self.queue.extend(fresh)
         return bool(self.queue)
 
@@ -420,14 +429,46 @@ class AsyncPipeline(Pipeline):
         last = int(batch["prompt_position"][-1, 0])
         epoch = min((p[0] for p in pending), default=last if not self._exhausted else last + 1)
         self.consumed = {p for p in self.consumed if p[0] >= epoch}
+        self.restored = {p for p in self.restored if p[0] >= epoch}
         return epoch, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The prompts trained on; rows in flight or buffered are generated again after a resume."""
-        return {"consumed": sorted(self.consumed)}
+        """Where the data stands, so that a resume trains on exactly what this run would have: the
+        prompts trained on (``consumed``), the finished groups in ``ready`` (rows and versions), the
+        requests in flight with their finished rows (this waits for them, as ``one_step_off`` does),
+        and the prompts queued but not sent. Keeping the rows rather than generating their prompts
+        again keeps the versions that made them: with a seeded engine the resumed run trains on the
+        same rows and ends with the same weights as an uninterrupted one."""
+        requests = [{"positions": [list(p) for p in f.prompts.positions], "prompts": plain_batch(f.prompts.batch),
+                     "rows": plain_batch(f.result()), "replica": f.replica} for f in self._in_flight]
+        return {"consumed": sorted(self.consumed), "batch_size": self.batch_size, "in_flight": requests,
+                "ready": [(list(p), plain_batch(rows)) for p, rows in self.ready],
+                "queue": [(list(p), plain_batch(row)) for p, row in self.queue]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s buffers; the loader's rows they hold are not queued again.
+        (A checkpoint from before these fields were kept holds ``consumed`` alone: the prompts it was
+        generating are generated again.)"""
         self.consumed = {tuple(p) for p in state.get("consumed", [])}
+        self.batch_size = state.get("batch_size", self.batch_size)
+        self.ready = [(tuple(p), RolloutBatch(**rows)) for p, rows in state.get("ready", [])]
+        self.queue = deque((tuple(p), RolloutBatch(**row)) for p, row in state.get("queue", []))
+        for request in state.get("in_flight", []):
+            future: Future = Future()
+            future.set_result(RolloutBatch(**request["rows"]))  # received in order, as this run would have
+            future.prompts = Prompts(RolloutBatch(**request["prompts"]),  # type: ignore[attr-defined]
+                                     [tuple(p) for p in request["positions"]])
+            future.replica = request["replica"]  # type: ignore[attr-defined]
+            self._in_flight.append(future)
+        self.restored = {p for p, _ in self.ready} | {p for p, _ in self.queue}
+        self.restored |= {p for f in self._in_flight for p in f.prompts.positions}
+
+
+def plain_batch(batch: RolloutBatch) -> dict[str, Any]:
+    """``batch`` as plain types (``RolloutBatch(**plain)`` rebuilds it): a checkpoint loads with
+    ``weights_only=True``."""
+    return {"tensors": dict(batch.tensors.items()), "non_tensors": batch.non_tensors, "meta": batch.meta,
+            "batch_size": len(batch)}
 
 
 def refused_draw(mode: str) -> str:
