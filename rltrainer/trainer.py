@@ -249,6 +249,7 @@ class Trainer:
             self.teardown()
             raise
         finally:
+            module.teardown()  # its own processes (GRPO: the reward workers), after success or error
             save_loggers(self.loggers)
 
     def validate(self, module: RLModule | None = None, dataloaders: Iterable[Any] | None = None,
@@ -374,7 +375,7 @@ class Trainer:
         return save_hf(self, path, dtype=dtype, lora=lora, max_shard_bytes=max_shard_bytes)
 
     def teardown(self) -> None:
-        """Release the engine and the strategy's processes (Ray workers) and memory; requests still
+        """Release the engine's, the strategy's (Ray workers) and the module's processes and memory; requests still
         in flight end with them; an asynchronous checkpoint save in flight completes first."""
         try:
             self.wait_for_checkpoint()
@@ -386,10 +387,8 @@ class Trainer:
             self._pipeline.close()
             self._pipeline = None
         if self._pending_sync is not None:
-            try:
+            with contextlib.suppress(Exception):  # already failing; teardown must still release everything
                 self._pending_sync.result()
-            except Exception:  # already failing; teardown must still release everything
-                pass
             self._pending_sync = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -398,6 +397,7 @@ class Trainer:
             try:
                 self.engine.teardown()
             finally:
+                self.module.teardown()  # its own processes (GRPO: the reward workers)
                 self.strategy.teardown()
                 self.engine = self._engine_spec
                 self._is_setup = False
