@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import inspect
 import math
+import multiprocessing
 import multiprocessing.context
 import signal
 import sys
@@ -90,10 +91,24 @@ def _score_in_worker(payload: bytes, sample: bytes, timeout: float | None) -> by
         return cloudpickle.dumps(TypeError(f"the reward function's result {outcome!r} cannot be pickled: {error}"))
 
 
-def _ignore_sigint() -> None:
+def _start_worker() -> None:
     """A pool worker ignores SIGINT: a Ctrl-C in the terminal reaches the whole process group, and the
-    controller finishes the step (with these workers) before it stops (:mod:`rltrainer.interrupt`)."""
+    controller finishes the step (with these workers) before it stops (:mod:`rltrainer.interrupt`).
+    And it ends with the controller, even one killed with SIGKILL (a thread waits on the pipe that
+    closes when the controller's process ends)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="rltrainer-reward-parent",
+                         daemon=True).start()
+
+
+def _exit_with(sentinel: int) -> None:
+    import multiprocessing.connection
+    import os
+
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
 
 
 def _ready() -> None:
@@ -207,7 +222,7 @@ class RewardPool:
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(  # Ctrl-C is the controller's to handle
-                self.num_workers, mp_context=_WorkerContext(), initializer=_ignore_sigint)
+                self.num_workers, mp_context=_WorkerContext(), initializer=_start_worker)
             # start every worker and import this package there once, outside any timeout
             concurrent.futures.wait([self._pool.submit(_ready) for _ in range(self.num_workers)])
         return self._pool
