@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rltrainer.call import call_callback_hooks, call_hooks
+from rltrainer.call import call_callback_hooks, call_hooks, call_module_hook
 from rltrainer.callbacks import Callback, LearningSignal, ProgressBar
 from rltrainer.callbacks.checkpoint import resolve_ckpt_path
 from rltrainer.checkpoints import (FORMAT, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError, commit_directory,
@@ -249,7 +249,7 @@ class Trainer:
             self.teardown()
             raise
         finally:
-            module.teardown()  # its own processes (GRPO: the reward workers), after success or error
+            call_module_hook(self, "teardown")  # its own processes (GRPO: the reward workers), after success or error
             save_loggers(self.loggers)
 
     def validate(self, module: RLModule | None = None, dataloaders: Iterable[Any] | None = None,
@@ -397,7 +397,7 @@ class Trainer:
             try:
                 self.engine.teardown()
             finally:
-                self.module.teardown()  # its own processes (GRPO: the reward workers)
+                call_module_hook(self, "teardown")  # its own processes (GRPO: the reward workers)
                 self.strategy.teardown()
                 self.engine = self._engine_spec
                 self._is_setup = False

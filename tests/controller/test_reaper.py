@@ -39,7 +39,7 @@ def reward(completions, **kwargs):  # in a pool worker: the run is under way onc
 
 module = GRPO(tiny_qwen2_config(len(tok), hidden_size=32, num_layers=2), tok, reward_funcs=reward,
               num_generations=2, max_new_tokens=4, reward_num_workers=2)
-Trainer(strategy="fsdp2", devices=2, max_steps=100_000, max_epochs=100_000, logger=False,
+Trainer(strategy=sys.argv[2], devices=int(sys.argv[3]), max_steps=100_000, max_epochs=100_000, logger=False,
         enable_progress_bar=False).fit(module, prompt_dataloader(rows, batch_size=2))
 '''
 
@@ -69,13 +69,14 @@ def descendants(root: int) -> dict[int, str]:
         except OSError:
             continue
         name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        children.setdefault(int(rest[1]), []).append(int(entry))  # a dying parent's children still count
         if rest[0] not in "ZX":
-            children.setdefault(int(rest[1]), []).append(int(entry))
             names[int(entry)] = name
     found, todo = {}, [root]
     while todo:
         for child in children.get(todo.pop(), []):
-            found[child] = names[child]
+            if child in names:
+                found[child] = names[child]
             todo.append(child)
     return found
 
@@ -88,12 +89,17 @@ def command_line(pid: int) -> str:
 
 
 @pytest.mark.slow
-def test_nothing_outlives_a_controller_killed_with_sigkill(tmp_path):
+@pytest.mark.parametrize("strategy, devices, expected", [
+    ("single", 1, ()),  # the reward workers alone
+    ("fsdp2", 2, ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::FSDP2Worker")),
+])
+def test_nothing_outlives_a_controller_killed_with_sigkill(strategy, devices, expected, tmp_path):
     script, ready = tmp_path / "driver.py", tmp_path / "scored.txt"
     script.write_text(DRIVER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    harness = subprocess.Popen([sys.executable, "-c", HARNESS, sys.executable, str(script), str(ready)], env=env,
+    harness = subprocess.Popen([sys.executable, "-c", HARNESS, sys.executable, str(script), str(ready),
+                                strategy, str(devices)], env=env,
                                stdout=subprocess.PIPE, stderr=open(tmp_path / "driver.err", "w"), text=True)
     try:
         driver = int(harness.stdout.readline())
@@ -104,7 +110,7 @@ def test_nothing_outlives_a_controller_killed_with_sigkill(tmp_path):
         time.sleep(1.0)
         before = descendants(harness.pid)
         names = " ".join(command_line(pid) for pid in before)  # Ray's agents and workers rename themselves there
-        for part in ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::FSDP2Worker"):
+        for part in expected:
             assert part in names, f"{part} not among the run's processes: {names}"
         reward_workers = {int(line) for line in ready.read_text().split()}
         assert reward_workers <= set(before), "the reward workers are not in the driver's process tree"
@@ -118,7 +124,7 @@ def test_nothing_outlives_a_controller_killed_with_sigkill(tmp_path):
         seconds = time.monotonic() - killed
         assert not left, "alive 10 s after the controller's SIGKILL: " + "; ".join(
             f"{pid} {name} [{command_line(pid)}]" for pid, name in sorted(left.items()))
-        print(f"{len(before)} processes, none left {seconds:.1f} s after the SIGKILL")
+        print(f"{strategy}: {len(before)} processes, none left {seconds:.1f} s after the SIGKILL")
     finally:
         for pid in descendants(harness.pid):
             with contextlib.suppress(OSError):
