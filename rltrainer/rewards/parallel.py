@@ -104,6 +104,7 @@ def _start_worker() -> None:
 
 
 def _exit_with(sentinel: int) -> None:
+    """End this process as soon as ``sentinel`` (the parent process's) reports the parent gone."""
     import multiprocessing.connection
     import os
 
