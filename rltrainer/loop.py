@@ -98,15 +98,25 @@ def check_skipped_steps(history: list[bool], metrics: dict[str, float], step: in
     history.append(no_rewards or (total > 0 and metrics.get("training/skipped_optimizer_steps", 0.0) == total))
     run = len(history) - next((i + 1 for i in range(len(history) - 1, -1, -1) if not history[i]), 0)
     if run >= MAX_SKIPPED_STEPS or (last and run and run == len(history)):
-        nan_rewards = {k: v for k, v in metrics.items()
-                       if k.startswith(("reward/", "critic/")) and not math.isfinite(v)}
-        raise RuntimeError(
-            f"The last {run} training steps (up to step {step}) trained nothing: every optimizer step was skipped "
-            f"(actor/grad_norm={metrics.get('actor/grad_norm')}: not finite) or every row's reward was NaN/inf "
-            f"(reward/non_finite_share={metrics.get('reward/non_finite_share', 0.0)}). "
-            + (f"Non-finite metrics: {nan_rewards}. " if nan_rewards else "")
-            + "Check the reward functions (a NaN score), the learning rate, and precision (try '32-true' or "
-            "'bf16-mixed' instead of '16-mixed').")
+        raise RuntimeError(f"The last {run} training steps (up to step {step}) trained nothing: "
+                           f"{_why_nothing_trained(metrics, no_rewards)}")
+
+
+def _why_nothing_trained(metrics: dict[str, float], no_rewards: bool) -> str:
+    """The cause of a step that trained nothing, named by the metric that shows it and its value."""
+    if no_rewards:
+        culprits = {k: v for k, v in metrics.items()
+                    if k.startswith("reward/") and k.endswith("/non_finite_share") and k != "reward/non_finite_share"
+                    and v > 0}
+        named = ", ".join(f"{k}={v:g}" for k, v in culprits.items()) or \
+            f"reward/non_finite_share={metrics.get('reward/non_finite_share', 0.0):g}"
+        return (f"every row's reward was NaN or inf ({named}), so every row was left out of the advantages. "
+                "Make the reward function return a finite float for every completion (e.g. 0.0 when it cannot "
+                "score one); the warnings above list its non-finite values and rows.")
+    norms = {k: v for k, v in metrics.items() if k.endswith("grad_norm") and not math.isfinite(v)}
+    named = ", ".join(f"{k}={v}" for k, v in norms.items()) or f"actor/grad_norm={metrics.get('actor/grad_norm')}"
+    return (f"every optimizer step was skipped: the gradient norm was not finite ({named}). Check the learning rate "
+            "and precision (try '32-true' or 'bf16-mixed' instead of '16-mixed').")
 
 
 def batch_metrics(batch: RolloutBatch, step_time: float) -> dict[str, float]:

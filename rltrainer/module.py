@@ -294,6 +294,12 @@ class RLModule(torch.nn.Module):
     def on_fit_end(self) -> None:
         """Called once on the controller after the last step."""
 
+    def teardown(self) -> None:
+        """Called on the controller at the end of every ``fit`` (after success or an error) and by
+        :meth:`Trainer.teardown`: release what the module started itself (:class:`~rltrainer.GRPO`
+        stops its reward worker processes). It may run more than once; a later call of a hook may
+        start them again."""
+
     def on_step_start(self, batch: RolloutBatch) -> None:
         """Called on the controller with the prompt batch before ``rollout_step``."""
 

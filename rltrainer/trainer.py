@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rltrainer.call import call_callback_hooks, call_hooks
+from rltrainer.call import call_callback_hooks, call_hooks, call_module_hook
 from rltrainer.callbacks import Callback, LearningSignal, ProgressBar
 from rltrainer.callbacks.checkpoint import resolve_ckpt_path
 from rltrainer.checkpoints import (FORMAT, MANIFEST, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError,
@@ -254,7 +254,11 @@ class Trainer:
             self.teardown()
             raise
         finally:
-            save_loggers(self.loggers, failing=failure)  # a logger failing too must not hide the error
+            try:
+                save_loggers(self.loggers, failing=failure)  # a logger failing too must not hide the error
+            finally:
+                if failure is None:  # (on an error, teardown() above released it)
+                    call_module_hook(self, "teardown")  # its own processes (GRPO: the reward workers)
 
     def validate(self, module: RLModule | None = None, dataloaders: Iterable[Any] | None = None,
                  datamodule: Any = None) -> dict[str, float]:
@@ -379,7 +383,7 @@ class Trainer:
         return save_hf(self, path, dtype=dtype, lora=lora, max_shard_bytes=max_shard_bytes)
 
     def teardown(self) -> None:
-        """Release the engine and the strategy's processes (Ray workers) and memory; requests still
+        """Release the engine's, the strategy's (Ray workers) and the module's processes and memory; requests still
         in flight end with them; an asynchronous checkpoint save in flight completes first."""
         try:
             self.wait_for_checkpoint()
@@ -401,6 +405,7 @@ class Trainer:
             try:
                 self.engine.teardown()
             finally:
+                call_module_hook(self, "teardown")  # its own processes (GRPO: the reward workers)
                 self.strategy.teardown()
                 self.engine = self._engine_spec
                 self._is_setup = False

@@ -225,7 +225,9 @@ def _failure(ref: Any) -> bool | None:
 
 
 def ensure_ray(init_kwargs: dict[str, Any] | None = None) -> bool:
-    """Connect to Ray (``ray.init``) unless already connected; return True if this call started it."""
+    """Connect to Ray (``ray.init``) unless already connected; return True if this call started it. A
+    cluster that ``ray.init`` starts gets a watcher that stops its processes if this one dies
+    (:mod:`rltrainer.controller.reaper`); stop it with :func:`~rltrainer.controller.reaper.shutdown_ray`."""
     import ray
 
     if ray.is_initialized():
@@ -237,6 +239,11 @@ def ensure_ray(init_kwargs: dict[str, Any] | None = None) -> bool:
     if kwargs.get("address") is None and not os.environ.get("RAY_ADDRESS"):  # a local cluster of our own,
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # for which Ray 2.60 would otherwise want a token
     ray.init(**kwargs)
+    node = ray._private.worker._global_node
+    if getattr(node, "ray_init_cluster", False):  # processes of ours: none may outlive this one (a SIGKILL)
+        from rltrainer.controller.reaper import start_reaper
+
+        start_reaper(node.get_session_dir_path())
     log.info("Started Ray: %s", ray.cluster_resources())
     return True
 

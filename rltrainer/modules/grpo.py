@@ -363,6 +363,11 @@ class GRPO(RLModule):
             self.log_scores(batch["scores"])
         return batch
 
+    def teardown(self) -> None:
+        """Stop the reward worker processes (``reward_num_workers``); a later reward call starts them again."""
+        if self.rewards is not None:
+            self.rewards.close()
+
     def correct_rows(self, batch: RolloutBatch) -> torch.Tensor | None:
         """``[N]`` bool: rows where every rule reward that declares ``correctness`` (``gsm8k``,
         ``math``) gave its ``max_score``, from ``reward_components``; ``None`` if none declares it."""
@@ -377,9 +382,8 @@ class GRPO(RLModule):
 
     def log_scores(self, scores: torch.Tensor) -> None:
         """``critic/score/{mean,max,min}`` of the scores the estimator sees (``[N]``)."""
-        self.log("critic/score/mean", scores.mean().item())
-        self.log("critic/score/max", scores.max().item())
-        self.log("critic/score/min", scores.min().item())
+        for stat in ("mean", "max", "min"):
+            self.log(f"critic/score/{stat}", getattr(scores, stat)().item())
 
     def add_reward_model_scores(self, batch: RolloutBatch) -> RolloutBatch:
         """``scores += weight * rm_scores`` (the stage ``reward_model``'s ``[N]``), logged (controller,

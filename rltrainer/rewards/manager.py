@@ -107,6 +107,7 @@ class RewardResult:
             whose sum is part of ``scores``; ``None`` when no function returned lists.
         invalid: ``[N]`` bool, rows that some function scored NaN or inf (their scores are 0 here);
             ``None`` when there are none.
+        non_finite_share: for each function, the share of rows it scored NaN or inf (0.0 for none).
     """
 
     scores: torch.Tensor
@@ -115,6 +116,7 @@ class RewardResult:
     errors_per_func: dict[str, int] = field(default_factory=dict)
     token_scores: list[list[float] | None] | None = None
     invalid: torch.Tensor | None = None
+    non_finite_share: dict[str, float] = field(default_factory=dict)
 
     def token_level_scores(self, response_mask: torch.Tensor) -> torch.Tensor:
         """``[N, T]`` rewards on the response tokens whose row sums are ``scores``: a completion's
@@ -141,6 +143,8 @@ class RewardResult:
             out[f"reward/{name}/mean"] = _mean(values)
         out["reward/errors"] = float(self.errors)
         out["reward/non_finite_share"] = float(self.invalid.float().mean()) if self.invalid is not None else 0.0
+        for name, share in self.non_finite_share.items():  # which function's NaN/inf rows those were
+            out[f"reward/{name}/non_finite_share"] = share
         return out
 
 
@@ -239,6 +243,7 @@ class RewardManager:
         errors_per_func: dict[str, int] = {}
         tokens: list[list[float] | None] = [None] * n
         invalid = torch.zeros(n, dtype=torch.bool)
+        non_finite: dict[str, float] = {}
         for fn, name, weight in zip(self.reward_funcs, self.names, self.weights):
             pooled = name in pending
             with doing(f"reward function {name!r}" + (f" (in a pool of {self.pool.num_workers} processes, killed)"
@@ -255,11 +260,12 @@ class RewardManager:
             per_func[name] = scores.masked_fill(bad, 0.0)
             errors_per_func[name] = errors + int(bad.sum())
             invalid |= bad
+            non_finite[name] = float(bad.float().mean()) if n else 0.0
             total += weight * per_func[name]
             _add_tokens(tokens, values, weight, name)
         token_scores = tokens if any(t is not None for t in tokens) else None
         return RewardResult(total, per_func, sum(errors_per_func.values()), errors_per_func, token_scores,
-                            invalid if invalid.any() else None)
+                            invalid if invalid.any() else None, non_finite)
 
     def _non_finite(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """``[N]`` bool: the scores of ``name`` that are NaN or inf, logged with their rows (every

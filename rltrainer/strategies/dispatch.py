@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.checkpoints import raising_ranks_disk_full
+from rltrainer.controller.reaper import shutdown_ray
 from rltrainer.controller.worker import InOrderWorker, Worker
 from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
                                                get_together)
@@ -352,9 +353,7 @@ class WorkerGroupStrategy(Strategy):
                 group.shutdown()
         self.group = self.rollout_group = self.remote_engine = self.transport = None
         if self._started_ray:
-            import ray
-
-            ray.shutdown()
+            shutdown_ray()  # and its watcher (rltrainer.controller.reaper)
             self._started_ray = False
 
 

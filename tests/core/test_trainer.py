@@ -288,10 +288,12 @@ def test_nan_rewards_only_stop_the_run(tiny_config, bpe_tokenizer, gsm8k_prompts
         return [float("nan")] * len(completions)
 
     trainer = Trainer(max_steps=10, max_epochs=100, logger=False, enable_progress_bar=False)
-    with pytest.raises(RuntimeError, match=r"last 3 training steps \(up to step 3\) trained nothing.*NaN"):
+    with pytest.raises(RuntimeError, match=r"last 3 training steps \(up to step 3\) trained nothing.*NaN") as error:
         trainer.fit(make_module(tiny_config, bpe_tokenizer, reward_funcs=[always_nan]),
                     prompt_dataloader(gsm8k_prompts, batch_size=2))
     assert trainer.global_step == 3
+    assert "reward/always_nan/non_finite_share=1" in str(error.value)  # the reward, not the gradient norm
+    assert "grad_norm" not in str(error.value)
 
 
 def test_every_optimizer_step_skipped_stops_with_an_error():

@@ -26,5 +26,6 @@ def test_non_finite_scores_count_as_errors_and_mark_rows(caplog) -> None:
     assert torch.isfinite(result.scores).all() and result.scores.tolist() == [1.5, 0.5, 1.5, 0.5]
     metrics = result.metrics()
     assert metrics["reward/non_finite_share"] == 0.5 and all(math.isfinite(v) for v in metrics.values())
+    assert metrics["reward/nan_on_empty/non_finite_share"] == 0.5 and metrics["reward/always_one/non_finite_share"] == 0
     assert "'nan_on_empty'" in caplog.text and "rows [1, 3] of 4" in caplog.text
     assert RewardManager([always_one])(["a"], {}).invalid is None

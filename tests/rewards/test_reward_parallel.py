@@ -4,6 +4,7 @@ pool, a per-sample timeout counted as a reward error; per-token rewards as a lis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -127,3 +128,86 @@ def test_pool_workers_leave_ctrl_c_to_the_controller():
         assert pool._executor().submit(signal.getsignal, signal.SIGINT).result(timeout=120) == signal.SIG_IGN
     finally:
         pool.close()
+
+
+UNGUARDED_SCRIPT = '''
+# A training script as the README writes them: no `if __name__ == "__main__":` guard.
+import os, sys, time
+
+from rltrainer import GRPO, Trainer
+from rltrainer.data import load_rows, prepare_gsm8k, prompt_dataloader
+from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config
+
+PIDS = sys.argv[1]
+print("script body ran", os.getpid(), file=sys.stderr, flush=True)  # once, in the controller
+tokenizer = load_tokenizer("gsm8k-bpe4k")
+rows = prepare_gsm8k(load_rows(str(data_path("gsm8k", "train.jsonl"))).select(range(4)), tokenizer,
+                     max_prompt_length=160)
+
+
+class Score(float):  # a class of the script's own, returned by the workers
+    pass
+
+
+def length_reward(completions, **kwargs):
+    with open(PIDS, "a") as out:
+        out.write(f"{os.getpid()}\\n")
+    return [Score(len(c) / 100) for c in completions]
+
+
+module = GRPO(tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=2), tokenizer, reward_funcs=length_reward,
+              num_generations=2, max_new_tokens=4, reward_num_workers=2)
+Trainer(max_steps=2, logger=False, enable_progress_bar=False).fit(module, prompt_dataloader(rows, batch_size=2))
+workers = {int(line) for line in open(PIDS)}
+deadline = time.monotonic() + 5
+while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in workers):
+    time.sleep(0.1)
+print("workers", sorted(workers), "alive after fit", [p for p in workers if os.path.exists(f"/proc/{p}")],
+      file=sys.stderr)
+'''
+
+
+def test_a_script_without_main_guard_runs_with_a_pool_and_leaves_no_worker(tmp_path):
+    """The README's scripts have no ``if __name__ == "__main__":``; spawned reward workers must not
+    run them again (each would import and train; multiprocessing's bootstrapping error), and the pool
+    ends with fit."""
+    import subprocess
+    import sys
+
+    script, pids = tmp_path / "train.py", tmp_path / "pids.txt"
+    script.write_text(UNGUARDED_SCRIPT)
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, str(script), str(pids)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("script body ran") == 1, done.stderr[-3000:]
+    assert "bootstrapping phase" not in done.stderr and "Traceback" not in done.stderr
+    workers = {int(line) for line in pids.read_text().split()}
+    assert workers and os.getpid() not in workers and len(workers) <= 2
+    assert "alive after fit []" in done.stderr, done.stderr[-2000:]
+    assert elapsed < 300  # it was a BrokenProcessPool (or 54-120 s of workers re-running the script)
+
+
+def test_the_pool_closes_at_the_end_of_fit_and_when_it_fails(tiny_config, bpe_tokenizer, gsm8k_prompts):
+    from rltrainer import GRPO, Callback, Trainer, prompt_dataloader
+
+    class Fails(Callback):
+        def on_step_end(self, trainer, module, metrics):
+            raise RuntimeError("a callback failed")
+
+    def gone(pid: int) -> bool:
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not os.path.exists(f"/proc/{pid}")
+
+    for callbacks in ([], [Fails()]):
+        module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=worker_pid, num_generations=2, max_new_tokens=4,
+                      reward_num_workers=1)
+        trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False, callbacks=callbacks)
+        with pytest.raises(RuntimeError, match="a callback failed") if callbacks else contextlib.nullcontext():
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, 2))
+        pid = int(trainer.callback_metrics["reward/worker_pid/mean"])  # one worker scored every sample
+        assert pid != os.getpid() and module.rewards.pool._pool is None
+        assert gone(pid), f"reward worker {pid} outlived fit (callbacks={callbacks})"
