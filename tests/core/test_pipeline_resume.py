@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from rltrainer.checkpoints import safe_load
+from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.pipelines import AsyncPipeline
 
@@ -117,7 +118,7 @@ def prompt(position: tuple[int, int, int]) -> RolloutBatch:
 def pipeline_over(batches: list[tuple[int, int, RolloutBatch]]) -> AsyncPipeline:
     trainer = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=2)), global_step=3,
                               strategy=SimpleNamespace(rollout_placement="split"), engine=SimpleNamespace(),
-                              as_batch=lambda raw: raw)
+                              as_batch=lambda raw: raw, watchdog=Watchdog())
     return AsyncPipeline(trainer, batches, max_staleness=1, staleness_policy="wait")
 
 
