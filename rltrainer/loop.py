@@ -146,7 +146,8 @@ def validation_loop(trainer: Trainer, dataloader: object, limit_batches: int | N
     for i, raw in enumerate(dataloader):
         if limit_batches is not None and i >= limit_batches:
             break
-        out = call_module_hook(trainer, "validation_step", trainer.as_batch(raw), trainer.engine)
+        out = trainer.watchdog.call("rollout.validation_step", call_module_hook, trainer, "validation_step",
+                                    trainer.as_batch(raw), trainer.engine)  # the engine's calls, watched
         n = out.pop("val/rows", 1.0)
         rows += n
         for k, v in out.items():

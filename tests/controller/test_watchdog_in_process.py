@@ -174,6 +174,15 @@ def test_a_hung_engine_call_in_process(tiny_config, bpe_tokenizer, gsm8k_prompts
     assert "in rollout_step" in str(error)
 
 
+def test_a_hung_engine_call_in_validation(tiny_config, bpe_tokenizer, gsm8k_prompts, monkeypatch):
+    monkeypatch.setattr(HFEngine, "generate", hang_on_call(1, HFEngine.generate))
+    trainer = Trainer(logger=False, enable_progress_bar=False, stage_timeout_s={"validation_step": TIMEOUT_S})
+    with pytest.raises(StageTimeout) as info:
+        trainer.validate(grpo(tiny_config, bpe_tokenizer), prompt_dataloader(gsm8k_prompts, batch_size=2))
+    check(info.value, "rollout.validation_step", "in stand_in", time.monotonic() - STARTED[0])
+    assert "in validation_step" in str(info.value)
+
+
 def test_a_hung_weight_push(tiny_config, bpe_tokenizer, gsm8k_prompts, monkeypatch):
     monkeypatch.setattr(InProcessTransport, "_start", hang_on_call(2, InProcessTransport._start))  # 1: setup's
     error, after_s = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, stage_timeout_s={"weights": TIMEOUT_S})
