@@ -18,7 +18,8 @@ least ``floor_s``; before a stage has completed once (its first call compiles, l
 With ``stage_timeout_s`` set, the controller's own waits are watched too (:meth:`Watchdog.call`,
 :meth:`Watchdog.wait_first`): ``reward.reward_step`` (the reward functions, in this process or in a
 reward pool), the ``single`` strategy's ``single.compute`` / ``single.train_step``,
-``rollout.rollout_step`` (an engine in this process generating), ``weights.push`` and
+``rollout.rollout_step`` and ``rollout.validation_step`` (an engine in this process generating),
+``weights.push`` and
 ``pipeline.wait`` (the trainer waiting for rows from the rollout threads). A call in this process
 cannot be killed: it runs in a daemon thread, and past its timeout the controller raises
 :class:`StageTimeout` with that thread's Python stack and leaves the thread behind (it does not keep
