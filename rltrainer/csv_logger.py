@@ -21,11 +21,7 @@ it is not ``fsync``-ed at every step (a machine that loses power may lose the la
 
 from __future__ import annotations
 
-import csv
-import io
 import os
-import uuid
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +30,7 @@ from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from rltrainer.checkpoints import reporting_disk_full
+from rltrainer.files import append_rows, read_rows, sibling, write_csv_atomically
 
 
 class DurableWriter(ExperimentWriter):
@@ -54,7 +51,7 @@ class DurableWriter(ExperimentWriter):
         self.hparams.update(params)
         path = Path(self.log_dir) / self.NAME_HPARAMS_FILE
         with reporting_disk_full(path, "the hyperparameters"):
-            tmp = _sibling(path)
+            tmp = sibling(path)
             try:
                 save_hparams_to_yaml(str(tmp), self.hparams)
                 os.replace(tmp, path)
@@ -84,56 +81,3 @@ class CSVLogger(LightningCSVLogger):
             os.makedirs(self.root_dir, exist_ok=True)
             self._experiment = DurableWriter(log_dir=self.log_dir)
         return self._experiment
-
-
-def read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
-    """The header and rows of a CSV file, without a torn last row (one a killed write left short)."""
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        rows = [row for row in reader if None not in row.values() and None not in row]
-        return list(reader.fieldnames or []), rows
-
-
-def _encode(keys: Sequence[str], rows: Iterable[dict[str, Any]], header: bool) -> bytes:
-    buffer = io.StringIO(newline="")
-    writer = csv.DictWriter(buffer, fieldnames=list(keys))
-    if header:
-        writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue().encode()
-
-
-def append_rows(path: Path, keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> None:
-    """Append ``rows`` (under the file's header ``keys``) in one write (:func:`append_bytes`)."""
-    append_bytes(path, _encode(keys, rows, header=False), f"{len(rows)} metrics row(s)")
-
-
-def append_bytes(path: Path, data: bytes, what: str) -> None:
-    """Append ``data`` (``what`` it holds) to ``path`` in one write; on an error, cut the file back to
-    its length before, so it never ends in half a row; a full disk is a ``DiskFullError``."""
-    with reporting_disk_full(path, what, len(data)), open(path, "ab", buffering=0) as f:
-        start = f.seek(0, os.SEEK_END)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[f.write(view):]
-        except BaseException:
-            f.truncate(start)
-            raise
-
-
-def write_csv_atomically(path: Path, keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> None:
-    """Write ``path`` whole (header ``keys``, then ``rows``) under a temporary name and rename it over
-    the old file: a reader or a crash sees the old file or the new one, never a part."""
-    data = _encode(keys, rows, header=True)
-    tmp = _sibling(path)
-    try:
-        with reporting_disk_full(path, f"the metrics log ({len(rows)} rows)", len(data)), open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _sibling(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.files import append_bytes
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,6 @@ def write_generations(loggers: list[Any], rows: list[dict[str, Any]], step: int,
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]], step: int, split: str) -> None:
     """Append one JSON line per row (with ``step`` and ``split``) to ``path``, in one write (never half a line)."""
-    from rltrainer.csv_logger import append_bytes
-
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = "".join(json.dumps({"step": step, "split": split, **row}, ensure_ascii=False) + "\n" for row in rows)
     append_bytes(path, lines.encode("utf-8"), f"{len(rows)} generation row(s)")

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rltrainer.files import read_rows, write_csv_atomically
+
 #: name -> (module, class).
 LOGGER_NAMES = {
     "csv": ("rltrainer.csv_logger", "CSVLogger"),  # Lightning's, never losing or truncating metrics.csv
@@ -191,7 +193,6 @@ def continue_logs(loggers: list[Any], checkpoint: Mapping[str, Any]) -> None:
 def _continue_csv(logger: Any, step: int) -> None:
     """Open the CSV logger's existing version, keeping its rows up to ``step`` (and none a killed write
     left torn), rewritten atomically."""
-    from rltrainer.csv_logger import read_rows, write_csv_atomically
 
     path = Path(logger.log_dir) / "metrics.csv"
     keys, rows = read_rows(path) if path.is_file() else ([], [])

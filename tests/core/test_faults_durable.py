@@ -15,7 +15,8 @@ import pytest
 
 from rltrainer import Trainer
 from rltrainer.checkpoints import DiskFullError, read_trainer_state
-from rltrainer.csv_logger import CSVLogger, append_rows, read_rows
+from rltrainer.csv_logger import CSVLogger
+from rltrainer.files import append_rows, read_rows
 from rltrainer.testing import disk_full
 from rltrainer.testing.tmpfs import tmpfs_unavailable
 
@@ -151,7 +152,7 @@ def test_a_full_disk_while_appending_leaves_metrics_csv_as_it_was(tmp_path, monk
     path = tmp_path / "metrics.csv"
     append_rows(path, ["a", "step"], [{"a": 1, "step": 1}])
     before = path.read_bytes()
-    monkeypatch.setattr("rltrainer.csv_logger.open", lambda *a, **k: HalfThenFull(open(*a, **k)), raising=False)
+    monkeypatch.setattr("rltrainer.files.open", lambda *a, **k: HalfThenFull(open(*a, **k)), raising=False)
     with pytest.raises(DiskFullError, match=r"disk is full .* writing .*metrics.csv \(1 metrics row"):
         append_rows(path, ["a", "step"], [{"a": 2, "step": 2}])
     assert path.read_bytes() == before  # the half row was cut off

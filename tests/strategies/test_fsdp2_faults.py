@@ -9,7 +9,7 @@ import os
 import pytest
 
 from rltrainer.checkpoints import read_trainer_state
-from rltrainer.csv_logger import read_rows
+from rltrainer.files import read_rows
 from rltrainer.testing.disk_full import run_disk_full
 from rltrainer.testing.tmpfs import tmpfs_unavailable
 
