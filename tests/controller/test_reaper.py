@@ -141,6 +141,10 @@ def test_session_processes_are_found_by_their_open_files_and_command_line(tmp_pa
     named = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(60)", f"--log-dir={session}/logs"])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"{session}2"])
     try:
+        for child, marker in ((holder, b"sleep(60)"), (named, b"--log-dir="), (other, b"session_x2")):  # exec'd
+            deadline = time.monotonic() + 30
+            while marker not in Path(f"/proc/{child.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+                time.sleep(0.05)
         found = set(session_processes(str(session)))
         assert {holder.pid, named.pid} <= found and other.pid not in found and os.getpid() not in found
     finally:

@@ -204,6 +204,7 @@ def _fsdp2_rank(rank: int, port: int, out: str, tied: bool) -> None:
     grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
     if rank == 0:
         torch.save((log_probs, entropy, grads), out)
+    dist.barrier()  # both ranks done before either tears down (rank 0 holds the store)
     dist.destroy_process_group()
 
 
@@ -238,6 +239,7 @@ def _vocab_parallel_rank(rank: int, port: int, out: str) -> None:
     grad_h = h.grad.clone()
     dist.all_reduce(grad_h)  # each rank's part of the hidden states' gradient
     torch.save((log_probs.detach(), entropy.detach(), grad_h, local.grad), f"{out}.{rank}")
+    dist.barrier()  # both ranks done before either tears down (rank 0 holds the store)
     dist.destroy_process_group()
 
 

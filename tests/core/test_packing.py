@@ -254,6 +254,7 @@ def _fsdp2_rank(rank: int, port: int, out: str) -> None:
     grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
     if rank == 0:
         torch.save((log_probs, entropy, grads), out)
+    dist.barrier()  # both ranks done before either tears down (rank 0 holds the store)
     dist.destroy_process_group()
 
 
