@@ -201,7 +201,7 @@ def save_hf(trainer: Trainer, path: str | Path, dtype: torch.dtype | None = None
     if module is None or not trainer._is_setup:
         raise RuntimeError("save_hf needs a set-up Trainer: call it after (or during) fit, or after "
                            "Trainer.fit restored a checkpoint")
-    trainer._await_weights()
+    trainer.sync.wait()
     tokenizer = getattr(module, "tokenizer", None)
     lora_config = getattr(module, "lora", None)
     shard = max_shard_bytes or getattr(strategy, "bucket_bytes", DEFAULT_BUCKET_BYTES)

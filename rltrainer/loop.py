@@ -52,7 +52,7 @@ def training_step(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
     with timer(metrics, "update_actor"):
         metrics.update(update_policy(trainer, batch))
     with timer(metrics, "update_weights"):
-        trainer._push_weights(trainer.global_step + 1)
+        metrics.update(trainer.sync.push(trainer.global_step + 1))
     metrics.update(staleness_metrics(batch, trainer.global_step))
     return metrics
 

@@ -157,7 +157,7 @@ class Pipeline:
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         for prompts in self._prompts:
-            self.trainer.step_metrics.update(self.trainer._await_weights())  # weight_sync="async"
+            self.trainer.step_metrics.update(self.trainer.sync.wait())  # weight_sync="async"
             call_hooks(self.trainer, "on_step_start", prompts.batch)
             batch = self._wait(self._submit(prompts, inline=True))
             if len(batch) == 0 and self._exhausted:  # rollout_step drew to the data's end and kept nothing

@@ -8,8 +8,6 @@ import logging
 import os
 import random
 import shutil
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from rltrainer.plan import RunPlan, build_plan, log_plan
 from rltrainer.rollout.engine import RolloutEngine, build_engine, check_engine_sampling
 from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, resolve_strategy
-from rltrainer.weights.transports import sync_metrics
+from rltrainer.strategies.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +170,7 @@ class Trainer:
         self._engine_spec = build_engine(rollout)
         self.engine: RolloutEngine = self._engine_spec  # after setup: the engine the strategy connected
         self.weight_sync = weight_sync
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending_sync: Future | None = None
+        self.sync: WeightSync | None = None  # after setup: pushes the strategy's weights into the engine
         self._pending_checkpoint: tuple[Path, Path, Callable[[Path], None] | None] | None = None  # async save
         self.fast_dev_run = int(fast_dev_run)
         if self.fast_dev_run:
@@ -241,7 +238,7 @@ class Trainer:
             call_hooks(self, "on_fit_start")
             with stop_on_interrupt(self):
                 self._fit_loop(train_loader, val_loader)
-                self._await_weights()
+                self.sync.wait()
                 if self.interrupted:
                     save_interrupted(self)
             if val_loader is not None and not self._validated_this_step and not self.interrupted:
@@ -277,8 +274,9 @@ class Trainer:
     def sync_weights(self) -> dict[str, float]:
         """Push the policy's changed weights from the strategy to the engine and wait. Returns
         ``tensors``, ``bytes``, ``skipped`` (unchanged since the last sync) and ``seconds``."""
-        self._await_weights()
-        return self.watchdog.call("weights.push", self._start_push(self.global_step).wait)
+        if self.sync is None:
+            raise RuntimeError("Trainer.sync_weights() needs a set-up trainer (inside or after fit/validate)")
+        return self.sync.sync(self.global_step)
 
     def draw_prompts(self) -> RolloutBatch | None:
         """During ``fit``, for a ``rollout_step`` that needs more prompts than its batch (dynamic
@@ -333,7 +331,8 @@ class Trainer:
         write them in the background while training goes on; the checkpoint is completed by the next
         save, the end of ``fit``, teardown or :meth:`wait_for_checkpoint`, whichever comes first."""
         self.wait_for_checkpoint()
-        self._await_weights()
+        if self.sync is not None:
+            self.sync.wait()
         path = Path(path)
         pipeline = self._pipeline.state_dict() if self._pipeline is not None else self._pipeline_state or {}
         tmp = temporary_directory(path)
@@ -394,20 +393,15 @@ class Trainer:
         if self._pipeline is not None:
             self._pipeline.close()
             self._pipeline = None
-        if self._pending_sync is not None:
-            with contextlib.suppress(Exception):  # already failing; teardown must still release everything
-                self._pending_sync.result()
-            self._pending_sync = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self.sync is not None:
+            self.sync.close()  # a push in flight ends first; its error is not raised (already failing)
         if self._is_setup:
             try:
                 self.engine.teardown()
             finally:
                 call_module_hook(self, "teardown")  # its own processes (GRPO: the reward workers)
                 self.strategy.teardown()
-                self.engine = self._engine_spec
+                self.engine, self.sync = self._engine_spec, None
                 self._is_setup = False
 
     def as_batch(self, raw: Any) -> RolloutBatch:
@@ -436,44 +430,14 @@ class Trainer:
             self._is_setup = True
             self.vocab_size = getattr(self.strategy.model_config(), "vocab_size", None)  # prompt ids are checked
             self.engine = self.strategy.connect_engine(self._engine_spec, module.tokenizer)
+            mode = "overlap" if self.pipeline != "sync" else "background" if self.weight_sync == "async" else "wait"
+            self.sync = WeightSync(self.strategy, self.engine, self.watchdog, mode)
             self.sync_weights()
         except BaseException:
             self._is_setup = True  # release what setup started (worker processes), then report the error
             with contextlib.suppress(Exception):
                 self.teardown()
             raise
-
-    def _push_weights(self, version: int) -> None:
-        """End of a step: start pushing the new weights (``version``); wait for them in sync mode
-        (their metrics go to this step), or let them land while the next step runs."""
-        self.step_metrics.update(self._await_weights())  # one push at a time
-        if self.weight_sync == "async":  # sync pipeline: pushed in a thread, waited before the next rollout
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltrainer-weight-sync")
-            start, dog = self._start_push, self.watchdog  # the push is watched in its thread
-            self._pending_sync = self._executor.submit(dog.call, "weights.push", lambda: start(version).wait())
-            return
-        self._pending_sync = self._start_push(version)
-        if self.pipeline == "sync":
-            self.step_metrics.update(self._await_weights())
-
-    def _start_push(self, version: int) -> Any:
-        """Start a push; requests keep going meanwhile (a replica changes weights between two of
-        them, see :mod:`rltrainer.weights.staging`). Requests sent once it returns ask for this
-        version: replicas where it has not arrived yet wait for it."""
-        handle = self.watchdog.call("weights.push", self.strategy.start_weight_sync, self.engine, version)
-        self.engine.weight_version = version
-        return handle
-
-    def _await_weights(self) -> dict[str, float]:
-        """Wait for the push in flight (if any); its metrics plus ``timing_s/wait_weights``."""
-        if self._pending_sync is None:
-            return {}
-        start = time.perf_counter()
-        pending, self._pending_sync = self._pending_sync, None
-        metrics = sync_metrics(self.watchdog.result("weights.push", pending))
-        metrics["timing_s/wait_weights"] = time.perf_counter() - start
-        return metrics
 
     def _fit_loop(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None) -> None:
         if self._done():
@@ -534,7 +498,7 @@ class Trainer:
         return self.max_epochs is not None and self.current_epoch >= self.max_epochs
 
     def _run_validation(self, loader: Iterable[Any], log: bool = True) -> dict[str, float]:
-        self._await_weights()
+        self.sync.wait()
         call_hooks(self, "on_validation_start")
         self.engine.wake_up()
         self._generations["val"] = []
