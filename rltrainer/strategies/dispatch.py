@@ -20,7 +20,6 @@ import torch
 
 from rltrainer.checkpoints import raising_ranks_disk_full
 from rltrainer.controller.reaper import shutdown_ray
-from rltrainer.controller.worker import InOrderWorker, Worker
 from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
                                                get_together)
 from rltrainer.data.batch import RolloutBatch
@@ -28,6 +27,7 @@ from rltrainer.lora import engine_view
 from rltrainer.rollout.adapters import adapter_config_dict
 from rltrainer.rollout.engine import ModelFiles
 from rltrainer.rollout.remote import RemoteEngine
+from rltrainer.rollout.worker import InOrderWorker, Worker
 from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import Strategy, combine_metrics, form_micro_batches, refuse_other_environment
 from rltrainer.weights.group import DEFAULT_TIMEOUT_S

@@ -5,7 +5,7 @@ name on every rank (``setup``, ``compute``, ``train_step``, ``send_weights``...)
 class (``FSDP2Worker``, ``MegatronWorker``) subclasses it with the model layout: how ``setup``
 places the models, and the weight export's ``weight_specs`` / ``gather_weights`` (optionally
 ``gather_weights_into``), which a :class:`~rltrainer.weights.sender.WeightSender` drives. A colocated
-rollout engine replica lives in the same process (the :class:`~rltrainer.controller.worker.Worker`
+rollout engine replica lives in the same process (the :class:`~rltrainer.rollout.worker.Worker`
 base class holds it).
 """
 
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from rltrainer.controller.worker import Worker
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.rollout.worker import Worker
 from rltrainer.strategies.strategy import (clip_gradients, load_local_training_state, local_training_state, run_compute,
                                           run_micro_batches, run_train_step)
 from rltrainer.weights.sender import WeightSender

@@ -26,8 +26,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from rltrainer.controller.worker import Worker
 from rltrainer.controller.worker_group import RayWorkerGroup
+from rltrainer.rollout.worker import Worker
 
 #: The Ray concurrency groups every host is created with: those of a split rollout worker.
 HOST_GROUPS: dict[str, int] = dict(Worker.concurrency_groups)
