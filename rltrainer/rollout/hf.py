@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rltrainer.lm_head import head_logits
-from rltrainer.models import chunkable_head, head_forward, token_log_probs
+from rltrainer.lm_head import head_forward, head_logits
+from rltrainer.models.log_probs import chunkable_head, token_log_probs
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       stop_token_ids)
 
