@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lm_head import chunked_log_probs, embedding_into_grad, head_forward
-from rltrainer.packing import marked_padding_free, packed_rows_for
+from rltrainer.packing import packed_rows_for
 
 
 def response_log_probs(
@@ -42,7 +42,7 @@ def response_log_probs(
     Columns that are padding in every row of ``batch`` (a micro-batch) are left out: the left
     padding up to its longest prompt and the right padding past its longest response, so a
     micro-batch of short rows does not pay for the longest rows of the step; the outputs there are
-    0. With ``padding_free`` (default: ``batch.meta["padding_free"]``, which the Strategy sets on its
+    0. With ``padding_free`` (default: ``batch.padding_free``, which the Strategy sets on its
     micro-batches when built with ``padding_free=True``) the rows run as one packed sequence
     without their padding (:mod:`rltrainer.packing`); the LM head sees only the real response
     tokens, and response padding gets 0 in both outputs.
@@ -57,7 +57,7 @@ def _response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature
     responses = batch["responses"]  # [n, T]
     T = responses.shape[1]
     if padding_free is None:
-        padding_free = marked_padding_free(batch)
+        padding_free = getattr(batch, "padding_free", False)  # a plain dict of tensors runs padded
     if padding_free:
         return _packed_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens)
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

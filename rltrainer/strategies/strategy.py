@@ -49,8 +49,9 @@ class Strategy(abc.ABC):
         padding_free: run each micro-batch's rows packed into one sequence without their padding
             (:mod:`rltrainer.packing`; TRL's ``padding_free``, verl's ``use_remove_padding``), in
             the compute stages and the update; ``max_tokens_per_micro_batch`` then counts real
-            tokens. The strategy marks its micro-batches (``meta["padding_free"]``) and
-            :func:`~rltrainer.models.response_log_probs` reads the mark.
+            tokens. The strategy sets each micro-batch's typed field
+            :attr:`~rltrainer.data.batch.RolloutBatch.padding_free` and
+            :func:`~rltrainer.models.response_log_probs` reads it.
     """
 
     #: The model families (transformers ``config.model_type``) this strategy is tested with, the
@@ -240,15 +241,15 @@ class Strategy(abc.ABC):
 def form_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None,
                        padding_free: bool = False) -> list[RolloutBatch]:
     """Split by the token budget ``max_tokens`` if set (real tokens with ``padding_free``, else
-    rows x longest row), else by ``micro_batch_size`` rows; with ``padding_free`` each part is
-    marked ``meta["padding_free"]`` (its forward passes run packed)."""
+    rows x longest row), else by ``micro_batch_size`` rows. Each part's
+    :attr:`~rltrainer.data.batch.RolloutBatch.padding_free` is set here, the one place it is set
+    (``True``: its forward passes run packed)."""
     if max_tokens:
         parts = batch.split_by_tokens(max_tokens, packed=padding_free)
     else:
         parts = batch.split(micro_batch_size)
-    if padding_free:
-        for part in parts:
-            part.meta["padding_free"] = True
+    for part in parts:
+        part.padding_free = padding_free
     return parts
 
 
