@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.checkpoints import raising_ranks_disk_full
 from rltrainer.controller.reaper import shutdown_ray
 from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
                                                get_together)
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.files import raising_ranks_disk_full
 from rltrainer.lora import engine_view
 from rltrainer.rollout.adapters import adapter_config_dict
 from rltrainer.rollout.engine import ModelFiles

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from rltrainer.checkpoints import (CheckpointError, check_state_matches, reporting_disk_full, safe_load,
-                                   tensor_bytes)
+from rltrainer.checkpoints import CheckpointError, check_state_matches, safe_load, tensor_bytes
+from rltrainer.files import reporting_disk_full
 
 _METADATA_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"), ("torch", "Size"),
                      ("torch.serialization", "_get_layout"), ("torch._utils", "_get_layout"),

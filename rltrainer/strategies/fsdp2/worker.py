@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.checkpoints import reporting_disk_full
+from rltrainer.files import reporting_disk_full
 from rltrainer.models import RandomInit, SafetensorsWeights, deferred_init, share_rng_state, take_weight_source
 from rltrainer.strategies.fsdp2.sharding import (SUPPORTED_MODEL_TYPES, enable_activation_checkpointing, load_shards,
                                                  shard_bytes, shard_model)

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from rltrainer.checkpoints import CheckpointError, check_state_matches, reporting_disk_full, safe_load, save_file
+from rltrainer.checkpoints import CheckpointError, check_state_matches, safe_load, save_file
+from rltrainer.files import reporting_disk_full
 from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, hf_from_megatron, megatron_shard,
                                                    state_reader)
 from rltrainer.strategies.megatron.models import MegatronValueModel, critic_trunk_config
