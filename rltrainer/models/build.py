@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import glob
-import json
-import math
 import os
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -22,6 +19,7 @@ from typing import Any
 import torch
 
 from rltrainer.lora import base_name
+from rltrainer.models.safetensors_io import SafetensorsWeights, find_tensor
 
 ModelSpec = str | Any | Callable[[], torch.nn.Module]
 
@@ -74,9 +72,6 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
 # -- building on the meta device, loading each rank's part -------------------------------------------
 _DEFERRED: ContextVar[bool | None] = ContextVar("rltrainer_deferred_init", default=None)
 _SOURCE_ATTR = "_rltrainer_weight_source"
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
 
 
 @contextlib.contextmanager
@@ -110,7 +105,7 @@ class RandomInit:
         return self  # a frozen_copy starts from the same weights
 
     def find(self, aliases: list[str]) -> str:
-        return _find(aliases, self.state or {}, "the random init")
+        return find_tensor(aliases, self.state or {}, "the random init")
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple((self.state or {})[name].shape)
@@ -118,89 +113,6 @@ class RandomInit:
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         tensor = (self.state or {})[name]
         return tensor[start:stop] if tensor.dim() else tensor
-
-
-class SafetensorsWeights:
-    """The ``*.safetensors`` files of a model directory. :meth:`read` reads rows of one tensor with
-    plain file reads, straight into the destination when it can: only those bytes are read, and no
-    file is memory-mapped (mapped pages would count in the process's resident memory)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not self.files:
-            present = sorted(os.listdir(path))
-            raise FileNotFoundError(
-                f"{path} holds no *.safetensors file (it has: {', '.join(present[:12]) or 'nothing'}"
-                f"{', ...' if len(present) > 12 else ''}). Sharded strategies load a checkpoint from its safetensors "
-                "files only: save it with save_pretrained(path) (safetensors is its default), or convert its "
-                "*.bin / *.pt files.")
-        self._entries: dict[str, tuple[str, int, torch.dtype, tuple[int, ...]]] | None = None
-        self.bytes_read = 0
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> SafetensorsWeights:
-        return self
-
-    def names(self) -> dict[str, tuple[str, int, torch.dtype, tuple[int, ...]]]:
-        """Tensor name -> (file, offset of its first byte, dtype, shape), from the files' headers."""
-        if self._entries is None:
-            self._entries = {}
-            for file in self.files:
-                with open(file, "rb") as f:
-                    size = int.from_bytes(f.read(8), "little")
-                    header = json.loads(f.read(size))
-                for name, entry in header.items():
-                    if name == "__metadata__":
-                        continue
-                    if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                        raise ValueError(f"{file}: tensor {name!r} has dtype {entry['dtype']}; readable dtypes are "
-                                         f"{', '.join(_SAFETENSORS_DTYPES)}")
-                    self._entries[name] = (file, 8 + size + entry["data_offsets"][0],
-                                           _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
-        return self._entries
-
-    def find(self, aliases: list[str]) -> str:
-        """The first of ``aliases`` (a parameter's names, tied ones included) in the checkpoint."""
-        return _find(aliases, self.names(), self.path)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.names()[name][3]
-
-    def dtype(self) -> torch.dtype | None:
-        """The first floating tensor's dtype (transformers' ``dtype="auto"`` when config.json has none)."""
-        return next((e[2] for e in self.names().values() if e[2].is_floating_point), None)
-
-    def read(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of tensor ``name`` (all by default), into ``out`` if given (cast and
-        moved as needed; read in place when it is a contiguous CPU tensor of the file's dtype)."""
-        file, offset, dtype, shape = self.names()[name]
-        row = math.prod(shape[1:]) * dtype.itemsize
-        stop = (shape[0] if shape else 1) if stop is None else stop
-        rows = (stop - start, *shape[1:]) if shape else ()
-        direct = out is not None and out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
-        target = out if direct else torch.empty(rows, dtype=dtype)
-        buffer = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
-        with open(file, "rb", buffering=0) as f:
-            f.seek(offset + start * row)
-            done = 0
-            while done < len(buffer):  # large reads may return short
-                got = f.readinto(buffer[done:])
-                if not got:
-                    raise ValueError(f"{file} ends inside tensor {name!r}: the file is truncated")
-                done += got
-        self.bytes_read += len(buffer)
-        if out is not None and not direct:
-            return out.copy_(target)
-        return target
-
-
-def _find(aliases: list[str], names: Any, where: str) -> str:
-    for name in aliases:
-        if name in names:
-            return name
-    some = ", ".join(sorted(names)[:6])
-    raise KeyError(f"{where} has no tensor {' or '.join(map(repr, aliases))}, which the model built from its config "
-                   f"needs; it holds {len(names)} tensors ({some}, ...). Is it a checkpoint of this architecture?")
 
 
 def init_from_config(config: Any, dtype: torch.dtype | None = None, auto_class: Any = None) -> torch.nn.Module:
