@@ -19,6 +19,8 @@ Where each job lives:
 - :mod:`~rltrainer.strategies.fsdp2.worker`: :class:`FSDP2Worker`, the rank side (setup, gathering
   weights for a sync, sharded checkpoints).
 - :mod:`~rltrainer.strategies.fsdp2.sharding`: ``fully_shard`` a model, fill a rank's rows, measure a shard.
+- :mod:`~rltrainer.strategies.fsdp2.checkpoint`: a rank's shards of a checkpoint any number of
+  ranks loads (``torch.distributed.checkpoint``, read without unpickling).
 """
 
 from rltrainer.strategies.fsdp2.strategy import FSDP2Strategy

@@ -12,6 +12,7 @@ import torch
 
 from rltrainer.files import reporting_disk_full
 from rltrainer.models import RandomInit, SafetensorsWeights, deferred_init, share_rng_state, take_weight_source
+from rltrainer.strategies.fsdp2.checkpoint import load_sharded, save_sharded
 from rltrainer.strategies.fsdp2.sharding import (SUPPORTED_MODEL_TYPES, enable_activation_checkpointing, load_shards,
                                                  shard_bytes, shard_model)
 from rltrainer.strategies.rank_worker import TrainingWorker
@@ -232,8 +233,6 @@ class FSDP2Worker(TrainingWorker):
         ``directory`` (torch.distributed.checkpoint; a collective). Nothing is gathered. With
         ``async_save`` the shards are copied to host memory and written in a background thread
         (:meth:`wait_checkpoint` waits)."""
-        from rltrainer.strategies.sharded_checkpoint import save_sharded
-
         self.wait_checkpoint()
         self.pending_save = save_sharded(self._sharded_state(), directory, async_save=async_save)
         self.pending_dir = Path(directory)
@@ -252,8 +251,6 @@ class FSDP2Worker(TrainingWorker):
     def load_checkpoint(self, directory: str) -> None:
         """Fill this rank's shards from a checkpoint saved on any number of ranks (DCP reshards)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        from rltrainer.strategies.sharded_checkpoint import load_sharded
 
         self.wait_checkpoint()
         state = self._sharded_state()
