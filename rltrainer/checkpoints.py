@@ -37,7 +37,6 @@ naming the file, the bytes it needed and those that were free, instead of torch'
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import hashlib
 import io
@@ -55,6 +54,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from rltrainer.files import DiskFullError as DiskFullError  # where users catch it (the docs say rltrainer.checkpoints)
+from rltrainer.files import reporting_disk_full
+
 FORMAT = "rltrainer-checkpoint"
 VERSION = 2
 TRAINER_FILE = "trainer.pt"
@@ -68,95 +70,6 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing a part, truncated, not an rltrainer checkpoint, or of another model."""
-
-
-class DiskFullError(OSError):
-    """No space left on the device while writing a file (``errno`` is ``ENOSPC``, ``filename`` the
-    file); the message names the file, the bytes it needed when known and those that were free."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
-
-
-def disk_full_error(path: Path, what: str, needed: int | None, free_before: int | None = None) -> DiskFullError:
-    """A :class:`DiskFullError` for ``path`` (``what`` it held), ``needed`` bytes (``None``: unknown)."""
-    with contextlib.suppress(OSError):
-        free_before = free_before if free_before is not None else shutil.disk_usage(_existing(path)).free
-    need = f"about {needed:,} bytes" if needed is not None else "more space"
-    free = f"{free_before:,} bytes were free" if free_before is not None else "the free space is unknown"
-    return DiskFullError(errno.ENOSPC, f"The disk is full (No space left on device) writing {path} ({what}): it "
-                                       f"needed {need} and {free} on its file system. Nothing written before was "
-                                       f"changed. Free space there, or write elsewhere (default_root_dir, "
-                                       f"ModelCheckpoint(dirpath=...))", str(path))
-
-
-def is_disk_full(exc: BaseException, path: Path | None = None) -> bool:
-    """Whether ``exc``, or an error it was raised from or wraps (DCP's ``CheckpointException`` keeps
-    each rank's), is a full disk; with ``path``, torch's zip writer's ``unexpected pos`` (a short
-    write, its only report of ENOSPC) counts when less than 1 MiB is free there."""
-    seen: set[int] = set()
-    todo: list[Any] = [exc]
-    short_write = False
-    while todo:
-        err = todo.pop()
-        if isinstance(err, tuple):  # DCP: (exception, stack)
-            todo += [e for e in err if isinstance(e, BaseException)]
-            continue
-        if not isinstance(err, BaseException) or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err):
-            return True
-        short_write |= "unexpected pos" in str(err)
-        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        todo += [err.__cause__, err.__context__, *(failures.values() if isinstance(failures, Mapping) else [])]
-    if short_write and path is not None:
-        with contextlib.suppress(OSError):
-            return shutil.disk_usage(_existing(path)).free < 1 << 20
-    return False
-
-
-@contextlib.contextmanager
-def reporting_disk_full(path: Path, what: str, needed: int | None = None) -> Iterator[None]:
-    """Run the block that writes ``path``; a full disk in it raises :class:`DiskFullError` (from the
-    original error), any other error passes unchanged."""
-    free = None
-    with contextlib.suppress(OSError):
-        free = shutil.disk_usage(_existing(path)).free
-    try:
-        yield
-    except DiskFullError:
-        raise
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if not is_disk_full(exc, path):
-            raise
-        raise disk_full_error(path, what, needed, free) from exc
-
-
-@contextlib.contextmanager
-def raising_ranks_disk_full() -> Iterator[None]:
-    """Around the controller's calls into training ranks: a rank's :class:`DiskFullError` (the cause
-    of the ``WorkerError`` that reports it) is raised here as a :class:`DiskFullError` too, from that
-    ``WorkerError``, so a full disk is the same error on every strategy."""
-    try:
-        yield
-    except DiskFullError:
-        raise
-    except Exception as exc:
-        cause = exc.__cause__
-        if not isinstance(cause, DiskFullError):
-            raise
-        raise DiskFullError(cause.errno, f"Rank {getattr(exc, 'rank', '?')}: {cause.strerror}. The ranks were "
-                                         f"stopped (the WorkerError this is raised from has each rank's "
-                                         f"report)", cause.filename) from exc
-
-
-def _existing(path: Path) -> Path:
-    """``path`` or its nearest existing parent (what ``shutil.disk_usage`` can look at)."""
-    path = Path(path)
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def tensor_bytes(obj: Any) -> int:

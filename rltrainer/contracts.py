@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from rltrainer.data.batch import RolloutBatch
+
 #: what a dtype kind accepts, and how the docs write it
 KINDS = {"float": "float", "int": "int", "mask": "int or bool", "bool": "bool", "any": "any"}
 
@@ -136,8 +138,6 @@ def check_hook_result(module: Any, hook: str, result: Any, received: Any = None,
 
 
 def _check_batch(where: str, hook: str, result: Any, received: Any) -> None:
-    from rltrainer.data.batch import RolloutBatch
-
     contract = CONTRACTS[hook]
     if result is None:
         raise HookContractError(f"{where} returned None; it must return {contract.returns} with "
@@ -217,8 +217,6 @@ def _check_compute_output(where: str, result: Any, received: Any, stage: str | N
             raise HookContractError(f"{where} returned {name!r} as {got}; expected {expected} "
                                     f"({sizes.get('N', 'N')} rows).")
     if field is not None:
-        from rltrainer.data.batch import RolloutBatch
-
         check_field(where, RolloutBatch(dict(result), batch_size=sizes.get("N")), field, sizes)
 
 

@@ -29,8 +29,7 @@ from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from rltrainer.checkpoints import reporting_disk_full
-from rltrainer.files import append_rows, read_rows, sibling, write_csv_atomically
+from rltrainer.files import append_rows, read_rows, reporting_disk_full, sibling, write_csv_atomically
 
 
 class DurableWriter(ExperimentWriter):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.models.safetensors_io import write_safetensors
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, bucketed
 
 if TYPE_CHECKING:
@@ -47,37 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LORA_MODES = ("merged", "adapter")
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-# -- safetensors, written tensor by tensor ----------------------------------------------------------
-def write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
-    """Write ``tensors`` as one safetensors file (the format's header, then each tensor's bytes in
-    order, copied to the file one at a time); returns the bytes of tensor data. Unlike
-    ``safetensors.torch.save_file`` it accepts views of one buffer (a weight-sync bucket)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, tensor in tensors:
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
-            raise TypeError(f"{name!r} is {tensor.dtype}; safetensors holds {', '.join(map(str, _SAFETENSORS_DTYPES))}")
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, tensor in tensors:
-            data = tensor.detach().to("cpu").contiguous()
-            if data.numel():
-                f.write(data.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return offset
-
-
+# -- safetensors shards -----------------------------------------------------------------------------
 def write_shards(weights: Iterable[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int,
                  prefix: str = "model") -> dict[str, Any]:
     """Stream ``(name, tensor)`` into ``out/<prefix>-0000i-of-0000n.safetensors`` shards of at most

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -90,8 +90,6 @@ def embedding_into_grad(model: torch.nn.Module) -> Iterator[None]:
     into ``weight.grad`` in its backward (``index_add_`` of the looked-up rows, none for
     ``padding_idx``), instead of making the dense ``[V, H]`` gradient ``F.embedding``'s backward
     makes. Any other model runs as it is."""
-    from rltrainer.models import head_forward
-
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if callable(get) else None
     plain = (type(embedding) is torch.nn.Embedding and embedding.max_norm is None
@@ -355,3 +353,18 @@ def _world(group: Any) -> int:
     import torch.distributed as dist
 
     return dist.get_world_size(group)
+
+
+@contextlib.contextmanager
+def head_forward(head: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Inside it, ``head(x)`` is ``forward(x)`` (an instance attribute over the class's forward;
+    the previous one is restored after)."""
+    previous = head.__dict__.get("forward")
+    head.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous

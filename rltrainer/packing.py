@@ -73,11 +73,6 @@ def pack_rows(batch: Mapping[str, torch.Tensor], response_length: int, varlen: b
     return PackedRows(inputs, predictors, rows, cols, (n, T))
 
 
-def marked_padding_free(batch: Any) -> bool:
-    """Whether the Strategy marked ``batch`` to run packed (``meta["padding_free"]``)."""
-    return bool(getattr(batch, "meta", {}).get("padding_free", False))
-
-
 def uses_flash_attention(model: torch.nn.Module) -> bool:
     """Whether ``model`` runs a flash-attention kernel (which takes the varlen kwargs)."""
     config = getattr(model, "config", None)

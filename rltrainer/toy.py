@@ -26,6 +26,10 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.nn.functional as F
 
+from rltrainer.rollout.engine import SamplingParams
+from rltrainer.rollout.hf import HFEngine
+from rltrainer.testing import tiny_qwen2_config
+
 log = logging.getLogger(__name__)
 
 P = TypeVar("P", bound=Hashable)
@@ -80,8 +84,6 @@ def tiny_model(tokenizer: Any, seed: int = 0, hidden_size: int = 64, num_layers:
     ``tokenizer``'s vocabulary, its weights drawn after ``torch.manual_seed(seed)``;
     ``num_kv_heads`` defaults to half the heads."""
     from transformers import AutoModelForCausalLM
-
-    from rltrainer.testing import tiny_qwen2_config
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_qwen2_config(
@@ -260,8 +262,6 @@ def accuracy(model: Any, tokenizer: Any, problems: Sequence[tuple[str, str]], ma
     ``model``: a transformers causal LM (after :func:`warm_up`), or a :class:`~rltrainer.Trainer`
     after ``fit`` and before ``teardown`` (its engine, with the policy's current weights: any
     strategy, any engine). ``max_new_tokens`` defaults to the longest answer's tokens plus ``eos``."""
-    from rltrainer.rollout.engine import SamplingParams
-
     if not problems:
         raise ValueError("accuracy() needs at least one (prompt, answer) problem; got none")
     engine = _engine(model, tokenizer)
@@ -287,8 +287,6 @@ def _engine(model: Any, tokenizer: Any) -> Any:
         return model.engine
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accuracy() takes a transformers model or a Trainer; got {type(model).__name__}")
-    from rltrainer.rollout.hf import HFEngine
-
     engine = HFEngine()
     engine.setup(model.config, tokenizer)
     engine.update_weights(model.state_dict().items())

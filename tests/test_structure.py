@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltrainer.models", "rltrainer.lm_head", "rltrainer.algorithms", "rltrainer.rewards"),
     # 3: the hooks users write against, and the compute behind them (an engine's host process included)
     ("rltrainer.module", "rltrainer.call", "rltrainer.modules", "rltrainer.strategies", "rltrainer.rollout",
-     "rltrainer.controller.worker", "rltrainer.envs", "rltrainer.plan"),
+     "rltrainer.envs", "rltrainer.plan"),
     # 4: the loop and what drives it
     ("rltrainer.callbacks", "rltrainer.loggers", "rltrainer.csv_logger", "rltrainer.loop", "rltrainer.pipelines",
      "rltrainer.interrupt", "rltrainer.export", "rltrainer.trainer"),

@@ -4,7 +4,10 @@ A :class:`RolloutBatch` has three parts:
 
 - ``tensors``: a :class:`tensordict.TensorDict` whose batch dimension is ``N`` rows;
 - ``non_tensors``: a dict of numpy object arrays of length ``N`` (text, ground truth, ...);
-- ``meta``: a plain dict of batch-level values (temperature, global token counts, ...).
+- ``meta``: a plain dict of batch-level values (temperature, global token counts, ...);
+- ``padding_free``: the layout its forward passes run in, set by the Strategy on the
+  micro-batches it forms: ``True`` packs the rows into one sequence without their padding
+  (:mod:`rltrainer.packing`), ``False`` (default) runs the padded rows.
 
 Indexing with a string returns a field; indexing with an int, slice, list or tensor returns the
 sub-batch of those rows, with every field sliced alike.
@@ -61,7 +64,8 @@ def _object_array(values: Sequence[Any]) -> np.ndarray:
 
 
 class RolloutBatch:
-    """``N`` rows of named tensor and non-tensor fields, plus batch-level ``meta``."""
+    """``N`` rows of named tensor and non-tensor fields, plus batch-level ``meta`` and the
+    micro-batch layout ``padding_free`` (see the module docstring)."""
 
     def __init__(
         self,
@@ -69,6 +73,7 @@ class RolloutBatch:
         non_tensors: Mapping[str, Sequence[Any]] | None = None,
         meta: Mapping[str, Any] | None = None,
         batch_size: int | None = None,
+        padding_free: bool = False,
     ) -> None:
         tensors = dict(tensors.items()) if tensors is not None else {}
         non_tensors = {k: _object_array(v) for k, v in (non_tensors or {}).items()}
@@ -83,6 +88,7 @@ class RolloutBatch:
         self.tensors = TensorDict(tensors, batch_size=[batch_size])
         self.non_tensors: dict[str, np.ndarray] = non_tensors
         self.meta: dict[str, Any] = dict(meta or {})
+        self.padding_free = padding_free  # rows run packed (set by the Strategy's form_micro_batches)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -110,7 +116,8 @@ class RolloutBatch:
                 raise ValueError("RolloutBatch.concat needs batches with the same fields")
         tensors = torch.cat([b.tensors for b in batches]) if batches[0].tensors.keys() else None
         non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in keys}
-        out = cls(non_tensors=non_tensors, meta=batches[0].meta, batch_size=sum(len(b) for b in batches))
+        out = cls(non_tensors=non_tensors, meta=batches[0].meta, batch_size=sum(len(b) for b in batches),
+                  padding_free=batches[0].padding_free)
         if tensors is not None:
             out.tensors = tensors
         return out
@@ -137,7 +144,7 @@ class RolloutBatch:
         np_index = index.cpu().numpy() if isinstance(index, torch.Tensor) else index
         if isinstance(np_index, (list, tuple)):
             np_index = np.asarray(np_index, dtype=np.int64)
-        out = RolloutBatch(meta=self.meta)
+        out = RolloutBatch(meta=self.meta, padding_free=self.padding_free)
         out.tensors = self.tensors[index if not isinstance(index, (list, tuple)) else torch.as_tensor(index)]
         if out.tensors is self.tensors:  # tensordict returns itself for [:]; fields set on the copy stay there
             out.tensors = self.tensors.copy()
@@ -166,7 +173,7 @@ class RolloutBatch:
         missing = [k for k in keys if k not in self]
         if missing and strict:
             raise KeyError(f"RolloutBatch has no fields {missing}; fields: {self.keys()}")
-        out = RolloutBatch(meta=self.meta, batch_size=len(self))
+        out = RolloutBatch(meta=self.meta, batch_size=len(self), padding_free=self.padding_free)
         out.tensors = self.tensors.select(*[k for k in keys if k in self.tensors.keys()])
         out.non_tensors = {k: v for k, v in self.non_tensors.items() if k in keys}
         return out
@@ -180,11 +187,12 @@ class RolloutBatch:
             out.tensors[k] = other.tensors[k]
         out.non_tensors.update(other.non_tensors)
         out.meta.update(other.meta)
+        out.padding_free = self.padding_free or other.padding_free
         return out
 
     def copy(self) -> RolloutBatch:
         """A shallow copy: new containers, shared tensors."""
-        out = RolloutBatch(meta=dict(self.meta), batch_size=len(self))
+        out = RolloutBatch(meta=dict(self.meta), batch_size=len(self), padding_free=self.padding_free)
         out.tensors = self.tensors.clone(recurse=False)
         out.non_tensors = dict(self.non_tensors)
         return out
@@ -244,7 +252,7 @@ class RolloutBatch:
         """Pickle tensors as numpy arrays: Ray moves those through its shared-memory object store
         without copying them into the pickle stream (dtypes numpy lacks, e.g. bf16, stay tensors)."""
         arrays = {k: _to_numpy(v) for k, v in self.tensors.items()}
-        return _rebuild_batch, (arrays, self.non_tensors, self.meta, len(self))
+        return _rebuild_batch, (arrays, self.non_tensors, self.meta, len(self), self.padding_free)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
@@ -253,7 +261,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
 
 
 def _rebuild_batch(arrays: dict[str, Any], non_tensors: dict[str, np.ndarray], meta: dict[str, Any],
-                   rows: int) -> RolloutBatch:
+                   rows: int, padding_free: bool = False) -> RolloutBatch:
     tensors = {}
     for k, a in arrays.items():
         if isinstance(a, np.ndarray):  # zero-copy arrays from Ray's store are read-only: copy those once
@@ -261,6 +269,6 @@ def _rebuild_batch(arrays: dict[str, Any], non_tensors: dict[str, np.ndarray], m
             tensors[k] = torch.from_numpy(a)
         else:
             tensors[k] = a
-    out = RolloutBatch(tensors, batch_size=rows, meta=meta)
+    out = RolloutBatch(tensors, batch_size=rows, meta=meta, padding_free=padding_free)
     out.non_tensors = dict(non_tensors)
     return out

@@ -49,12 +49,10 @@ def response_values(critic: torch.nn.Module, batch: RolloutBatch, padding_free: 
     """``V [n, T]``: the critic's value at each position that predicts a response token (0 past
     the micro-batch's longest response: its all-padding columns are left out, as in
     :func:`~rltrainer.models.response_log_probs`). With
-    ``padding_free`` (default: ``batch.meta["padding_free"]``, set by the Strategy) the rows run
+    ``padding_free`` (default: ``batch.padding_free``, set by the Strategy) the rows run
     packed into one sequence (:mod:`rltrainer.packing`), and response padding gets 0."""
     if padding_free is None:
-        from rltrainer.packing import marked_padding_free
-
-        padding_free = marked_padding_free(batch)
+        padding_free = getattr(batch, "padding_free", False)  # a plain dict of tensors runs padded
     if padding_free:
         from rltrainer.packing import packed_rows_for
 

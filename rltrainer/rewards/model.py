@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.models import init_from_config, load_pretrained
 from rltrainer.rewards import RewardManager, resolve_reward
 
 
@@ -43,8 +44,6 @@ def build_reward_model(spec: Any, pad_token_id: int, seed: int | None = None) ->
     rightmost token that is not ``pad_token_id``. Inside :func:`~rltrainer.models.deferred_init` a
     config or checkpoint is built on the meta device with its weights attached, as causal LMs are."""
     from transformers import AutoModelForSequenceClassification, PretrainedConfig
-
-    from rltrainer.models import init_from_config, load_pretrained
 
     if isinstance(spec, PretrainedConfig):
         if seed is not None:

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rltrainer.lm_head import head_logits
-from rltrainer.models import chunkable_head, head_forward, token_log_probs
+from rltrainer.lm_head import head_forward, head_logits
+from rltrainer.lora import require_peft
+from rltrainer.models.log_probs import chunkable_head, token_log_probs
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       stop_token_ids)
 
@@ -154,8 +155,6 @@ class HFEngine(RolloutEngine):
         """Inject ``lora_config``'s adapter into the model in place (``peft.inject_adapter_in_model``):
         the base weights keep their HF names (an adapted ``X.weight`` lives at
         ``X.base_layer.weight``), the adapter arrives as ``base_model.model.X.lora_A.weight``."""
-        from rltrainer.lora import require_peft
-
         peft = require_peft()
         model = self._require_model()
         with torch.random.fork_rng(devices=[]):  # its random init is replaced by the first sync

@@ -238,14 +238,12 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
     def runtime_env(self) -> dict[str, Any] | None:
         """Another interpreter (:func:`rltrainer.rollout.vllm_env.resolve_python`) importing this
         source of rltrainer; ``None`` when the engine runs in the trainer's environment."""
-        from rltrainer.rollout.vllm_env import resolve_python
+        from rltrainer.rollout.vllm_env import resolve_python  # not at the top: `python -m` runs that module
 
         python = resolve_python(self.python)
         if python is None:
             return None
-        import rltrainer
-
-        source = os.path.dirname(os.path.dirname(os.path.abspath(rltrainer.__file__)))
+        source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above rltrainer/
         path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
         return {"py_executable": python, "env_vars": {"PYTHONPATH": path}}
 

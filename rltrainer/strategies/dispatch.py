@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.checkpoints import raising_ranks_disk_full
 from rltrainer.controller.reaper import shutdown_ray
-from rltrainer.controller.worker import InOrderWorker, Worker
 from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
                                                get_together)
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.files import raising_ranks_disk_full
 from rltrainer.lora import engine_view
 from rltrainer.rollout.adapters import adapter_config_dict
 from rltrainer.rollout.engine import ModelFiles
 from rltrainer.rollout.remote import RemoteEngine
+from rltrainer.rollout.worker import InOrderWorker, Worker
 from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import Strategy, combine_metrics, form_micro_batches, refuse_other_environment
 from rltrainer.weights.group import DEFAULT_TIMEOUT_S
@@ -395,7 +395,7 @@ def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: 
     contribution is removed by the strategy: :func:`~rltrainer.strategies.strategy.zero_padding`
     multiplies the loss by 0 and drops the metrics, and compute outputs are dropped. Each rank's
     rows form micro-batches as :func:`~rltrainer.strategies.strategy.form_micro_batches` forms them
-    (``padding_free``: packed, and marked so).
+    (``padding_free``: packed, the micro-batches' field set so).
     """
     n = len(batch)
     tokens = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [1] * n
@@ -411,13 +411,11 @@ def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: 
         parts.append(form_micro_batches(batch[idx], micro_batch_size, max_tokens, padding_free) if len(idx) else [])
     count = max(len(p) for p in parts)
     if any(len(p) < count for p in parts):
-        pad = batch[[0]].copy()
+        pad = form_micro_batches(batch[[0]], 1, None, padding_free)[0].copy()
         for key in ("response_mask", "advantages"):
             if key in pad:
                 pad[key] = torch.zeros_like(pad[key])
         pad.meta["padding"] = True
-        if padding_free:
-            pad.meta["padding_free"] = True
         for p in parts:
             p.extend(pad for _ in range(count - len(p)))
     return parts, rows

@@ -5,7 +5,7 @@ name on every rank (``setup``, ``compute``, ``train_step``, ``send_weights``...)
 class (``FSDP2Worker``, ``MegatronWorker``) subclasses it with the model layout: how ``setup``
 places the models, and the weight export's ``weight_specs`` / ``gather_weights`` (optionally
 ``gather_weights_into``), which a :class:`~rltrainer.weights.sender.WeightSender` drives. A colocated
-rollout engine replica lives in the same process (the :class:`~rltrainer.controller.worker.Worker`
+rollout engine replica lives in the same process (the :class:`~rltrainer.rollout.worker.Worker`
 base class holds it).
 """
 
@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from rltrainer.controller.worker import Worker
+from rltrainer.checkpoints import CheckpointError, check_files, digest_files, safe_load, save_file
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.lora import LoraView
+from rltrainer.rollout.worker import Worker
 from rltrainer.strategies.strategy import (clip_gradients, load_local_training_state, local_training_state, run_compute,
                                           run_micro_batches, run_train_step)
 from rltrainer.weights.sender import WeightSender
@@ -87,8 +89,6 @@ class TrainingWorker(Worker):
 
     def set_weight_view(self, mode: str | None) -> None:
         """Export the LoRA policy as ``mode`` (:class:`rltrainer.lora.LoraView`; ``None``: as it is)."""
-        from rltrainer.lora import LoraView
-
         self.view = LoraView(self.module.policy, mode) if mode is not None else None
 
     # -- compute (every rank, on its share of the batch) ---------------------------------------------
@@ -110,8 +110,6 @@ class TrainingWorker(Worker):
     def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
         """This rank's models, optimizers and schedulers as ``directory/rank=<r>.pt``, written at once
         (a layout that reshards or saves in the background overrides it, see ``FSDP2Worker``)."""
-        from rltrainer.checkpoints import save_file
-
         save_file(local_training_state(self.module, self.optimizers, self.schedulers), self._rank_file(directory),
                   f"rank {self.rank}'s models, optimizers and schedulers")
 
@@ -125,25 +123,17 @@ class TrainingWorker(Worker):
     def checkpoint_digests(self, directory: str) -> dict[str, str]:
         """The sha256 of :meth:`checkpoint_files`, hashed here where they were written (after
         :meth:`wait_checkpoint`)."""
-        from rltrainer.checkpoints import digest_files
-
         return digest_files(Path(directory), self.checkpoint_files(directory))
 
     def verify_checkpoint(self, directory: str, expected: dict[str, str]) -> list[str]:
         """What is wrong with this rank's share of the files (every ``world_size``-th name) against
         their recorded sha256 ``expected``: one line per missing or changed file."""
-        from rltrainer.checkpoints import check_files
-
         names = sorted(expected)[self.rank::self.world_size]
         return check_files(Path(directory), {name: expected[name] for name in names})
 
     def load_checkpoint(self, directory: str) -> None:
-        from rltrainer.checkpoints import safe_load
-
         file = self._rank_file(directory)
         if not file.is_file():
-            from rltrainer.checkpoints import CheckpointError
-
             raise CheckpointError(f"{file} is missing: the checkpoint in {directory} was saved with another number "
                                   f"of ranks or did not finish (this is rank {self.rank} of {self.world_size}).")
         state = safe_load(file, f"rank {self.rank}'s models, optimizers and schedulers")

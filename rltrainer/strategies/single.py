@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.lora import LoraView
 from rltrainer.strategies.strategy import (STRATEGIES, Strategy, autocast_context, check_model_type,
                                           load_local_training_state, local_training_state, normalize_optimizers,
                                           param_dtype, run_compute, run_train_step)
@@ -69,8 +70,6 @@ class SingleDeviceStrategy(Strategy):
         if mode is not None and self.lora_config is None:
             raise ValueError(f"weight view {mode!r} needs a LoRA policy (the module's lora=peft.LoraConfig(...))")
         if mode is not None:
-            from rltrainer.lora import LoraView
-
             self._view = LoraView(self.module.policy, mode)
         else:
             self._view = None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rltrainer.modules.grpo import GRPO
+from rltrainer.rollout.hf import HFEngine
 
 #: Where the offline data is looked for, in order: ``RLTRAINER_DATA`` alone when it is set; else
 #: ``recipes/data`` of the source tree this package was imported from (a clone, or an editable
@@ -101,8 +102,6 @@ def prepared_batch(module: Any, strategy: Any, prompts: Any) -> Any:
     """One step's batch, laid out as the loop lays it out before the update: connect an ``hf``
     engine to ``strategy``, sync, roll out ``prompts``, reward, run the compute stages, compute
     advantages, and set the global token/row counts. For tests that compare strategies on one batch."""
-    from rltrainer.rollout.hf import HFEngine
-
     engine = strategy.connect_engine(HFEngine(), module.tokenizer)
     strategy.sync_weights(engine)
     batch = module.reward_step(module.rollout_step(prompts, engine))
@@ -138,8 +137,6 @@ class FrozenEmbeddingGRPO(GRPO):
 
 
 def _slow_engine_class() -> type:
-    from rltrainer.rollout.hf import HFEngine
-
     class SlowHFEngine(HFEngine):
         """The ``hf`` engine with a random delay before each request (uniform in ``delay_s``, drawn
         from its own generator seeded with ``seed`` plus the process id), for pipeline tests."""

@@ -17,6 +17,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from rltrainer import GRPO, Callback, ModelCheckpoint, Trainer, prompt_dataloader
+from rltrainer.data import load_rows, prepare_gsm8k
+from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config
 from rltrainer.testing.tmpfs import fill, run_in_tmpfs
 
 
@@ -25,12 +30,6 @@ def _parity(completions: list[str], **kwargs: Any) -> list[float]:
 
 
 def main(root: str, leave: int, strategy: str, devices: int, every: int, report_path: str) -> None:
-    import torch
-
-    from rltrainer import GRPO, Callback, ModelCheckpoint, Trainer, prompt_dataloader
-    from rltrainer.data import load_rows, prepare_gsm8k
-    from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config
-
     torch.set_num_threads(1)
     filled: dict[str, float] = {}
 

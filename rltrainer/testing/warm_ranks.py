@@ -26,8 +26,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from rltrainer.controller.worker import Worker
 from rltrainer.controller.worker_group import RayWorkerGroup
+from rltrainer.rollout.worker import Worker
+from rltrainer.strategies import dispatch
 
 #: The Ray concurrency groups every host is created with: those of a split rollout worker.
 HOST_GROUPS: dict[str, int] = dict(Worker.concurrency_groups)
@@ -212,8 +213,6 @@ def reuse_rank_processes() -> Iterator[type[WarmWorkerGroup]]:
     """While open, the worker groups strategies start reuse warm Ray processes (of the Ray session
     running when a group starts: the pool is made then, and again after Ray restarts). The hosts
     outlive the block, for the next one, until Ray shuts down."""
-    from rltrainer.strategies import dispatch
-
     before, dispatch.RayWorkerGroup = dispatch.RayWorkerGroup, WarmWorkerGroup
     try:
         yield WarmWorkerGroup

@@ -1,7 +1,7 @@
 """A rollout process's staged syncs, and the gate that gives its engine to one caller at a time.
 
 Split placement runs each rollout process with two threads (Ray concurrency groups, see
-``rltrainer.controller.worker.Worker``): requests (``generate``, and every other engine call) in
+``rltrainer.rollout.worker.Worker``): requests (``generate``, and every other engine call) in
 one, weight receives in the other. A receive does not touch the engine: it keeps its bucket's bytes
 in a :class:`StagedSync` (one buffer per bucket on the process's device, owned by the receiver),
 so a sync's bytes arrive while a request generates. When a sync's last bucket has arrived, its

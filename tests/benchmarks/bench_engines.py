@@ -35,13 +35,13 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from rltrainer.controller.worker import Worker
     from rltrainer.controller.worker_group import RayWorkerGroup
     from rltrainer.data import load_rows, prepare_gsm8k
     from rltrainer.models import build_causal_lm
     from rltrainer.rollout import HFEngine, SamplingParams, VLLMEngine
     from rltrainer.rollout.engine import ModelFiles
     from rltrainer.rollout.remote import RemoteEngine
+    from rltrainer.rollout.worker import Worker
     from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config
 
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)

@@ -1,3 +1,5 @@
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -35,6 +37,17 @@ def test_index_slice_select_union():
     for view in (b[:], b[0:6], b[torch.arange(6)]):  # a field set on any slice stays on it
         view["z"] = torch.zeros(6)
         assert "z" not in b and "z" in view
+
+
+def test_the_packed_layout_is_a_field_that_follows_the_rows():
+    """``padding_free`` is a typed field (no key in ``meta``), kept by every transform and pickling."""
+    b = make()
+    assert not b.padding_free and "padding_free" not in b.meta
+    b.padding_free = True
+    kept = [b[1:3], b[[0, 2]], b[torch.tensor([4])], b.select("x"), b.copy(), b.to("cpu"), b.split(4)[1],
+            RolloutBatch.concat([b, make()]), make().union(b), pickle.loads(pickle.dumps(b))]
+    assert all(part.padding_free for part in kept) and "padding_free" not in b.meta
+    assert not make()[1:3].padding_free and not pickle.loads(pickle.dumps(make())).padding_free
 
 
 def test_repeat_chunk_split_concat():

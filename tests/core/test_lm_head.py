@@ -194,7 +194,7 @@ def _fsdp2_rank(rank: int, port: int, out: str, tied: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rltrainer.strategies.fsdp2 import shard_model
+    from rltrainer.strategies.fsdp2.sharding import shard_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -134,10 +134,10 @@ def test_a_lora_policy_packs_too():
                 trainable(outputs_and_grads(model, batch, False, chunk_tokens=0)))
 
 
-def test_the_batch_meta_turns_it_on():
+def test_the_batch_field_turns_it_on():
     model = build_causal_lm(CONFIGS["qwen2"](), seed=0)
     batch = make_batch()
-    batch.meta["padding_free"] = True
+    batch.padding_free = True
     with torch.no_grad():
         marked = response_log_probs(model, batch)[0]
         explicit = response_log_probs(model, batch, padding_free=True)[0]
@@ -170,12 +170,12 @@ def test_micro_batches_are_marked_on_every_path():
     batch = make_batch()
     strategy = SingleDeviceStrategy(device="cpu", max_tokens_per_micro_batch=32, padding_free=True)
     parts = strategy.micro_batches(batch)
-    assert [len(p) for p in parts] == [3, 1] and all(p.meta["padding_free"] for p in parts)
-    assert "padding_free" not in batch.meta
+    assert [len(p) for p in parts] == [3, 1] and all(p.padding_free for p in parts)
+    assert not batch.padding_free
     ranks, _ = partition_for_ranks(batch[[0, 1, 2]], 2, micro_batch_size=1, max_tokens=None, padding_free=True)
-    assert all(mb.meta["padding_free"] for part in ranks for mb in part)
+    assert all(mb.padding_free for part in ranks for mb in part)
     assert any(mb.meta.get("padding") for part in ranks for mb in part)  # the padding micro-batch too
-    assert not any("padding_free" in mb.meta for mb in SingleDeviceStrategy(device="cpu").micro_batches(batch))
+    assert not any(mb.padding_free for mb in SingleDeviceStrategy(device="cpu").micro_batches(batch))
 
 
 def test_the_setting_reaches_the_strategy_and_bad_values_or_megatron_are_refused():
@@ -244,7 +244,7 @@ def _fsdp2_rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rltrainer.strategies.fsdp2 import shard_model
+    from rltrainer.strategies.fsdp2.sharding import shard_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

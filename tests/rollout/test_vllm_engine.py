@@ -18,13 +18,13 @@ import psutil
 import pytest
 import torch
 
-from rltrainer.controller.worker import Worker
 from rltrainer.controller.worker_group import RayWorkerGroup
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import build_causal_lm, response_log_probs
 from rltrainer.rollout import SamplingParams, VLLMEngine
 from rltrainer.rollout.engine import ModelFiles
 from rltrainer.rollout.remote import RemoteEngine
+from rltrainer.rollout.worker import Worker
 from rltrainer.testing import tiny_qwen2_config
 
 pytestmark = pytest.mark.vllm

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from rltrainer.controller.worker import Worker
 from rltrainer.controller.worker_group import WorkerError
+from rltrainer.rollout.worker import Worker
 from rltrainer.testing.warm_ranks import WarmWorkerGroup
 
 

@@ -37,7 +37,9 @@ from typing import Any
 
 import torch
 
-from rltrainer.checkpoints import CheckpointError, check_state_matches, reporting_disk_full, safe_load, save_file
+from rltrainer.checkpoints import CheckpointError, check_state_matches, safe_load, save_file
+from rltrainer.files import reporting_disk_full
+from rltrainer.models.safetensors_io import SafetensorsWeights, write_safetensors
 from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, hf_from_megatron, megatron_shard,
                                                    state_reader)
 from rltrainer.strategies.megatron.models import MegatronValueModel, critic_trunk_config
@@ -94,8 +96,6 @@ class _Writer:
             self.flush()
 
     def flush(self) -> None:
-        from rltrainer.export import write_safetensors
-
         if self.bucket:
             path = self.directory / f"rank={self.rank}-{self.files:05d}.safetensors"
             with reporting_disk_full(path, f"rank {self.rank}'s tensors", self.size):
@@ -204,8 +204,6 @@ def load(directory: Path, models: dict[str, ModelTensors], hf_shapes: dict[str, 
     """Fill this rank's shards of ``models`` and its slice of ``optimizer``'s state from a checkpoint
     saved on any layout. ``hf_shapes``: each model's HF tensor shapes, checked against the saved ones
     first (a mismatch raises :class:`~rltrainer.checkpoints.CheckpointError`)."""
-    from rltrainer.models import SafetensorsWeights
-
     state = read_state(directory)
     if sorted(models) != state["models"]:
         raise CheckpointError(f"{directory} holds the models {state['models']}; this module trains {sorted(models)}.")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rltrainer.lm_head import chunked_log_probs
 from rltrainer.strategies.megatron.config import megatron_config
 from rltrainer.strategies.megatron.cpu import cpu_attention_spec
 
@@ -126,8 +127,6 @@ class MegatronCausalLM(torch.nn.Module):
         tensor-parallel group): the full-vocabulary logits are neither built nor gathered."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-
-        from rltrainer.lm_head import chunked_log_probs
 
         if getattr(self.gpt.config, "sequence_parallel", False):
             raise NotImplementedError("lm_head_log_probs with sequence parallelism: the hidden states are split "

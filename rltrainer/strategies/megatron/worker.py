@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.strategies.megatron import checkpoint
 from rltrainer.strategies.megatron.config import SUPPORTED_MODEL_TYPES, megatron_config
 from rltrainer.models import (RandomInit, SafetensorsWeights, deferred_init, parameter_aliases, share_rng_state,
                               source_key, take_weight_source)
@@ -392,23 +393,17 @@ class MegatronWorker(TrainingWorker):
         """This rank's part of a checkpoint any layout loads (a collective; written at once, also
         with ``async_save``): whole tensors under HF names, see
         :mod:`~rltrainer.strategies.megatron.checkpoint`."""
-        from rltrainer.strategies.megatron import checkpoint
-
         checkpoint.save(Path(directory), self._checkpoint_models(), self._optimizer, self.schedulers, self.rank,
                         self.bucket_bytes)
 
     def checkpoint_files(self, directory: str) -> list[str]:
         """This rank's ``rank=<r>-<k>.safetensors``, and on rank 0 the ``state.pt``."""
-        from rltrainer.strategies.megatron.checkpoint import STATE_FILE
-
         own = sorted(p.name for p in Path(directory).glob(f"rank={self.rank}-*.safetensors"))
-        return own + [STATE_FILE] * (self.rank == 0)
+        return own + [checkpoint.STATE_FILE] * (self.rank == 0)
 
     def load_checkpoint(self, directory: str) -> None:
         """Fill this rank's shards and optimizer state from a checkpoint saved with any tensor,
         pipeline and data-parallel sizes."""
-        from rltrainer.strategies.megatron import checkpoint
-
         models = self._checkpoint_models()
         checkpoint.load(Path(directory), models, {n: self._hf_shapes[n] for n in models}, self._optimizer,
                         self.schedulers)
@@ -417,10 +412,8 @@ class MegatronWorker(TrainingWorker):
     def _checkpoint_models(self) -> dict[str, Any]:
         from megatron.core import parallel_state
 
-        from rltrainer.strategies.megatron.checkpoint import ModelTensors
-
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        return {name: ModelTensors(model, self.layout, self.stage, tp_rank)
+        return {name: checkpoint.ModelTensors(model, self.layout, self.stage, tp_rank)
                 for name, model in self.module.trainable_models().items()}
 
 

@@ -1,36 +1,22 @@
-"""FSDP2 strategy: ``torch.distributed.fsdp.fully_shard`` over ``devices x num_nodes`` ranks.
-
-The controller (this process) holds :class:`FSDP2Strategy`; the ranks are :class:`FSDP2Worker`
-objects, Ray actors when there is more than one rank, or one in-process worker otherwise (no
-Ray, so breakpoints work). The controller splits each batch across the data-parallel ranks,
-balanced by token count, with the same number of micro-batches on every rank (FSDP's collectives
-must match); a rank short of rows runs a zero-weight padding micro-batch.
-
-``configure_model`` builds on the meta device and each rank loads only its rows once the model is
-sharded: from a checkpoint's safetensors files (no rank ever holds the whole model), or, for a
-random init, from rank 0, the one rank that runs it whole (see :meth:`FSDP2Worker.setup`).
-
-Gradients are summed across ranks, not averaged: ``policy_step`` normalises by the global token
-or row count in ``micro_batch.meta``, so a 2-rank step equals a 1-rank step.
-"""
+"""The rank side of ``strategy="fsdp2"``: :class:`FSDP2Worker` (setup on the meta device, sharding,
+loading each rank's rows, gathering full weights for a sync, sharded checkpoints)."""
 
 from __future__ import annotations
 
 import logging
-import os
-import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.checkpoints import reporting_disk_full
-from rltrainer.models import (RandomInit, SafetensorsWeights, deferred_init, parameter_aliases, share_rng_state,
-                              source_key, take_weight_source)
-from rltrainer.strategies.dispatch import WorkerGroupStrategy
+from rltrainer.files import reporting_disk_full
+from rltrainer.models import RandomInit, SafetensorsWeights, deferred_init, share_rng_state, take_weight_source
+from rltrainer.strategies.fsdp2.checkpoint import load_sharded, save_sharded
+from rltrainer.strategies.fsdp2.sharding import (SUPPORTED_MODEL_TYPES, enable_activation_checkpointing, load_shards,
+                                                 shard_bytes, shard_model)
 from rltrainer.strategies.rank_worker import TrainingWorker
-from rltrainer.strategies.strategy import STRATEGIES, check_model_type, normalize_optimizers
+from rltrainer.strategies.strategy import check_model_type, normalize_optimizers
 from rltrainer.weights.shm import SharedBuffers
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry, bucket_entries, bucket_nbytes, bucket_views
 
@@ -68,7 +54,7 @@ class FSDP2Worker(TrainingWorker):
             module.configure_model()
         if getattr(module, "policy", None) is None:
             raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
-        check_model_type(module.policy, "fsdp2", FSDP2Strategy.supported_model_types)
+        check_model_type(module.policy, "fsdp2", SUPPORTED_MODEL_TYPES)
         self.options = options
         if options["precision"] == "bf16-true":
             module.to(torch.bfloat16)
@@ -247,8 +233,6 @@ class FSDP2Worker(TrainingWorker):
         ``directory`` (torch.distributed.checkpoint; a collective). Nothing is gathered. With
         ``async_save`` the shards are copied to host memory and written in a background thread
         (:meth:`wait_checkpoint` waits)."""
-        from rltrainer.strategies.sharded_checkpoint import save_sharded
-
         self.wait_checkpoint()
         self.pending_save = save_sharded(self._sharded_state(), directory, async_save=async_save)
         self.pending_dir = Path(directory)
@@ -267,8 +251,6 @@ class FSDP2Worker(TrainingWorker):
     def load_checkpoint(self, directory: str) -> None:
         """Fill this rank's shards from a checkpoint saved on any number of ranks (DCP reshards)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        from rltrainer.strategies.sharded_checkpoint import load_sharded
 
         self.wait_checkpoint()
         state = self._sharded_state()
@@ -298,17 +280,6 @@ class FSDP2Worker(TrainingWorker):
         raise RuntimeError("An optimizer holds parameters of no trainable model (trainable_models())")
 
 
-def enable_activation_checkpointing(name: str, model: torch.nn.Module) -> None:
-    """transformers' non-reentrant activation checkpointing (renamed in transformers 5)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    else:
-        raise TypeError(f"activation_checkpointing needs a transformers model; {name} is {type(model).__name__}")
-
-
 def _local(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     local = param.to_local() if hasattr(param, "to_local") else param
     return local.to(dtype) if dtype else local
@@ -320,197 +291,3 @@ def _all_gather(out: torch.Tensor, local: torch.Tensor) -> Any:
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, local, async_op=True)
-
-
-def load_shards(label: str, model: torch.nn.Module, source: SafetensorsWeights | RandomInit,
-                built: dict[str, torch.Tensor], rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
-    """Fill this rank's rows of every parameter of ``model`` (the module's ``label``; sharded, just materialised by
-    ``to_empty``): a checkpoint's rows are read here, a random init's are scattered from rank 0 (a
-    collective: every rank calls it), a parameter ``configure_model`` added in full (``built``) is
-    copied. Raises before anything moves if the source lacks a tensor or has another shape."""
-    import torch.distributed as dist
-
-    aliases = parameter_aliases(model)  # a tied weight has several names
-    params = [(name, param) for name, param in model.named_parameters() if name not in built]  # from the source
-    scatter = isinstance(source, RandomInit)
-    keys: dict[str, str] = {}  # parameter -> its tensor in the source
-    error = None
-    if not scatter or rank == 0:  # a random init is known to rank 0 only
-        try:
-            keys = {name: source_key(source, aliases[name], tuple(p.shape)) for name, p in params}
-        except (KeyError, ValueError) as e:
-            error = str(e.args[0])
-    if scatter and world_size > 1:
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)  # every rank raises, none waits in a scatter
-        error = shared[0]
-    if error:
-        raise ValueError(f"Cannot load {label}: {error}")
-    report = {"source": f"safetensors files in {source.path}" if not scatter else "random init on rank 0",
-              **shard_bytes(model, rank, world_size), "loaded_bytes": 0}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            local, start = _local_rows(param, rank, world_size)
-            stop = start + (local.shape[0] if local.dim() else 0)
-            if name in built:
-                local.copy_(built[name][start:stop] if local.dim() else built[name])
-                continue
-            if not scatter and local.dim() and not local.shape[0]:
-                continue  # an empty last shard
-            if scatter:
-                _scatter_rows(local, param.shape, source.read(keys[name]) if rank == 0 else None, world_size, device)
-            else:
-                source.read(keys[name], start, stop if local.dim() else None, out=local)
-            report["loaded_bytes"] += local.numel() * local.element_size()
-    return report
-
-
-def _local_rows(param: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
-    """This rank's part of ``param`` and the first row it holds (fully_shard: chunks of
-    ``ceil(rows / world_size)`` rows along dim 0, the last ones shorter or empty)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return param.detach(), 0
-    local = param.detach().to_local()
-    return local, (rank * -(-param.shape[0] // world_size) if param.dim() else 0)
-
-
-def _scatter_rows(local: torch.Tensor, shape: torch.Size, full: torch.Tensor | None, world_size: int,
-                  device: torch.device) -> None:
-    """Rank 0 holds ``full``; each rank receives its rows into ``local`` (one scatter; chunks padded
-    to the same length; a 0-dim tensor is broadcast)."""
-    import torch.distributed as dist
-
-    if world_size == 1:
-        local.copy_(full)
-        return
-    if not shape:
-        buffer = full.to(device, local.dtype) if full is not None else torch.empty((), dtype=local.dtype, device=device)
-        dist.broadcast(buffer, src=0)
-        local.copy_(buffer)
-        return
-    chunk = -(-shape[0] // world_size)
-    out = torch.empty((chunk, *shape[1:]), dtype=local.dtype, device=device)
-    pieces = None
-    if full is not None:
-        padded = torch.zeros((chunk * world_size, *shape[1:]), dtype=local.dtype, device=device)
-        padded[: shape[0]].copy_(full)
-        pieces = list(padded.chunk(world_size))
-    dist.scatter(out, pieces, src=0)
-    local.copy_(out[: local.shape[0]])
-
-
-def shard_bytes(model: torch.nn.Module, rank: int, world_size: int) -> dict[str, int]:
-    """Bytes of ``model``'s parameters in full, and of this rank's shard of them."""
-    full = local = 0
-    for param in model.parameters():
-        full += param.numel() * param.element_size()
-        part = _local_rows(param, rank, world_size)[0]
-        local += part.numel() * part.element_size()
-    return {"full_bytes": full, "shard_bytes": local}
-
-
-def shard_model(model: torch.nn.Module, mesh: Any, precision: str, cpu_offload: bool,
-                reshard_after_forward: bool) -> None:
-    """``fully_shard`` each transformer block (``_no_split_modules`` of a transformers model), then
-    the root (embeddings, final norm and a tied LM head stay together in the root's group)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    mp = {"bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-          "16-mixed": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)}.get(
-        precision, MixedPrecisionPolicy())
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    kwargs = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload, "reshard_after_forward": reshard_after_forward}
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
-    for sub in model.modules():
-        if type(sub).__name__ in block_names:
-            fully_shard(sub, **kwargs)
-    fully_shard(model, **kwargs)
-    if any(p.requires_grad for p in model.parameters()):
-        # policy_step normalises by global counts: sum gradients across ranks instead of averaging.
-        # The setting is per FSDP unit, so set it on every sharded block and the root.
-        for sub in model.modules():
-            if hasattr(sub, "set_gradient_divide_factor"):
-                if hasattr(sub, "set_force_sum_reduction_for_comms"):
-                    sub.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-                sub.set_gradient_divide_factor(1.0)
-
-
-@STRATEGIES.register("fsdp2", description="FSDP2 (fully_shard) over devices x num_nodes ranks")
-class FSDP2Strategy(WorkerGroupStrategy):
-    """Fully sharded data parallel training (FSDP2) on ``devices x num_nodes`` ranks.
-
-    Args:
-        devices: ranks per node (``"auto"``: the GPUs of this machine, or 1 without GPUs).
-        num_nodes: nodes of the Ray cluster to use.
-        cpu_offload: keep sharded parameters, gradients and optimizer state on CPU
-            (``CPUOffloadPolicy``).
-        activation_checkpointing: recompute each block's activations in backward (transformers'
-            gradient checkpointing, non-reentrant).
-        reshard_after_forward: free gathered parameters after each block's forward.
-        rollout_placement: ``"colocated"`` (an engine replica in every training process: the
-            hybrid engine) or ``"split"`` (``rollout_replicas`` engine processes of their own, in
-            their own Ray placement group; weights go to them bucket by bucket, see
-            ``weight_transport``, received beside the request a replica is generating and applied
-            between two requests: each replica holds one extra copy of the weights that changed
-            since the last sync, on its device, while a sync arrives; see
-            :mod:`rltrainer.weights.staging`).
-        rollout_replicas: engine processes for ``"split"``.
-        weight_transport: how ``"split"`` moves weights to the replicas
-            (:mod:`rltrainer.weights.transports`). ``"broadcast"``: trainer rank 0 and every
-            replica's receiving processes (SGLang: its ``tp_size`` schedulers) form a process group
-            of their own, NCCL when all are on GPUs, else gloo, and each bucket is one broadcast
-            straight into the engines' devices. ``"shared_memory"``: every replica on trainer rank
-            0's node maps two ``/dev/shm`` slots, rank 0 writes each bucket into one, the replicas
-            load views of it. ``"object_store"``: rank 0 returns each bucket and Ray's object store
-            carries it (any node; a copy through host memory per replica). ``"auto"`` (default):
-            broadcast when everything is on GPUs, else shared memory on one node, else the object
-            store.
-        weight_sync_timeout_s: ``"broadcast"``: how long the group's members wait for each other
-            to join, and for each bucket's broadcast (default 600 s). Raise it for slow links or
-            very large buckets; an engine that receives on its own (SGLang) starts receiving a sync
-            only once its running request has finished, so a request may need to fit in it too.
-        bucket_bytes: weight-sync bucket size; the extra memory of a sync is about one bucket.
-        cpus_per_worker / gpus_per_worker: Ray resources per process (GPUs: 1 if the cluster
-            has GPUs, else 0, by default).
-        threads_per_worker: ``torch.set_num_threads`` in each Ray worker (default: its CPUs).
-        ray_init_kwargs: passed to ``ray.init`` if this strategy starts Ray.
-        shared_memory: gather weights for a sync through ``/dev/shm`` instead of gloo (``None``:
-            whenever all ranks are CPU processes on one node; GPUs use NCCL all-gathers).
-        **kwargs: micro-batching, clipping and precision, see :class:`Strategy`.
-    """
-
-    name = "fsdp2"
-    worker_cls = FSDP2Worker
-    trains_lora = True
-    supported_model_types = frozenset({"llama", "qwen2", "qwen3"})
-
-    def __init__(self, devices: int | str = 1, num_nodes: int = 1, cpu_offload: bool = False,
-                 activation_checkpointing: bool = False, reshard_after_forward: bool = True,
-                 shared_memory: bool | None = None, **kwargs: Any) -> None:
-        super().__init__(devices=devices, num_nodes=num_nodes, **kwargs)
-        self.options.update(cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-                            reshard_after_forward=reshard_after_forward)
-        self.shared_memory = shared_memory
-
-    def _after_setup(self) -> None:
-        if self.world_size > 1 and self._shared_memory_ok():
-            self._require_group().execute_all("use_shared_memory", "/dev/shm", uuid.uuid4().hex[:12])
-
-    def _shared_memory_ok(self) -> bool:
-        """Weights gather through /dev/shm when every rank is a CPU process on one node."""
-        if self.shared_memory is False or not os.path.isdir("/dev/shm"):
-            return False
-        same_node = len(set(self.group.execute_all("node_ip"))) == 1
-        on_cpu = set(self.group.execute_all("device_type")) == {"cpu"}
-        if self.shared_memory and not (same_node and on_cpu):
-            raise ValueError("shared_memory=True needs every rank on one node and on CPU")
-        return same_node and on_cpu
-
-
-STRATEGIES.register_preset("fsdp2_offload", "fsdp2", description="fsdp2 with CPU offload", cpu_offload=True)
-STRATEGIES.register_preset("fsdp2_checkpointing", "fsdp2", description="fsdp2 with activation checkpointing",
-                           activation_checkpointing=True)
-STRATEGIES.register_preset("fsdp2_split", "fsdp2", description="fsdp2 with rollout in its own Ray processes",
-                           rollout_placement="split")

@@ -1,0 +1,13 @@
+"""The error a worker group raises when one of its workers raises or dies (its own module, so that
+the watchdog's :class:`~rltrainer.controller.watchdog.StageTimeout` and the worker groups share it
+without importing each other)."""
+
+from __future__ import annotations
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died while running a method."""
+
+    def __init__(self, group: str, rank: int, method: str, detail: str, headline: str | None = None) -> None:
+        self.group, self.rank, self.method, self.detail = group, rank, method, detail
+        super().__init__(f"{headline or f'Worker {group}[rank {rank}] failed in {method}():'}\n{detail}")
