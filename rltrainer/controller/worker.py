@@ -1,11 +1,13 @@
 """The rank-side process object. One ``Worker`` per process, created by a worker group; the
-controller calls its methods by name. This base class holds the rollout role (an engine replica)
+controller calls its methods by name, the weight protocol's through their typed declarations
+(``@remote``, :mod:`rltrainer.controller.methods`). This base class holds the rollout role (an engine replica)
 and the process setup; a Strategy's worker (e.g. ``FSDP2Worker``) adds the training role, so one
 process can hold both (the colocated "hybrid engine").
 
 A rollout process of its own (split placement) runs two threads, as Ray concurrency groups
-(:attr:`Worker.concurrency_groups`, :attr:`Worker.method_groups`): ``receive_weights`` in the
-``"weights"`` thread, every other call in the default one, each thread running its calls one at a
+(:attr:`Worker.concurrency_groups`): the weight-receiving methods (``@remote(thread="weights")``:
+``load_bucket``, ``receive_bucket``, ``load_slot``...) in the ``"weights"`` thread, every other call
+in the default one, each thread running its calls one at a
 time in the order the controller sent them. A sync's buckets are staged while a request generates
 and applied between two requests (:mod:`rltrainer.weights.staging`); a request waits for the
 version it asks for. A training rank (:class:`~rltrainer.strategies.rank_worker.TrainingWorker`)
@@ -19,15 +21,21 @@ import datetime
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from rltrainer.controller.methods import remote
 from rltrainer.rollout.engine import Generation, ModelFiles, RolloutEngine, SamplingParams
 from rltrainer.weights.receiver import WeightReceiver
 from rltrainer.weights.staging import EngineGate
+from rltrainer.weights.wire import Bucket, Entry
 
 WEIGHTS_GROUP = "weights"  # the Ray concurrency group (thread) that receives weights
+Stats = dict[str, float]
+#: a weight-receiving method: the watchdog's stage ``<group>.receive_weights``, in the weights thread
+receives = remote(stage="receive_weights", thread=WEIGHTS_GROUP)
 
 
 def _free_port() -> int:
@@ -43,10 +51,9 @@ class Worker:
         device: ``"auto"`` (this process's GPU if it has one, else CPU), or an explicit device.
     """
 
-    #: Ray concurrency groups (name: threads) its actor is created with, besides the default one.
+    #: Ray concurrency groups (name: threads) its actor is created with, besides the default one;
+    #: a remote method marked with one (``@remote(thread=...)``) runs there.
     concurrency_groups: ClassVar[dict[str, int]] = {WEIGHTS_GROUP: 1}
-    #: the concurrency group each method runs in (methods not named: the default group).
-    method_groups: ClassVar[dict[str, str]] = {"receive_weights": WEIGHTS_GROUP}
 
     def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto") -> None:
         self.rank, self.world_size = rank, world_size
@@ -166,11 +173,48 @@ class Worker:
             self.engine = None
 
     # -- weights: the receiving side of rltrainer.weights' transports ------------------------------
-    def receive_weights(self, op: str, *args: Any) -> Any:
-        """Run :class:`~rltrainer.weights.receiver.WeightReceiver` ``op`` (``load``, ``commit``,
-        ``join_group``, ``receive``, ``open_slots``, ``load_slot``, ``group_ranks``...) on this
-        process's engine; the controller's transports call this."""
-        return getattr(self.receiver, op)(self._require_engine(), *args)
+    # (each runs :class:`~rltrainer.weights.receiver.WeightReceiver` on this process's engine)
+    @receives
+    def load_bucket(self, bucket: Bucket, version: int | None = None, index: int = 0, count: int = 1) -> Stats:
+        """Bucket ``index`` of ``count`` of sync ``version`` as a value (``None``: loaded now, outside a sync)."""
+        return self.receiver.load(self._require_engine(), bucket, version, index, count)
+
+    @receives
+    def commit_weights(self, version: int) -> Stats:
+        """A sync with nothing to send: the engine still takes ``version``."""
+        return self.receiver.commit(self._require_engine(), version)
+
+    @receives
+    def take_weights_discarded(self) -> bool:
+        """Whether a sleep discarded the engine's weights (the flag is reset)."""
+        return self.receiver.take_weights_discarded(self._require_engine())
+
+    @receives
+    def weight_group_ranks(self) -> int:
+        """Ranks this process's engine takes in the broadcast group."""
+        return self.receiver.group_ranks(self._require_engine())
+
+    @receives
+    def join_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str,
+                          timeout_s: float, rank_offset: int) -> None:
+        """Join the broadcast group trainer rank 0 hosts, as ranks ``rank_offset ..``."""
+        self.receiver.join_group(self._require_engine(), address, port, world_size, group_name, backend, timeout_s,
+                                 rank_offset)
+
+    @receives
+    def receive_bucket(self, entries: Sequence[Entry], version: int, index: int, count: int) -> Stats:
+        """Broadcast bucket ``index`` of ``count`` of sync ``version``."""
+        return self.receiver.receive(self._require_engine(), entries, version, index, count)
+
+    @receives
+    def open_weight_slots(self, paths: list[str], nbytes: int) -> None:
+        """Map trainer rank 0's two shared-memory slots."""
+        self.receiver.open_slots(self._require_engine(), paths, nbytes)
+
+    @receives
+    def load_slot(self, index: int, entries: Sequence[Entry], ready: Any, version: int, count: int) -> Stats:
+        """Bucket ``index`` of ``count`` of sync ``version`` from its slot, once ``ready`` (rank 0's write)."""
+        return self.receiver.load_slot(self._require_engine(), index, entries, ready, version, count)
 
     def engine_weight_groups(self, names: list[str]) -> list[list[str]]:
         """The weight names this process's engine must receive together (``RolloutEngine.weight_groups``)."""
@@ -196,4 +240,3 @@ class InOrderWorker(Worker):
     the requests sent before them."""
 
     concurrency_groups: ClassVar[dict[str, int]] = {}
-    method_groups: ClassVar[dict[str, str]] = {}

@@ -240,10 +240,10 @@ class WorkerGroupStrategy(Strategy):
                        only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Gather the policy to this process bucket by bucket (rank 0 returns each, Ray carries it)."""
         group = self._require_group()
-        buckets, _ = group.execute_all("send_weights", "plan", dtype, only_changed)[0]
+        buckets, _ = group.remote.plan_weights(dtype, only_changed)[0]
         for index in range(buckets):
-            yield from group.execute_all("send_weights", "export", index)[0].views()
-        group.execute_all("send_weights", "finish")
+            yield from group.remote.export_bucket(index)[0].views()
+        group.remote.finish_weights()
 
     def weight_names(self) -> list[str]:
         return list(self._weight_names)
