@@ -146,7 +146,9 @@ class BoundRemote:
         try:
             self.signature.bind(None, *args, **kwargs)  # None: self
         except TypeError as exc:
-            raise TypeError(f"{self.name}{self.signature}: {exc}") from None
+            params = list(self.signature.parameters.values())[1:]
+            shown = ", ".join(str(p.replace(annotation=inspect.Parameter.empty)) for p in params)
+            raise TypeError(f"{self.name}({shown}): {exc}") from None
 
 
 class RemoteMethods:
