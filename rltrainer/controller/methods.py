@@ -18,6 +18,7 @@ anything is sent::
     entries = group.remote.weight_entries()                        # rank 0; waits
     call = group.remote.export_bucket.start(index)                 # every rank; a RemoteCall
     group.remote.join_weight_group.each([args_rank0, args_rank1])  # rank r gets its own arguments
+    device = group.remote.device_type.on_rank_zero()               # a method of every rank, on rank 0
 
 What the decorator declares:
 
@@ -58,8 +59,11 @@ class RemoteSpec:
     thread: str | None
 
 
-def remote(dispatch: str = ALL, *, stage: str | None = None, thread: str | None = None) -> Callable[[F], F]:
-    """Mark a worker method as called by the controller (see the module docstring)."""
+def remote(dispatch: str | F = ALL, *, stage: str | None = None, thread: str | None = None) -> Any:
+    """Mark a worker method as called by the controller (see the module docstring); ``@remote``
+    alone: every rank, its own name as the stage."""
+    if callable(dispatch):  # @remote without arguments
+        return remote()(dispatch)
     if dispatch not in DISPATCHES:
         raise ValueError(f"dispatch must be one of {', '.join(map(repr, DISPATCHES))}, got {dispatch!r}")
 
@@ -72,12 +76,14 @@ def remote(dispatch: str = ALL, *, stage: str | None = None, thread: str | None 
 
 @functools.lru_cache(maxsize=None)
 def remote_methods(worker_cls: type) -> dict[str, RemoteSpec]:
-    """The remote methods of ``worker_cls`` (its own and inherited), by name."""
+    """The remote methods of ``worker_cls`` (its own and inherited), by name. An override of a
+    remote method is remote too, as its base class declared it (unless it declares otherwise)."""
     out: dict[str, RemoteSpec] = {}
-    for name in dir(worker_cls):
-        spec = getattr(getattr(worker_cls, name, None), "__rltrainer_remote__", None)
-        if isinstance(spec, RemoteSpec):
-            out[name] = spec
+    for cls in reversed(worker_cls.__mro__):
+        for name, value in vars(cls).items():
+            spec = getattr(value, "__rltrainer_remote__", None)
+            if isinstance(spec, RemoteSpec):
+                out[name] = spec
     return out
 
 
@@ -128,6 +134,12 @@ class BoundRemote:
             futures = self.group._call_async(list(range(self.group.world_size)), self.name,
                                              [(args, kwargs)] * self.group.world_size)
         return RemoteCall(self.group, futures, self.spec)
+
+    def on_rank_zero(self, *args: Any, **kwargs: Any) -> Any:
+        """Run a method of every rank on rank 0 only, and wait: its result (e.g. ``device_type``)."""
+        self._check(args, kwargs)
+        futures = self.group._call_async([0], self.name, [(args, kwargs)])
+        return RemoteCall(self.group, futures, RemoteSpec(RANK_ZERO, self.spec.stage, self.spec.thread)).get()
 
     def each(self, per_rank: Sequence[tuple[Any, ...]]) -> RemoteCall:
         """Rank ``r`` gets the positional arguments ``per_rank[r]`` (one tuple per rank)."""

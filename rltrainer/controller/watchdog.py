@@ -48,7 +48,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from rltrainer.controller.worker_group import WorkerError
+from rltrainer.controller.errors import WorkerError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from rltrainer.controller.methods import remote
+from rltrainer.controller.methods import RANK_ZERO, remote
 from rltrainer.rollout.engine import Generation, ModelFiles, RolloutEngine, SamplingParams
 from rltrainer.weights.receiver import WeightReceiver
 from rltrainer.weights.staging import EngineGate
@@ -69,30 +69,37 @@ class Worker:
         self.receiver = WeightReceiver(self.device, self.gate)
         self._own_process_group = False
 
+    @remote
     def pid(self) -> int:
         return os.getpid()
 
+    @remote
     def python(self) -> str:
         """This process's interpreter (an engine may run another Python environment's)."""
         return sys.executable
 
+    @remote
     def device_type(self) -> str:
         return self.device.type
 
+    @remote
     def seed_rng(self, seed: int) -> None:
         """Seed this process's torch RNG with ``seed + rank`` (what its engine samples with)."""
         torch.manual_seed(seed + self.rank)
 
+    @remote
     def rng_state(self) -> dict[str, Any]:
         return {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
+    @remote
     def set_rng_state(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
         if state["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
 
     # -- torch.distributed ---------------------------------------------------------------------
+    @remote
     def node_ip(self) -> str:
         try:
             import ray
@@ -101,10 +108,12 @@ class Worker:
         except Exception:  # not under Ray
             return "127.0.0.1"
 
+    @remote(RANK_ZERO)
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port (asked of rank 0 before ``init_distributed``)."""
         return self.node_ip(), _free_port()
 
+    @remote
     def init_distributed(self, master_addr: str, master_port: int, timeout_s: float = 1800.0) -> None:
         """Join the group's torch.distributed process group: gloo on CPU, NCCL on GPU."""
         import torch.distributed as dist
@@ -120,6 +129,7 @@ class Worker:
                                     world_size=self.world_size, timeout=timeout)
         self._own_process_group = True
 
+    @remote
     def destroy_distributed(self) -> None:
         import torch.distributed as dist
 
@@ -128,6 +138,7 @@ class Worker:
         self._own_process_group = False
 
     # -- rollout role ----------------------------------------------------------------------------
+    @remote
     def setup_engine(self, engine: RolloutEngine, model_config: Any, tokenizer: Any = None,
                      lora_config: Any = None) -> None:
         """Set up ``engine`` here; with ``lora_config``, also ready it for that adapter (``enable_adapters``).
@@ -145,6 +156,7 @@ class Worker:
             raise RuntimeError(f"Worker rank {self.rank} holds no rollout engine (setup_engine was not called)")
         return self.engine
 
+    @remote
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, min_version: int = -1) -> Generation:
         """Generate with weight version ``min_version`` or later (the version the controller had
         started pushing when it sent the request: waited for if it has not arrived yet, where
@@ -158,14 +170,17 @@ class Worker:
             generation.weight_version = version
         return generation
 
+    @remote
     def engine_sleep(self, level: int = 1) -> None:
         with self.gate.use(self._require_engine()) as engine:
             engine.sleep(level)
 
+    @remote
     def engine_wake_up(self) -> None:
         with self.gate.use(self._require_engine()) as engine:
             engine.wake_up()
 
+    @remote
     def engine_teardown(self) -> None:
         self.receiver.close(self.engine)
         if self.engine is not None:
@@ -216,14 +231,17 @@ class Worker:
         """Bucket ``index`` of ``count`` of sync ``version`` from its slot, once ``ready`` (rank 0's write)."""
         return self.receiver.load_slot(self._require_engine(), index, entries, ready, version, count)
 
+    @remote(RANK_ZERO)
     def engine_weight_groups(self, names: list[str]) -> list[list[str]]:
         """The weight names this process's engine must receive together (``RolloutEngine.weight_groups``)."""
         return self._require_engine().weight_groups(names)
 
+    @remote
     def engine_weight_version(self) -> int:
         """The version of the last sync this process's engine loaded completely (-1: none yet)."""
         return self._require_engine().weight_version
 
+    @remote
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's parameters (for checks and debugging)."""
         with self.gate.use(self._require_engine()) as engine:

@@ -22,22 +22,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from rltrainer.controller.errors import WorkerError
 from rltrainer.controller.methods import RemoteMethods, method_threads
+from rltrainer.controller.reaper import start_reaper
+from rltrainer.controller.watchdog import StageTimeout, Watchdog, python_stacks
 
-if TYPE_CHECKING:
-    from rltrainer.controller.watchdog import Watchdog
+__all__ = ["InProcessWorkerGroup", "RayWorkerGroup", "WorkerError", "WorkerGroup", "ensure_ray", "get_together"]
 
 log = logging.getLogger(__name__)
-
-
-class WorkerError(RuntimeError):
-    """A worker raised or died while running a method."""
-
-    def __init__(self, group: str, rank: int, method: str, detail: str, headline: str | None = None) -> None:
-        self.group, self.rank, self.method, self.detail = group, rank, method, detail
-        super().__init__(f"{headline or f'Worker {group}[rank {rank}] failed in {method}():'}\n{detail}")
 
 
 class _Done:
@@ -253,8 +247,6 @@ def ensure_ray(init_kwargs: dict[str, Any] | None = None) -> bool:
     ray.init(**kwargs)
     node = ray._private.worker._global_node
     if getattr(node, "ray_init_cluster", False):  # processes of ours: none may outlive this one (a SIGKILL)
-        from rltrainer.controller.reaper import start_reaper
-
         start_reaper(node.get_session_dir_path())
     log.info("Started Ray: %s", ray.cluster_resources())
     return True
@@ -316,7 +308,7 @@ class RayWorkerGroup(WorkerGroup):
             )
         self.runtime_env = runtime_env
         self.actors = self._start_actors(worker_cls, cpus_per_worker, gpus_per_worker, init_kwargs)
-        self.pids = self.execute_all("pid")
+        self.pids = self.remote.pid()
 
     def _start_actors(self, worker_cls: type, cpus_per_worker: float, gpus_per_worker: float,
                       init_kwargs: dict[str, Any]) -> list[Any]:
@@ -418,8 +410,6 @@ class RayWorkerGroup(WorkerGroup):
                   stage: str | None = None) -> None:
         """Raise :class:`~rltrainer.controller.watchdog.StageTimeout` for ``ranks`` (with their
         stacks), after killing the group: its other ranks may wait on them in a collective."""
-        from rltrainer.controller.watchdog import StageTimeout, python_stacks
-
         stacks = python_stacks({r: self._pid(r) for r in ranks if isinstance(self._pid(r), int)})
         in_flight = self.watchdog.in_flight() if self.watchdog is not None else []
         error = StageTimeout(self.name, method, ranks, waited_s, timeout_s, stacks, in_flight)

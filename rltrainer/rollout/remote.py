@@ -148,20 +148,20 @@ class RemoteEngine(RolloutEngine):
 
     def engine_weight_versions(self) -> list[int]:
         """Each worker's ``weight_version``, as its engine reports it."""
-        return self.group.execute_all("engine_weight_version")
+        return self.group.remote.engine_weight_version()
 
     def sleep(self, level: int = 1) -> None:
-        self.group.execute_all("engine_sleep", level)
+        self.group.remote.engine_sleep(level)
         if level >= 2:  # level 1 keeps the weights; at level 2 the replicas say whether theirs survived
             if any(self.group.remote.take_weights_discarded()):
                 self.weights_discarded = True
 
     def wake_up(self) -> None:
-        self.group.execute_all("engine_wake_up")
+        self.group.remote.engine_wake_up()
 
     def teardown(self) -> None:
         try:
-            self.group.execute_all("engine_teardown")
+            self.group.remote.engine_teardown()
         except Exception:  # the group may be gone already
             pass
 

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from rltrainer.checkpoints import CheckpointError, check_files, digest_files, safe_load, save_file
 from rltrainer.controller.methods import ALL, RANK_ZERO, remote
 from rltrainer.controller.worker import Stats, Worker
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.lora import LoraView
 from rltrainer.strategies.strategy import (clip_gradients, load_local_training_state, local_training_state, run_compute,
                                           run_micro_batches, run_train_step)
 from rltrainer.weights.sender import WeightSender
@@ -92,18 +94,34 @@ class TrainingWorker(Worker):
         (a LoRA policy: the outputs of its view they make up)."""
         self.versions.bump(self.view.outputs_of(stepped) if self.view is not None else stepped)
 
+    @remote
     def set_weight_view(self, mode: str | None) -> None:
         """Export the LoRA policy as ``mode`` (:class:`rltrainer.lora.LoraView`; ``None``: as it is)."""
-        from rltrainer.lora import LoraView
-
         self.view = LoraView(self.module.policy, mode) if mode is not None else None
 
+    # -- what a layout's rank provides, called by the controller ---------------------------------------
+    @remote
+    def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
+        """Build the module's models on this rank, place them, build the optimizers (a layout's own)."""
+        raise NotImplementedError
+
+    @remote
+    def state_dict(self) -> dict[str, Any] | None:
+        """Everything needed to resume (a layout's own; rank 0's, or every rank's share)."""
+        raise NotImplementedError
+
+    @remote
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
     # -- compute (every rank, on its share of the batch) ---------------------------------------------
+    @remote
     def compute(self, micro_batches: list[RolloutBatch], stage: str) -> dict[str, torch.Tensor]:
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         return run_compute(self.module, micro_batches, stage, list(self.models.values()), contextlib.nullcontext(),
                            runner=self.run_micro_batches)
 
+    @remote
     def train_step(self, micro_batches: list[RolloutBatch]) -> dict[str, float]:
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         models = list(self.module.trainable_models().values())
@@ -114,14 +132,14 @@ class TrainingWorker(Worker):
         return metrics
 
     # -- checkpoints: each rank writes and reads its own part ----------------------------------------
+    @remote
     def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
         """This rank's models, optimizers and schedulers as ``directory/rank=<r>.pt``, written at once
         (a layout that reshards or saves in the background overrides it, see ``FSDP2Worker``)."""
-        from rltrainer.checkpoints import save_file
-
         save_file(local_training_state(self.module, self.optimizers, self.schedulers), self._rank_file(directory),
                   f"rank {self.rank}'s models, optimizers and schedulers")
 
+    @remote
     def wait_checkpoint(self) -> None:
         """Wait for this rank's background checkpoint write, if any."""
 
@@ -129,28 +147,23 @@ class TrainingWorker(Worker):
         """The files this rank wrote into ``directory`` at its last :meth:`save_checkpoint` (names)."""
         return [self._rank_file(directory).name]
 
+    @remote
     def checkpoint_digests(self, directory: str) -> dict[str, str]:
         """The sha256 of :meth:`checkpoint_files`, hashed here where they were written (after
         :meth:`wait_checkpoint`)."""
-        from rltrainer.checkpoints import digest_files
-
         return digest_files(Path(directory), self.checkpoint_files(directory))
 
+    @remote
     def verify_checkpoint(self, directory: str, expected: dict[str, str]) -> list[str]:
         """What is wrong with this rank's share of the files (every ``world_size``-th name) against
         their recorded sha256 ``expected``: one line per missing or changed file."""
-        from rltrainer.checkpoints import check_files
-
         names = sorted(expected)[self.rank::self.world_size]
         return check_files(Path(directory), {name: expected[name] for name in names})
 
+    @remote
     def load_checkpoint(self, directory: str) -> None:
-        from rltrainer.checkpoints import safe_load
-
         file = self._rank_file(directory)
         if not file.is_file():
-            from rltrainer.checkpoints import CheckpointError
-
             raise CheckpointError(f"{file} is missing: the checkpoint in {directory} was saved with another number "
                                   f"of ranks or did not finish (this is rank {self.rank} of {self.world_size}).")
         state = safe_load(file, f"rank {self.rank}'s models, optimizers and schedulers")
@@ -161,9 +174,11 @@ class TrainingWorker(Worker):
         return Path(directory) / f"rank={self.rank}.pt"
 
     # -- shared --------------------------------------------------------------------------------------
+    @remote(RANK_ZERO)
     def model_config(self) -> Any:
         return self.module.policy.config
 
+    @remote(RANK_ZERO)
     def weight_names(self) -> list[str]:
         return list(self.weight_specs())
 
@@ -241,10 +256,12 @@ class TrainingWorker(Worker):
     def close_weight_slots(self) -> None:
         self.sender.close_slots()
 
+    @remote
     def forget_synced(self) -> None:
         """The engines lost their weights: the next sync sends everything."""
         self.sender.forget_synced()
 
+    @remote
     def set_weight_groups(self, groups: list[list[str]]) -> None:
         """A new engine: the names it takes together (``RolloutEngine.weight_groups``); the next
         sync sends everything."""

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.allocator import release_free_heap
+from rltrainer.checkpoints import CheckpointError, check_files, check_state_matches, safe_load, save_file, shapes
 from rltrainer.contracts import check_hook_result
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lm_head import gradients_into_parameters
+from rltrainer.lora import engine_view
 from rltrainer.registry import Registry
 from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightTransport
@@ -209,8 +211,6 @@ class Strategy(abc.ABC):
         small state the controller keeps in ``trainer.pt``. With ``async_save`` a strategy may
         return before the files are written (:meth:`wait_checkpoint` waits). Here: :meth:`state_dict`
         as one file, written at once."""
-        from rltrainer.checkpoints import save_file
-
         save_file(self.state_dict(), directory / "state.pt", "the models, optimizers and schedulers")
         return {}
 
@@ -227,15 +227,11 @@ class Strategy(abc.ABC):
         """Before :meth:`load_checkpoint`: what is wrong with the files in ``directory`` against their
         recorded sha256 ``expected`` (one line each, :func:`~rltrainer.checkpoints.check_files`). Here:
         checked in this process."""
-        from rltrainer.checkpoints import check_files
-
         return check_files(directory, expected)
 
     def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
         """The inverse of :meth:`save_checkpoint` (``state``: what it returned); raises
         :class:`~rltrainer.checkpoints.CheckpointError` for a part missing, unreadable or of another model."""
-        from rltrainer.checkpoints import safe_load
-
         self.load_state_dict(safe_load(directory / "state.pt", "the models, optimizers and schedulers"))
 
     def teardown(self) -> None:
@@ -294,8 +290,6 @@ def check_model_type(model: torch.nn.Module, strategy: str, supported: frozenset
 def enable_engine_adapters(engine: RolloutEngine, lora_config: Any) -> str | None:
     """For a LoRA policy: give ``engine`` the adapter's config if it loads adapters; returns the
     view a sync to it uses (``"adapter"`` or ``"merged"``; ``None`` without LoRA)."""
-    from rltrainer.lora import engine_view
-
     mode = engine_view(lora_config, engine)
     if mode == "adapter":
         engine.enable_adapters(lora_config)
@@ -436,8 +430,6 @@ def load_local_training_state(module: RLModule, optimizers: list[Any], scheduler
                               state: dict[str, Any], source: str = "The checkpoint") -> None:
     """The inverse of :func:`local_training_state`; a model whose names or shapes differ from the
     saved ones raises :class:`~rltrainer.checkpoints.CheckpointError` (``source``: where it came from)."""
-    from rltrainer.checkpoints import CheckpointError, check_state_matches, shapes
-
     models = module.trainable_models()
     saved = state.get("models", {}) if isinstance(state, dict) else {}
     if set(saved) != set(models):

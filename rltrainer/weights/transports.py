@@ -288,9 +288,9 @@ class BroadcastTransport(_Split):
         ranks = rollout.remote.weight_group_ranks()
         offsets = [1 + sum(ranks[:r]) for r in range(len(ranks))]
         self.world_size = 1 + sum(ranks)
-        devices = [trainer.execute_rank_zero("device_type"), *rollout.execute_all("device_type")]
+        devices = [trainer.remote.device_type.on_rank_zero(), *rollout.remote.device_type()]
         self.backend = "nccl" if set(devices) == {"cuda"} else "gloo"
-        address, port = trainer.execute_rank_zero("master_address")
+        address, port = trainer.remote.master_address()
         join = (address, port, self.world_size, self.group_name, self.backend, self.timeout_s)
         # receivers first: an in-process trainer blocks in its call until every member has joined
         receivers = rollout.remote.join_weight_group.each([(*join, off) for off in offsets])
@@ -331,7 +331,7 @@ class SharedMemoryTransport(_Split):
         self.slot_bytes = trainer.remote.weight_slot_bytes(self.dtype)
         paths = trainer.remote.create_weight_slots(self.directory, self.tag, self.slot_bytes)
         try:
-            everywhere = len(set(trainer.execute_all("node_ip"))) == 1
+            everywhere = len(set(trainer.remote.node_ip())) == 1
             trainer.remote.share_weight_slots(paths, self.slot_bytes, everywhere)
             rollout.remote.open_weight_slots(paths, self.slot_bytes)
         finally:

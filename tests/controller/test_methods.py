@@ -56,6 +56,8 @@ def test_a_remote_method_runs_on_every_rank_or_on_rank_zero():
     assert group.sent[-1] == ("get", "echoes")  # waited on as its stage
     assert group.remote.first() == "rank 0"
     assert group.sent[-2][:2] == ("first", [0])
+    assert group.remote.echo.on_rank_zero(5) == 5  # a method of every rank, asked of rank 0
+    assert group.sent[-2][:2] == ("echo", [0]) and group.workers[1].calls == [("echo", 3, 2)]
 
 
 def test_start_returns_a_call_in_flight_and_each_gives_every_rank_its_own_arguments():
@@ -105,9 +107,13 @@ def test_threads_come_from_the_marks_where_the_worker_class_has_that_group():
 
 def test_the_weight_protocol_waits_as_send_weights_and_receive_weights():
     """The watchdog's stages (and ``stage_timeout_s`` by name) stay ``send_weights`` / ``receive_weights``."""
-    sending = {n: s for n, s in remote_methods(TrainingWorker).items() if n not in remote_methods(Worker)}
-    assert {s.stage for s in sending.values()} == {"send_weights"}
-    assert {s.stage for s in remote_methods(Worker).values()} == {"receive_weights"}
+    sending = {n: s for n, s in remote_methods(TrainingWorker).items() if s.stage == "send_weights"}
+    assert set(sending) == {
+        "plan_weights", "weight_entries", "export_bucket", "finish_weights", "load_local_weights", "host_weight_group",
+        "broadcast_bucket", "leave_weight_group", "weight_slot_bytes", "create_weight_slots", "share_weight_slots",
+        "unlink_weight_slots", "write_slot", "close_weight_slots"}
     assert {n for n, s in sending.items() if s.dispatch == RANK_ZERO} == {
         "weight_entries", "host_weight_group", "leave_weight_group", "weight_slot_bytes", "create_weight_slots",
         "unlink_weight_slots"}
+    receiving = {n for n, s in remote_methods(Worker).items() if s.stage == "receive_weights"}
+    assert receiving == set(method_threads(Worker))  # all of them in the weights thread, and only they
