@@ -117,3 +117,17 @@ def test_the_weight_protocol_waits_as_send_weights_and_receive_weights():
         "unlink_weight_slots"}
     receiving = {n for n, s in remote_methods(Worker).items() if s.stage == "receive_weights"}
     assert receiving == set(method_threads(Worker))  # all of them in the weights thread, and only they
+
+
+def test_an_override_of_a_remote_method_stays_remote_with_its_own_signature():
+    class Louder(Echo):
+        def echo(self, value: int, scale: int = 1, suffix: str = "!") -> int:  # not marked again
+            return value * scale * 10
+
+    class Group(Recording):
+        worker_cls = Louder
+
+    group = Group()
+    group.workers = [Louder(r, 2) for r in range(2)]
+    assert remote_methods(Louder)["echo"].stage == "echoes"
+    assert group.remote.echo(1, suffix="?") == [10, 10]  # checked against the override's signature
