@@ -429,9 +429,9 @@ class Trainer:
             self.strategy.setup(module, seed=self.seed)
             self._is_setup = True
             self.vocab_size = getattr(self.strategy.model_config(), "vocab_size", None)  # prompt ids are checked
-            self.engine = self.strategy.connect_engine(self._engine_spec, module.tokenizer)
             mode = "overlap" if self.pipeline != "sync" else "background" if self.weight_sync == "async" else "wait"
-            self.sync = WeightSync(self.strategy, self.engine, self.watchdog, mode)
+            self.sync = self.strategy.connect(self._engine_spec, module.tokenizer, watchdog=self.watchdog, mode=mode)
+            self.engine = self.sync.engine
             self.sync_weights()
         except BaseException:
             self._is_setup = True  # release what setup started (worker processes), then report the error
@@ -452,7 +452,6 @@ class Trainer:
             metrics = training_step(self, batch)
             self.global_step += 1
             self._write_generations("train")
-            self.strategy.weight_versions.policy = self.global_step
             self.current_epoch, self.batches_seen_in_epoch = pipeline.position(batch)
             check_skipped_steps(skipped, metrics, self.global_step, last=self._done())
             metrics.update(pipeline.metrics())
@@ -539,7 +538,6 @@ class Trainer:
                 raise
             raise CheckpointError(f"{path}: {exc}") from exc
         self.global_step = checkpoint["global_step"]
-        self.strategy.weight_versions.policy = self.global_step
         self.current_epoch = checkpoint["current_epoch"]
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
         self._pipeline_state = pipeline

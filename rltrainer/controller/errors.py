@@ -1,6 +1,4 @@
-"""The error a worker group raises when one of its workers raises or dies (its own module, so that
-the watchdog's :class:`~rltrainer.controller.watchdog.StageTimeout` and the worker groups share it
-without importing each other)."""
+"""The error a worker group raises when one of its workers fails (the watchdog's timeouts are one)."""
 
 from __future__ import annotations
 

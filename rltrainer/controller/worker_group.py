@@ -1,6 +1,9 @@
 """Worker groups: the controller's handle on the processes that do the compute.
 
-Dispatch is explicit and typed: :meth:`WorkerGroup.execute_all` (same arguments to every rank),
+Dispatch is explicit and typed: :attr:`WorkerGroup.remote` calls the worker class's methods marked
+``@remote`` by name, their arguments checked against their signatures, each with its dispatch
+(every rank or rank 0, see :mod:`rltrainer.controller.methods`): ``group.remote.plan_weights(dtype,
+True)``. Below it, :meth:`WorkerGroup.execute_all` (same arguments to every rank),
 :meth:`WorkerGroup.dispatch` (rank ``r`` gets ``per_rank[r]``, e.g. its data-parallel share of a
 batch), :meth:`WorkerGroup.execute_rank_zero`. Each has an ``_async`` twin returning futures that
 :meth:`WorkerGroup.get` resolves (:func:`get_together` resolves calls to several groups as one).
@@ -22,8 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from rltrainer.controller.errors import WorkerError
+from rltrainer.controller.methods import RemoteMethods, method_threads
 from rltrainer.controller.reaper import start_reaper
 from rltrainer.controller.watchdog import StageTimeout, Watchdog, python_stacks
+
+__all__ = ["InProcessWorkerGroup", "RayWorkerGroup", "WorkerError", "WorkerGroup", "ensure_ray", "get_together"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,13 @@ class WorkerGroup:
 
     name: str = "workers"
     world_size: int = 1
+    worker_cls: type = object
+
+    @property
+    def remote(self) -> RemoteMethods:
+        """The worker class's remote methods (marked ``@remote``), called on this group's ranks:
+        ``group.remote.plan_weights(dtype, True)`` (see :mod:`rltrainer.controller.methods`)."""
+        return RemoteMethods(self, self.worker_cls)
 
     def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self.dispatch_async(method, [(args, kwargs)] * self.world_size)
@@ -80,7 +93,7 @@ class InProcessWorkerGroup(WorkerGroup):
     """One worker, constructed and called in this process."""
 
     def __init__(self, worker_cls: type, name: str = "workers", **init_kwargs: Any) -> None:
-        self.name = name
+        self.name, self.worker_cls = name, worker_cls
         self.world_size = 1
         self.worker = worker_cls(rank=0, world_size=1, **init_kwargs)
 
@@ -246,8 +259,9 @@ def _summary(resources: dict[str, float]) -> str:
 class RayWorkerGroup(WorkerGroup):
     """``world_size`` Ray actors of ``worker_cls``, one per bundle of a placement group. An actor
     runs its calls one at a time, in the order they were sent; a worker class that names
-    ``concurrency_groups`` (name: threads) gets those threads too, and its methods named in
-    ``method_groups`` run there, beside the others (still in order within their group).
+    ``concurrency_groups`` (name: threads) gets those threads too, and its remote methods marked
+    with one of them (``@remote(thread=...)``) run there, beside the others (still in order within
+    their group).
 
     Args:
         worker_cls: the class to run (constructed with ``rank``, ``world_size`` and ``init_kwargs``).
@@ -268,8 +282,8 @@ class RayWorkerGroup(WorkerGroup):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        self.name, self.world_size, self.watchdog = name, world_size, watchdog
-        self.method_groups: dict[str, str] = dict(getattr(worker_cls, "method_groups", {}))
+        self.name, self.world_size, self.watchdog, self.worker_cls = name, world_size, watchdog, worker_cls
+        self.method_groups = method_threads(worker_cls)  # method -> its concurrency group
         self.actors: list[Any] = []
         self._broken: str | None = None
         self._failure: WorkerError | None = None  # the failure that shut the group down
@@ -294,7 +308,7 @@ class RayWorkerGroup(WorkerGroup):
             )
         self.runtime_env = runtime_env
         self.actors = self._start_actors(worker_cls, cpus_per_worker, gpus_per_worker, init_kwargs)
-        self.pids = self.execute_all("pid")
+        self.pids = self.remote.pid()
 
     def _start_actors(self, worker_cls: type, cpus_per_worker: float, gpus_per_worker: float,
                       init_kwargs: dict[str, Any]) -> list[Any]:

@@ -141,28 +141,27 @@ class RemoteEngine(RolloutEngine):
         count = nbytes = 0
         buckets = list(bucketed(weights, DEFAULT_BUCKET_BYTES))  # references: each is copied when packed
         for index, bucket in enumerate(buckets):  # one update session on the replicas, over all buckets
-            stats = self.group.execute_all("receive_weights", "load", Bucket.pack(bucket), None, index,
-                                           len(buckets))[0]
+            stats = self.group.remote.load_bucket(Bucket.pack(bucket), None, index, len(buckets))[0]
             count += stats["tensors"]
             nbytes += stats["bytes"]
         return {"tensors": count, "bytes": nbytes}
 
     def engine_weight_versions(self) -> list[int]:
         """Each worker's ``weight_version``, as its engine reports it."""
-        return self.group.execute_all("engine_weight_version")
+        return self.group.remote.engine_weight_version()
 
     def sleep(self, level: int = 1) -> None:
-        self.group.execute_all("engine_sleep", level)
+        self.group.remote.engine_sleep(level)
         if level >= 2:  # level 1 keeps the weights; at level 2 the replicas say whether theirs survived
-            if any(self.group.execute_all("receive_weights", "take_weights_discarded")):
+            if any(self.group.remote.take_weights_discarded()):
                 self.weights_discarded = True
 
     def wake_up(self) -> None:
-        self.group.execute_all("engine_wake_up")
+        self.group.remote.engine_wake_up()
 
     def teardown(self) -> None:
         try:
-            self.group.execute_all("engine_teardown")
+            self.group.remote.engine_teardown()
         except Exception:  # the group may be gone already
             pass
 

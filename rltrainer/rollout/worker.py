@@ -1,11 +1,13 @@
 """The rank-side process object. One ``Worker`` per process, created by a worker group; the
-controller calls its methods by name. This base class holds the rollout role (an engine replica)
+controller calls its methods by name, the weight protocol's through their typed declarations
+(``@remote``, :mod:`rltrainer.controller.methods`). This base class holds the rollout role (an engine replica)
 and the process setup; a Strategy's worker (e.g. ``FSDP2Worker``) adds the training role, so one
 process can hold both (the colocated "hybrid engine").
 
 A rollout process of its own (split placement) runs two threads, as Ray concurrency groups
-(:attr:`Worker.concurrency_groups`, :attr:`Worker.method_groups`): ``receive_weights`` in the
-``"weights"`` thread, every other call in the default one, each thread running its calls one at a
+(:attr:`Worker.concurrency_groups`): the weight-receiving methods (``@remote(thread="weights")``:
+``load_bucket``, ``receive_bucket``, ``load_slot``...) in the ``"weights"`` thread, every other call
+in the default one, each thread running its calls one at a
 time in the order the controller sent them. A sync's buckets are staged while a request generates
 and applied between two requests (:mod:`rltrainer.weights.staging`); a request waits for the
 version it asks for. A training rank (:class:`~rltrainer.strategies.rank_worker.TrainingWorker`)
@@ -19,15 +21,21 @@ import datetime
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from rltrainer.controller.methods import RANK_ZERO, remote
 from rltrainer.rollout.engine import Generation, ModelFiles, RolloutEngine, SamplingParams
 from rltrainer.weights.receiver import WeightReceiver
 from rltrainer.weights.staging import EngineGate
+from rltrainer.weights.wire import Bucket, Entry
 
 WEIGHTS_GROUP = "weights"  # the Ray concurrency group (thread) that receives weights
+Stats = dict[str, float]
+#: a weight-receiving method: the watchdog's stage ``<group>.receive_weights``, in the weights thread
+receives = remote(stage="receive_weights", thread=WEIGHTS_GROUP)
 
 
 def _free_port() -> int:
@@ -43,10 +51,9 @@ class Worker:
         device: ``"auto"`` (this process's GPU if it has one, else CPU), or an explicit device.
     """
 
-    #: Ray concurrency groups (name: threads) its actor is created with, besides the default one.
+    #: Ray concurrency groups (name: threads) its actor is created with, besides the default one;
+    #: a remote method marked with one (``@remote(thread=...)``) runs there.
     concurrency_groups: ClassVar[dict[str, int]] = {WEIGHTS_GROUP: 1}
-    #: the concurrency group each method runs in (methods not named: the default group).
-    method_groups: ClassVar[dict[str, str]] = {"receive_weights": WEIGHTS_GROUP}
 
     def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto") -> None:
         self.rank, self.world_size = rank, world_size
@@ -62,30 +69,37 @@ class Worker:
         self.receiver = WeightReceiver(self.device, self.gate)
         self._own_process_group = False
 
+    @remote
     def pid(self) -> int:
         return os.getpid()
 
+    @remote
     def python(self) -> str:
         """This process's interpreter (an engine may run another Python environment's)."""
         return sys.executable
 
+    @remote
     def device_type(self) -> str:
         return self.device.type
 
+    @remote
     def seed_rng(self, seed: int) -> None:
         """Seed this process's torch RNG with ``seed + rank`` (what its engine samples with)."""
         torch.manual_seed(seed + self.rank)
 
+    @remote
     def rng_state(self) -> dict[str, Any]:
         return {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
+    @remote
     def set_rng_state(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
         if state["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
 
     # -- torch.distributed ---------------------------------------------------------------------
+    @remote
     def node_ip(self) -> str:
         try:
             import ray
@@ -94,10 +108,12 @@ class Worker:
         except Exception:  # not under Ray
             return "127.0.0.1"
 
+    @remote(RANK_ZERO)
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port (asked of rank 0 before ``init_distributed``)."""
         return self.node_ip(), _free_port()
 
+    @remote
     def init_distributed(self, master_addr: str, master_port: int, timeout_s: float = 1800.0) -> None:
         """Join the group's torch.distributed process group: gloo on CPU, NCCL on GPU."""
         import torch.distributed as dist
@@ -113,6 +129,7 @@ class Worker:
                                     world_size=self.world_size, timeout=timeout)
         self._own_process_group = True
 
+    @remote
     def destroy_distributed(self) -> None:
         import torch.distributed as dist
 
@@ -121,6 +138,7 @@ class Worker:
         self._own_process_group = False
 
     # -- rollout role ----------------------------------------------------------------------------
+    @remote
     def setup_engine(self, engine: RolloutEngine, model_config: Any, tokenizer: Any = None,
                      lora_config: Any = None) -> None:
         """Set up ``engine`` here; with ``lora_config``, also ready it for that adapter (``enable_adapters``).
@@ -138,6 +156,7 @@ class Worker:
             raise RuntimeError(f"Worker rank {self.rank} holds no rollout engine (setup_engine was not called)")
         return self.engine
 
+    @remote
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, min_version: int = -1) -> Generation:
         """Generate with weight version ``min_version`` or later (the version the controller had
         started pushing when it sent the request: waited for if it has not arrived yet, where
@@ -151,14 +170,17 @@ class Worker:
             generation.weight_version = version
         return generation
 
+    @remote
     def engine_sleep(self, level: int = 1) -> None:
         with self.gate.use(self._require_engine()) as engine:
             engine.sleep(level)
 
+    @remote
     def engine_wake_up(self) -> None:
         with self.gate.use(self._require_engine()) as engine:
             engine.wake_up()
 
+    @remote
     def engine_teardown(self) -> None:
         self.receiver.close(self.engine)
         if self.engine is not None:
@@ -166,20 +188,60 @@ class Worker:
             self.engine = None
 
     # -- weights: the receiving side of rltrainer.weights' transports ------------------------------
-    def receive_weights(self, op: str, *args: Any) -> Any:
-        """Run :class:`~rltrainer.weights.receiver.WeightReceiver` ``op`` (``load``, ``commit``,
-        ``join_group``, ``receive``, ``open_slots``, ``load_slot``, ``group_ranks``...) on this
-        process's engine; the controller's transports call this."""
-        return getattr(self.receiver, op)(self._require_engine(), *args)
+    # (each runs :class:`~rltrainer.weights.receiver.WeightReceiver` on this process's engine)
+    @receives
+    def load_bucket(self, bucket: Bucket, version: int | None = None, index: int = 0, count: int = 1) -> Stats:
+        """Bucket ``index`` of ``count`` of sync ``version`` as a value (``None``: loaded now, outside a sync)."""
+        return self.receiver.load(self._require_engine(), bucket, version, index, count)
 
+    @receives
+    def commit_weights(self, version: int) -> Stats:
+        """A sync with nothing to send: the engine still takes ``version``."""
+        return self.receiver.commit(self._require_engine(), version)
+
+    @receives
+    def take_weights_discarded(self) -> bool:
+        """Whether a sleep discarded the engine's weights (the flag is reset)."""
+        return self.receiver.take_weights_discarded(self._require_engine())
+
+    @receives
+    def weight_group_ranks(self) -> int:
+        """Ranks this process's engine takes in the broadcast group."""
+        return self.receiver.group_ranks(self._require_engine())
+
+    @receives
+    def join_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str,
+                          timeout_s: float, rank_offset: int) -> None:
+        """Join the broadcast group trainer rank 0 hosts, as ranks ``rank_offset ..``."""
+        self.receiver.join_group(self._require_engine(), address, port, world_size, group_name, backend, timeout_s,
+                                 rank_offset)
+
+    @receives
+    def receive_bucket(self, entries: Sequence[Entry], version: int, index: int, count: int) -> Stats:
+        """Broadcast bucket ``index`` of ``count`` of sync ``version``."""
+        return self.receiver.receive(self._require_engine(), entries, version, index, count)
+
+    @receives
+    def open_weight_slots(self, paths: list[str], nbytes: int) -> None:
+        """Map trainer rank 0's two shared-memory slots."""
+        self.receiver.open_slots(self._require_engine(), paths, nbytes)
+
+    @receives
+    def load_slot(self, index: int, entries: Sequence[Entry], ready: Any, version: int, count: int) -> Stats:
+        """Bucket ``index`` of ``count`` of sync ``version`` from its slot, once ``ready`` (rank 0's write)."""
+        return self.receiver.load_slot(self._require_engine(), index, entries, ready, version, count)
+
+    @remote(RANK_ZERO)
     def engine_weight_groups(self, names: list[str]) -> list[list[str]]:
         """The weight names this process's engine must receive together (``RolloutEngine.weight_groups``)."""
         return self._require_engine().weight_groups(names)
 
+    @remote
     def engine_weight_version(self) -> int:
         """The version of the last sync this process's engine loaded completely (-1: none yet)."""
         return self._require_engine().weight_version
 
+    @remote
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's parameters (for checks and debugging)."""
         with self.gate.use(self._require_engine()) as engine:
@@ -196,4 +258,3 @@ class InOrderWorker(Worker):
     the requests sent before them."""
 
     concurrency_groups: ClassVar[dict[str, int]] = {}
-    method_groups: ClassVar[dict[str, str]] = {}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.controller.methods import BoundRemote
 from rltrainer.controller.reaper import shutdown_ray
 from rltrainer.controller.worker_group import (InProcessWorkerGroup, RayWorkerGroup, WorkerGroup, ensure_ray,
                                                get_together)
@@ -118,13 +119,13 @@ class WorkerGroupStrategy(Strategy):
             self.group = self._ray_group(self.worker_cls, self.world_size, "actor", bucket_bytes=self.bucket_bytes)
             ship_user_code(module)
             payload = ray.put(module)  # serialised once for all ranks
-        addr, port = self.group.execute_rank_zero("master_address")
-        self.group.execute_all("init_distributed", addr, port)
-        self.group.execute_all("setup", payload, self.options, seed)
+        addr, port = self.group.remote.master_address()
+        self.group.remote.init_distributed(addr, port)
+        self.group.remote.setup(payload, self.options, seed)
         self._seed = seed
         self._after_setup()
-        self._config = self.group.execute_rank_zero("model_config")
-        self._weight_names = self.group.execute_rank_zero("weight_names")
+        self._config = self.group.remote.model_config()
+        self._weight_names = self.group.remote.weight_names()
 
     def _after_setup(self) -> None:
         """Called once the ranks have set up (subclass hook)."""
@@ -152,10 +153,10 @@ class WorkerGroupStrategy(Strategy):
             worker = Worker if k == 1 else InOrderWorker
             group = self.rollout_group = self._ray_group(worker, self.rollout_replicas * k, "rollout",
                                                          runtime_env=runtime_env)
-            group.execute_all("seed_rng", self._seed + 10_000)  # the replicas sample: same seed, same run
+            group.remote.seed_rng(self._seed + 10_000)  # the replicas sample: same seed, same run
             if k > 1:  # the replicas' processes form a torch.distributed group (vLLM's external_launcher)
-                addr, port = group.execute_rank_zero("master_address")
-                group.execute_all("init_distributed", addr, port)
+                addr, port = group.remote.master_address()
+                group.remote.init_distributed(addr, port)
         elif self.world_size % k:
             raise ValueError(f"A {type(engine).__name__} replica spans {k} processes; colocated, that must divide "
                              f"the {self.world_size} training ranks")
@@ -171,10 +172,10 @@ class WorkerGroupStrategy(Strategy):
         lora = self.lora_config if view == "adapter" else None
         if files and lora is not None:  # peft may be missing there: adapter_config.json as a dict
             lora = adapter_config_dict(lora)
-        group.execute_all("setup_engine", engine, config, tok, lora)
+        group.remote.setup_engine(engine, config, tok, lora)
         self.set_weight_view(view)
-        groups = group.execute_rank_zero("engine_weight_groups", self._weight_names)
-        self.group.execute_all("set_weight_groups", groups)  # the sender keeps them whole (and forgets the synced)
+        groups = group.remote.engine_weight_groups(self._weight_names)
+        self.group.remote.set_weight_groups(groups)  # the sender keeps them whole (and forgets the synced)
         if self.rollout_placement == "split":
             self.transport.connect()
         else:
@@ -187,8 +188,8 @@ class WorkerGroupStrategy(Strategy):
         broadcast when trainer rank 0 and every replica are on GPUs (NCCL); shared memory when every
         replica is on trainer rank 0's node; else Ray's object store."""
         trainer = self._require_group()
-        devices = {trainer.execute_rank_zero("device_type"), *rollout.execute_all("device_type")}
-        same_node = set(rollout.execute_all("node_ip")) == {trainer.execute_rank_zero("node_ip")}
+        devices = {trainer.remote.device_type.on_rank_zero(), *rollout.remote.device_type()}
+        same_node = set(rollout.remote.node_ip()) == {trainer.remote.node_ip.on_rank_zero()}
         name = resolve_transport(self.weight_transport, devices, same_node)
         if name == "broadcast":
             return BroadcastTransport(trainer, rollout, dtype, get_together, timeout_s=self.weight_sync_timeout_s)
@@ -202,13 +203,14 @@ class WorkerGroupStrategy(Strategy):
         return self.group
 
     # -- compute ---------------------------------------------------------------------------------
-    def _dispatch(self, method: str, batch: RolloutBatch, *extra: Any) -> tuple[list[Any], list[torch.Tensor]]:
-        """Split ``batch`` into data-parallel shares and run ``method`` on every rank; returns one
-        output per share (from the share's first rank) and the batch rows of each share."""
+    def _dispatch(self, method: BoundRemote, batch: RolloutBatch, *extra: Any) -> tuple[list[Any], list[torch.Tensor]]:
+        """Split ``batch`` into data-parallel shares and run ``method`` (``group.remote.compute``...)
+        on every rank; returns one output per share (from the share's first rank) and the batch
+        rows of each share."""
         parts, rows = partition_for_ranks(batch, self.data_parallel_size, self.micro_batch_size,
                                           self.max_tokens_per_micro_batch, self.padding_free)
         shares = [self.data_parallel_rank(r) for r in range(self.world_size)]
-        outs = self._require_group().dispatch(method, [((parts[s], *extra), {}) for s in shares])
+        outs = method.each([(parts[s], *extra) for s in shares]).get()
         first = {s: outs[r] for r, s in reversed(list(enumerate(shares))) if self.reports(r)}
         return [first[s] for s in range(self.data_parallel_size)], rows
 
@@ -218,7 +220,7 @@ class WorkerGroupStrategy(Strategy):
         return True
 
     def compute(self, batch: RolloutBatch, stage: str) -> RolloutBatch:
-        outs, rows = self._dispatch("compute", batch, stage)
+        outs, rows = self._dispatch(self._require_group().remote.compute, batch, stage)
         merged: dict[str, torch.Tensor] = {}
         for key in outs[0]:
             first = outs[0][key]
@@ -229,7 +231,7 @@ class WorkerGroupStrategy(Strategy):
         return RolloutBatch(merged, batch_size=len(batch))
 
     def train_step(self, mini_batch: RolloutBatch) -> dict[str, float]:
-        outs, _ = self._dispatch("train_step", mini_batch)
+        outs, _ = self._dispatch(self._require_group().remote.train_step, mini_batch)
         metrics = combine_metrics(outs)  # global-normalised parts add up; *_max / *_min reduce
         metrics["actor/grad_norm"] = outs[0]["actor/grad_norm"]  # already the global norm on every rank
         metrics["actor/lr"] = outs[0]["actor/lr"]
@@ -240,10 +242,10 @@ class WorkerGroupStrategy(Strategy):
                        only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Gather the policy to this process bucket by bucket (rank 0 returns each, Ray carries it)."""
         group = self._require_group()
-        buckets, _ = group.execute_all("send_weights", "plan", dtype, only_changed)[0]
+        buckets, _ = group.remote.plan_weights(dtype, only_changed)[0]
         for index in range(buckets):
-            yield from group.execute_all("send_weights", "export", index)[0].views()
-        group.execute_all("send_weights", "finish")
+            yield from group.remote.export_bucket(index)[0].views()
+        group.remote.finish_weights()
 
     def weight_names(self) -> list[str]:
         return list(self._weight_names)
@@ -253,12 +255,12 @@ class WorkerGroupStrategy(Strategy):
         if mode is None and self.weight_view is None:
             return
         group = self._require_group()
-        group.execute_all("set_weight_view", mode)
-        self._weight_names = group.execute_rank_zero("weight_names")
+        group.remote.set_weight_view(mode)
+        self._weight_names = group.remote.weight_names()
         self.weight_view = mode
 
     def forget_synced(self) -> None:
-        self._require_group().execute_all("forget_synced")  # every rank: the next sync sends every weight
+        self._require_group().remote.forget_synced()  # every rank: the next sync sends every weight
 
     def transport_for(self, engine: RolloutEngine) -> WeightTransport:
         """The transport :meth:`connect_engine` chose for its replicas; an engine in this process
@@ -274,9 +276,9 @@ class WorkerGroupStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """Models, optimizers, schedulers, and every rank's RNG state, the split replicas' too (the
         engines sample with them, so a resumed run draws the samples an uninterrupted one would)."""
-        state = {"training": self._training_state(), "rng": self._require_group().execute_all("rng_state")}
+        state = {"training": self._training_state(), "rng": self._require_group().remote.rng_state()}
         if self.rollout_group is not None:
-            state["rollout_rng"] = self.rollout_group.execute_all("rng_state")
+            state["rollout_rng"] = self.rollout_group.remote.rng_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -288,30 +290,30 @@ class WorkerGroupStrategy(Strategy):
         nothing passes through this process); this process keeps the layout and every rank's RNG
         state, the split replicas' too."""
         with raising_ranks_disk_full():
-            self._require_group().execute_all("save_checkpoint", str(directory), async_save)
-        state = {"layout": self.checkpoint_layout(), "rng": self._require_group().execute_all("rng_state")}
+            self._require_group().remote.save_checkpoint(str(directory), async_save)
+        state = {"layout": self.checkpoint_layout(), "rng": self._require_group().remote.rng_state()}
         if self.rollout_group is not None:
-            state["rollout_rng"] = self.rollout_group.execute_all("rng_state")
+            state["rollout_rng"] = self.rollout_group.remote.rng_state()
         return state
 
     def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
         self.check_checkpoint_layout(directory, state.get("layout", {}))
-        self._require_group().execute_all("load_checkpoint", str(directory))
+        self._require_group().remote.load_checkpoint(str(directory))
         self._set_rng_states(state)  # only if saved with as many ranks (else each keeps its own)
 
     def wait_checkpoint(self) -> None:
         if self.group is not None:
             with raising_ranks_disk_full():
-                self.group.execute_all("wait_checkpoint")
+                self.group.remote.wait_checkpoint()
 
     def checkpoint_digests(self, directory: Path) -> dict[str, str]:
         """Every rank hashes the files it wrote (nothing is read here)."""
-        return {name: digest for part in self._require_group().execute_all("checkpoint_digests", str(directory))
+        return {name: digest for part in self._require_group().remote.checkpoint_digests(str(directory))
                 for name, digest in part.items()}
 
     def verify_checkpoint(self, directory: Path, expected: dict[str, str]) -> list[str]:
         """Every rank checks a share of the files (nothing is read here)."""
-        return [line for part in self._require_group().execute_all("verify_checkpoint", str(directory), expected)
+        return [line for part in self._require_group().remote.verify_checkpoint(str(directory), expected)
                 for line in part]
 
     def checkpoint_layout(self) -> dict[str, int]:
@@ -323,13 +325,13 @@ class WorkerGroupStrategy(Strategy):
 
     def _set_rng_states(self, state: dict[str, Any]) -> None:
         if len(state["rng"]) == self.world_size:
-            self._require_group().dispatch("set_rng_state", [((s,), {}) for s in state["rng"]])
+            self._require_group().remote.set_rng_state.each([(s,) for s in state["rng"]]).get()
         rollout_rng = state.get("rollout_rng")
         if self.rollout_group is not None and rollout_rng and len(rollout_rng) == self.rollout_group.world_size:
-            self.rollout_group.dispatch("set_rng_state", [((s,), {}) for s in rollout_rng])
+            self.rollout_group.remote.set_rng_state.each([(s,) for s in rollout_rng]).get()
 
     def _training_state(self) -> Any:
-        return self._require_group().execute_all("state_dict")[0]  # rank 0 holds the full state
+        return self._require_group().remote.state_dict()[0]  # rank 0 holds the full state
 
     def _load_training_state(self, state: Any) -> None:
         group = self._require_group()
@@ -337,7 +339,7 @@ class WorkerGroupStrategy(Strategy):
             import ray
 
             state = ray.put(state)  # one copy for every rank
-        group.execute_all("load_state_dict", state)
+        group.remote.load_state_dict(state)
 
     def _close_rollout_group(self) -> None:
         """Release the split replicas (and the training ranks' end of their transport)."""

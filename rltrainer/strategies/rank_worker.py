@@ -1,7 +1,9 @@
 """The rank side of a multi-process strategy: :class:`TrainingWorker`, one per training process.
 
 The controller's :class:`~rltrainer.strategies.dispatch.WorkerGroupStrategy` calls its methods by
-name on every rank (``setup``, ``compute``, ``train_step``, ``send_weights``...). A strategy's rank
+name on every rank (``setup``, ``compute``, ``train_step``...); the weight-sending protocol's are
+typed remote methods (``@remote``, :mod:`rltrainer.controller.methods`: ``plan_weights``,
+``export_bucket``, ``broadcast_bucket``, ``write_slot``...). A strategy's rank
 class (``FSDP2Worker``, ``MegatronWorker``) subclasses it with the model layout: how ``setup``
 places the models, and the weight export's ``weight_specs`` / ``gather_weights`` (optionally
 ``gather_weights_into``), which a :class:`~rltrainer.weights.sender.WeightSender` drives. A colocated
@@ -18,17 +20,23 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from rltrainer.checkpoints import CheckpointError, check_files, digest_files, safe_load, save_file
+from rltrainer.controller.methods import ALL, RANK_ZERO, remote
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lora import LoraView
-from rltrainer.rollout.worker import Worker
+from rltrainer.rollout.worker import Stats, Worker
 from rltrainer.strategies.strategy import (clip_gradients, load_local_training_state, local_training_state, run_compute,
                                           run_micro_batches, run_train_step)
 from rltrainer.weights.sender import WeightSender
 from rltrainer.weights.versions import ParamVersions
-from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Bucket, Entry
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
+
+#: a weight-sending method (the watchdog's stage ``<group>.send_weights``): on every rank (gathers
+#: are collectives), or on rank 0 only
+sends = remote(ALL, stage="send_weights")
+sends_rank_zero = remote(RANK_ZERO, stage="send_weights")
 
 
 class TrainingWorker(Worker):
@@ -36,7 +44,6 @@ class TrainingWorker(Worker):
     in the order the controller sent them: the ranks' collectives must match."""
 
     concurrency_groups: ClassVar[dict[str, int]] = {}
-    method_groups: ClassVar[dict[str, str]] = {}
 
     def __init__(self, rank: int, world_size: int, threads: int | None = None, device: str = "auto",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
@@ -87,16 +94,34 @@ class TrainingWorker(Worker):
         (a LoRA policy: the outputs of its view they make up)."""
         self.versions.bump(self.view.outputs_of(stepped) if self.view is not None else stepped)
 
+    @remote
     def set_weight_view(self, mode: str | None) -> None:
         """Export the LoRA policy as ``mode`` (:class:`rltrainer.lora.LoraView`; ``None``: as it is)."""
         self.view = LoraView(self.module.policy, mode) if mode is not None else None
 
+    # -- what a layout's rank provides, called by the controller ---------------------------------------
+    @remote
+    def setup(self, module: RLModule, options: dict[str, Any], seed: int) -> None:
+        """Build the module's models on this rank, place them, build the optimizers (a layout's own)."""
+        raise NotImplementedError
+
+    @remote
+    def state_dict(self) -> dict[str, Any] | None:
+        """Everything needed to resume (a layout's own; rank 0's, or every rank's share)."""
+        raise NotImplementedError
+
+    @remote
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
     # -- compute (every rank, on its share of the batch) ---------------------------------------------
+    @remote
     def compute(self, micro_batches: list[RolloutBatch], stage: str) -> dict[str, torch.Tensor]:
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         return run_compute(self.module, micro_batches, stage, list(self.models.values()), contextlib.nullcontext(),
                            runner=self.run_micro_batches)
 
+    @remote
     def train_step(self, micro_batches: list[RolloutBatch]) -> dict[str, float]:
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         models = list(self.module.trainable_models().values())
@@ -107,12 +132,14 @@ class TrainingWorker(Worker):
         return metrics
 
     # -- checkpoints: each rank writes and reads its own part ----------------------------------------
+    @remote
     def save_checkpoint(self, directory: str, async_save: bool = False) -> None:
         """This rank's models, optimizers and schedulers as ``directory/rank=<r>.pt``, written at once
         (a layout that reshards or saves in the background overrides it, see ``FSDP2Worker``)."""
         save_file(local_training_state(self.module, self.optimizers, self.schedulers), self._rank_file(directory),
                   f"rank {self.rank}'s models, optimizers and schedulers")
 
+    @remote
     def wait_checkpoint(self) -> None:
         """Wait for this rank's background checkpoint write, if any."""
 
@@ -120,17 +147,20 @@ class TrainingWorker(Worker):
         """The files this rank wrote into ``directory`` at its last :meth:`save_checkpoint` (names)."""
         return [self._rank_file(directory).name]
 
+    @remote
     def checkpoint_digests(self, directory: str) -> dict[str, str]:
         """The sha256 of :meth:`checkpoint_files`, hashed here where they were written (after
         :meth:`wait_checkpoint`)."""
         return digest_files(Path(directory), self.checkpoint_files(directory))
 
+    @remote
     def verify_checkpoint(self, directory: str, expected: dict[str, str]) -> list[str]:
         """What is wrong with this rank's share of the files (every ``world_size``-th name) against
         their recorded sha256 ``expected``: one line per missing or changed file."""
         names = sorted(expected)[self.rank::self.world_size]
         return check_files(Path(directory), {name: expected[name] for name in names})
 
+    @remote
     def load_checkpoint(self, directory: str) -> None:
         file = self._rank_file(directory)
         if not file.is_file():
@@ -144,9 +174,11 @@ class TrainingWorker(Worker):
         return Path(directory) / f"rank={self.rank}.pt"
 
     # -- shared --------------------------------------------------------------------------------------
+    @remote(RANK_ZERO)
     def model_config(self) -> Any:
         return self.module.policy.config
 
+    @remote(RANK_ZERO)
     def weight_names(self) -> list[str]:
         return list(self.weight_specs())
 
@@ -155,17 +187,81 @@ class TrainingWorker(Worker):
         self.engine_teardown()
         self.destroy_distributed()
 
-    # -- weights: the sending side of rltrainer.weights' transports -----------------------------------
-    def send_weights(self, op: str, *args: Any) -> Any:
-        """Run :class:`~rltrainer.weights.sender.WeightSender` ``op`` (``plan``, ``export``,
-        ``broadcast``, ``write_slot``, ``finish``, ``load_local``...) on this rank; the
-        controller's transports call this on every rank (gathers are collectives)."""
-        return getattr(self.sender, op)(*args)
+    # -- weights: the sending side of rltrainer.weights' transports (its WeightSender) ----------------
+    @sends
+    def plan_weights(self, dtype: torch.dtype | None, only_changed: bool) -> tuple[int, int]:
+        """Plan the next sync's buckets: ``(buckets, skipped tensors)``."""
+        return self.sender.plan(dtype, only_changed)
 
+    @sends_rank_zero
+    def weight_entries(self) -> list[list[Entry]]:
+        """Every planned bucket's wire entries."""
+        return self.sender.entries()
+
+    @sends
+    def export_bucket(self, index: int) -> Bucket | None:
+        """Gather bucket ``index``; rank 0 returns it."""
+        return self.sender.export(index)
+
+    @sends
+    def finish_weights(self) -> None:
+        """The sync's buckets are all handed off: their names count as synced."""
+        self.sender.finish()
+
+    @sends
+    def load_local_weights(self, dtype: torch.dtype | None, version: int) -> Stats:
+        """Colocated: load the changed weights into this rank's own engine replica as ``version``."""
+        return self.sender.load_local(dtype, version)
+
+    @sends_rank_zero
+    def host_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str,
+                          timeout_s: float) -> None:
+        """Host the broadcast group's store and join it as its rank 0."""
+        self.sender.join_group(address, port, world_size, group_name, backend, timeout_s)
+
+    @sends
+    def broadcast_bucket(self, index: int) -> None:
+        """Gather bucket ``index``; rank 0 broadcasts it."""
+        self.sender.broadcast(index)
+
+    @sends_rank_zero
+    def leave_weight_group(self) -> None:
+        self.sender.leave_group()
+
+    @sends_rank_zero
+    def weight_slot_bytes(self, dtype: torch.dtype | None) -> int:
+        """The size a shared-memory slot needs."""
+        return self.sender.slot_bytes(dtype)
+
+    @sends_rank_zero
+    def create_weight_slots(self, directory: str, tag: str, nbytes: int) -> list[str]:
+        """Create and map the two shared-memory slots; their paths."""
+        return self.sender.create_slots(directory, tag, nbytes)
+
+    @sends
+    def share_weight_slots(self, paths: list[str], nbytes: int, everywhere: bool) -> None:
+        """With ``everywhere``, every rank maps the slots (a layout that can gathers straight into them)."""
+        self.sender.share_slots(paths, nbytes, everywhere)
+
+    @sends_rank_zero
+    def unlink_weight_slots(self) -> None:
+        self.sender.unlink_slots()
+
+    @sends
+    def write_slot(self, index: int) -> int:
+        """Gather bucket ``index`` into its slot; its bytes."""
+        return self.sender.write_slot(index)
+
+    @sends
+    def close_weight_slots(self) -> None:
+        self.sender.close_slots()
+
+    @remote
     def forget_synced(self) -> None:
         """The engines lost their weights: the next sync sends everything."""
         self.sender.forget_synced()
 
+    @remote
     def set_weight_groups(self, groups: list[list[str]]) -> None:
         """A new engine: the names it takes together (``RolloutEngine.weight_groups``); the next
         sync sends everything."""

@@ -11,6 +11,7 @@ import abc
 import contextlib
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.lm_head import gradients_into_parameters
 from rltrainer.lora import engine_view
 from rltrainer.registry import Registry
+from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightTransport
 from rltrainer.weights.versions import ParamVersions, WeightVersions, stepped_parameter_names
 
@@ -87,15 +89,23 @@ class Strategy(abc.ABC):
         self.precision = precision
         self.padding_free = padding_free
         self.versions = ParamVersions()  # per parameter: what an in-process export still has to send
-        self.weight_versions = WeightVersions()  # policy / started / loaded
+        self.weight_sync: WeightSync | None = None  # the owner of the connected engine's sync (connect)
         self.lora_config: Any = None  # the module's peft.LoraConfig, if its policy is a LoRA one (set up)
         self.weight_view: str | None = None  # a LoRA policy's export names (rltrainer.lora.LORA_VIEWS)
 
     @property
     def policy_version(self) -> int:
         """The version of the policy it trains: the Trainer's ``global_step`` (one per training
-        step, however many optimizer steps that took; the Trainer sets it). A sync's default version."""
-        return self.weight_versions.policy
+        step, however many optimizer steps that took), as the connected engine's
+        :class:`WeightSync` last pushed it. A sync's default version."""
+        return self.weight_sync.versions.policy if self.weight_sync is not None else 0
+
+    @property
+    def weight_versions(self) -> WeightVersions:
+        """Deprecated: ``strategy.weight_sync.versions`` (the connected engine's sync owns them)."""
+        warnings.warn("Strategy.weight_versions is deprecated: the versions belong to the engine's sync owner, "
+                      "strategy.weight_sync.versions (Strategy.connect returns it)", DeprecationWarning, stacklevel=2)
+        return self.weight_sync.versions if self.weight_sync is not None else WeightVersions()
 
     @property
     def world_size(self) -> int:
@@ -132,9 +142,19 @@ class Strategy(abc.ABC):
     def weight_names(self) -> list[str]:
         """The policy's parameter names, as :meth:`export_weights` yields them."""
 
+    def connect(self, engine: RolloutEngine, tokenizer: Any, *, watchdog: Watchdog | None = None,
+                mode: str = "wait") -> WeightSync:
+        """Set up ``engine`` (:meth:`connect_engine`) and return the one owner of its weight sync,
+        :class:`~rltrainer.strategies.weight_sync.WeightSync` (``.engine``: the engine the
+        controller calls), with ``watchdog`` (default: this strategy's) and push ``mode``."""
+        connected = self.connect_engine(engine, tokenizer)
+        self.weight_sync = WeightSync(self, connected, watchdog if watchdog is not None else self.watchdog, mode)
+        return self.weight_sync
+
     def connect_engine(self, engine: RolloutEngine, tokenizer: Any) -> RolloutEngine:
         """Set up ``engine`` where this strategy places rollout (here: this process, this device)
-        and return the engine the controller calls. The next sync sends every weight."""
+        and return the engine the controller calls (:meth:`connect` also returns its sync owner).
+        The next sync sends every weight."""
         refuse_other_environment(engine, engine.runtime_env, f"in the controller's process (strategy {type(self).__name__})")
         engine.setup(self.model_config(), tokenizer, device=self.device)
         self.set_weight_view(enable_engine_adapters(engine, self.lora_config))
@@ -155,31 +175,21 @@ class Strategy(abc.ABC):
         self.versions.forget_synced()
 
     def start_weight_sync(self, engine: RolloutEngine, version: int) -> SyncHandle:
-        """Start pushing the policy's changed weights into ``engine`` (cast to the engine's dtype)
-        as ``version``; returns once the trainer side has handed the bytes off.
-
-        ``handle.wait()`` returns once every replica has loaded them, with the stats ``tensors``,
-        ``bytes``, ``skipped`` (unchanged since the last sync), ``buckets`` and ``seconds``; from then
-        on ``engine.weight_version == version`` (for remote replicas, in their processes too: they
-        set it when their last bucket loads, even if nothing changed). The engine-side loads are
-        submitted before this returns, so a later ``engine.generate`` runs on the new weights.
-        One sync is in flight at a time: starting another first waits for this one. If a sleep
-        discarded the engine's weights (``engine.weights_discarded``), this sync sends every weight.
-        """
-        if getattr(engine, "weights_discarded", False):
-            self.forget_synced()
-            engine.weights_discarded = False
-        self.weight_versions.started = version
-
-        def loaded(v: int) -> None:
-            self.weight_versions.loaded = v
-            engine.weight_version = v  # a controller-side handle (RemoteEngine) mirrors its replicas
-
-        return self.transport_for(engine).start(version, on_loaded=loaded)
+        """Start a sync of ``version`` into ``engine`` through its owner
+        (:meth:`WeightSync.start_weight_sync <rltrainer.strategies.weight_sync.WeightSync.start_weight_sync>`,
+        which says what the handle gives)."""
+        return self._sync_of(engine).start_weight_sync(version)
 
     def sync_weights(self, engine: RolloutEngine, version: int | None = None) -> dict[str, float]:
         """:meth:`start_weight_sync` and wait; ``version`` defaults to :attr:`policy_version`."""
         return self.start_weight_sync(engine, self.policy_version if version is None else version).wait()
+
+    def _sync_of(self, engine: RolloutEngine) -> WeightSync:
+        """The owner of ``engine``'s sync: :meth:`connect`'s, or, for an engine connected with
+        :meth:`connect_engine` alone, a new one (which then owns it)."""
+        if self.weight_sync is None or self.weight_sync.engine is not engine:
+            self.weight_sync = WeightSync(self, engine, self.watchdog)
+        return self.weight_sync
 
     def transport_for(self, engine: RolloutEngine) -> WeightTransport:
         """How weights reach ``engine`` (here: it lives in this process; pull :meth:`export_weights`)."""

@@ -4,8 +4,9 @@ rollout engines. It imports nothing else of rltrainer; ``rollout``, ``controller
 
 - :mod:`~rltrainer.weights.wire`: the wire format (a bucket's tensors end to end, SGLang's
   ``flattened_bucket``) and the bucketer.
-- :mod:`~rltrainer.weights.versions`: per-parameter versions (send only what changed) and the
-  controller's policy / engine versions.
+- :mod:`~rltrainer.weights.versions`: every version counter in one place (its docstring says who
+  writes which): per-parameter versions (send only what changed), the controller's policy / started
+  / loaded versions, and ``mark_loaded``, the one writer of an engine's ``weight_version``.
 - :mod:`~rltrainer.weights.transports`: in-process, colocated, object store, broadcast and
   shared memory, each with ``start(version) -> SyncHandle`` and ``SyncHandle.wait() -> stats``.
 - :mod:`~rltrainer.weights.sender` / :mod:`~rltrainer.weights.receiver`: the training ranks' and

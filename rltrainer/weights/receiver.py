@@ -15,7 +15,8 @@ receiver then drives its hooks (``init_weight_group``, ``receive_weights``, ``cl
 instead of receiving for it, holding the engine from the sync's first bucket to its last.
 
 :class:`WeightReceiver` is composed into a rollout process (``Worker``), which calls it through
-``Worker.receive_weights(op, ...)``.
+its typed remote methods (``Worker.load_bucket``, ``receive_bucket``, ``load_slot``...: the table in
+:mod:`rltrainer.weights.transports`), each running its namesake here on the process's engine.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from rltrainer.weights.group import WeightGroup
 from rltrainer.weights.shm import SharedSlots
 from rltrainer.weights.staging import EngineGate
+from rltrainer.weights.versions import mark_loaded
 from rltrainer.weights.wire import Bucket, Entry, bucket_nbytes, empty_bucket
 
 Stats = dict[str, float]
@@ -125,7 +127,7 @@ class WeightReceiver:
             if index == count - 1:
                 engine.finish_weight_update()
                 if version is not None:
-                    engine.weight_version = version
+                    mark_loaded(engine, version)
         except BaseException as exc:
             self.gate.release(failure=(engine.weight_version if version is None else version, exc))
             raise

@@ -3,7 +3,8 @@ bucket (a collective over the training ranks), and hand its bytes to a transport
 
 :class:`WeightSender` is composed into a training rank (``TrainingWorker``), which provides the
 :class:`WeightSource` methods; the controller's transports
-(:mod:`rltrainer.weights.transports`) call it through ``TrainingWorker.send_weights(op, ...)``.
+(:mod:`rltrainer.weights.transports`) call it through the rank's typed remote methods
+(``TrainingWorker.plan_weights``, ``export_bucket``, ``write_slot``...: the table there).
 Every rank runs every call (the gathers are collectives); only rank 0 sends.
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from rltrainer.weights.group import WeightGroup
 from rltrainer.weights.shm import SharedSlots
-from rltrainer.weights.versions import ParamVersions
+from rltrainer.weights.versions import ParamVersions, mark_loaded
 from rltrainer.weights.wire import Bucket, Entry, bucket_entries, bucket_nbytes, flatten_bucket, flatten_into, \
     itemsize, plan_buckets
 
@@ -126,7 +127,7 @@ class WeightSender:
         if buckets:
             engine.finish_weight_update()
         self.finish()
-        engine.weight_version = version
+        mark_loaded(engine, version)
         return {"tensors": count, "bytes": nbytes, "skipped": skipped, "buckets": buckets}
 
     # -- collective broadcast ----------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rltrainer.weights.versions import mark_loaded
 from rltrainer.weights.wire import Entry, bucket_views
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class EngineGate:
                 for buffer, entries in staged.buckets:
                     engine.update_weights(bucket_views(buffer, entries))
                 engine.finish_weight_update()
-            engine.weight_version = staged.version
+            mark_loaded(engine, staged.version)
         except BaseException as exc:
             with self._cond:
                 staged.error, self._failed = exc, (staged.version, exc)

@@ -24,10 +24,24 @@ buckets. One sync is in flight per transport: ``start`` first waits for the prev
 | :class:`BroadcastTransport` | rollout processes, GPUs (NCCL) | rank 0 broadcasts each bucket over a group of their own |
 | :class:`SharedMemoryTransport` | rollout processes on rank 0's node | rank 0 writes each bucket into a ``/dev/shm`` slot they mapped |
 
-The groups are the controller's worker groups (``rltrainer.controller``), used through their
-dispatch methods only; ``wait_all`` is ``rltrainer.controller.get_together``, which waits for
-calls to several groups as one and turns a failure into a ``WorkerError`` naming the worker (the
-other groups, which may be blocked on it, are shut down).
+The groups are the controller's worker groups (``rltrainer.controller``), called through their
+typed remote methods only (``group.remote.plan_weights(dtype, True)``; ``.start(...)`` returns a
+call in flight with ``get()``, ``ref()`` and ``as_call``, see ``rltrainer.controller.methods``);
+``wait_all`` is ``rltrainer.controller.get_together``, which waits for calls to several groups as
+one and turns a failure into a ``WorkerError`` naming the worker (the other groups, which may be
+blocked on it, are shut down). The protocol, both ends (each method runs its namesake on the
+rank's :class:`~rltrainer.weights.sender.WeightSender` or the process's
+:class:`~rltrainer.weights.receiver.WeightReceiver`):
+
+| training ranks (``TrainingWorker``) | rollout processes (``Worker``) |
+| --- | --- |
+| ``plan_weights(dtype, only_changed)``, ``weight_entries()`` (rank 0), ``finish_weights()`` | ``commit_weights(version)`` (a sync with nothing to send) |
+| ``load_local_weights(dtype, version)`` (colocated) | |
+| ``export_bucket(index)`` | ``load_bucket(bucket, version, index, count)`` |
+| ``host_weight_group(...)``, ``broadcast_bucket(index)``, ``leave_weight_group()`` (rank 0) | ``weight_group_ranks()``, ``join_weight_group(..., rank_offset)``, ``receive_bucket(entries, version, index, count)`` |
+| ``weight_slot_bytes(dtype)``, ``create_weight_slots(...)``, ``unlink_weight_slots()`` (rank 0), ``share_weight_slots(...)``, ``write_slot(index)``, ``close_weight_slots()`` | ``open_weight_slots(paths, nbytes)``, ``load_slot(index, entries, ready, version, count)`` |
+
+Their waits are the watchdog's stages ``<group>.send_weights`` and ``<group>.receive_weights``.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import torch
 
 from rltrainer.weights.group import DEFAULT_TIMEOUT_S
 from rltrainer.weights.shm import shared_memory_room
+from rltrainer.weights.versions import mark_loaded
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +186,7 @@ class InProcessTransport(WeightTransport):
             self.engine.start_weight_update()
             loaded = dict(self.engine.update_weights(stream()) or {})
             self.engine.finish_weight_update()
-        self.engine.weight_version = version
+        mark_loaded(self.engine, version)  # the engine lives here: loaded before start returns
         stats = {"tensors": loaded.get("tensors", sent), "bytes": loaded.get("bytes", 0),
                  "skipped": len(self.source.weight_names()) - sent, "buckets": int(sent > 0)}
         if share:
@@ -189,8 +204,8 @@ class ColocatedTransport(WeightTransport):
         self.trainer, self.dtype = trainer, dtype
 
     def _start(self, version: int) -> Callable[[], Stats]:
-        futures = self.trainer.execute_all_async("send_weights", "load_local", self.dtype, version)
-        return lambda: self.trainer.get(futures, "send_weights")[0]
+        loads = self.trainer.remote.load_local_weights.start(self.dtype, version)
+        return lambda: loads.get()[0]
 
 
 class _Split(WeightTransport):
@@ -204,8 +219,8 @@ class _Split(WeightTransport):
 
     def _start(self, version: int) -> Callable[[], Stats]:
         trainer, rollout = self.trainer, self.rollout
-        buckets, skipped = trainer.execute_all("send_weights", "plan", self.dtype, True)[0]
-        entries = trainer.execute_rank_zero("send_weights", "entries") if buckets else []
+        buckets, skipped = trainer.remote.plan_weights(self.dtype, True)[0]
+        entries = trainer.remote.weight_entries() if buckets else []
         totals = {"tensors": 0, "bytes": 0}
         in_flight: list[list[Call]] = []
 
@@ -219,14 +234,13 @@ class _Split(WeightTransport):
                 finish_oldest()
             in_flight.append(self._send(index, entries[index], version, buckets))
         if not buckets:  # nothing changed: the engines still take the version
-            in_flight.append([(rollout, rollout.execute_all_async("receive_weights", "commit", version),
-                               "receive_weights")])
-        finished = trainer.execute_all_async("send_weights", "finish")
+            in_flight.append([rollout.remote.commit_weights.start(version).as_call])
+        finished = trainer.remote.finish_weights.start()
 
         def finish() -> Stats:
             while in_flight:
                 finish_oldest()
-            trainer.get(finished, "send_weights")
+            finished.get()
             return {**totals, "skipped": skipped, "buckets": buckets}
 
         return finish
@@ -244,10 +258,10 @@ class ObjectStoreTransport(_Split):
     name = "object_store"
 
     def _send(self, index: int, entries: list[Any], version: int, count: int) -> list[Call]:
-        exports = self.trainer.execute_all_async("send_weights", "export", index)
-        bucket = self.trainer.ref(exports, "send_weights")  # resolved by Ray before the load runs
-        loads = self.rollout.execute_all_async("receive_weights", "load", bucket, version, index, count)
-        return [(self.trainer, exports, "send_weights"), (self.rollout, loads, "receive_weights")]
+        exports = self.trainer.remote.export_bucket.start(index)
+        bucket = exports.ref()  # resolved by Ray before the load runs
+        loads = self.rollout.remote.load_bucket.start(bucket, version, index, count)
+        return [exports.as_call, loads.as_call]
 
 
 class BroadcastTransport(_Split):
@@ -271,27 +285,27 @@ class BroadcastTransport(_Split):
         """Form the group: trainer rank 0 is rank 0; replica ``r`` takes as many ranks as its engine
         has receiving processes (SGLang: ``tp_size``), after the replicas before it."""
         trainer, rollout = self.trainer, self.rollout
-        ranks = rollout.execute_all("receive_weights", "group_ranks")
+        ranks = rollout.remote.weight_group_ranks()
         offsets = [1 + sum(ranks[:r]) for r in range(len(ranks))]
         self.world_size = 1 + sum(ranks)
-        devices = [trainer.execute_rank_zero("device_type"), *rollout.execute_all("device_type")]
+        devices = [trainer.remote.device_type.on_rank_zero(), *rollout.remote.device_type()]
         self.backend = "nccl" if set(devices) == {"cuda"} else "gloo"
-        address, port = trainer.execute_rank_zero("master_address")
+        address, port = trainer.remote.master_address()
         join = (address, port, self.world_size, self.group_name, self.backend, self.timeout_s)
         # receivers first: an in-process trainer blocks in its call until every member has joined
-        receivers = rollout.dispatch_async("receive_weights", [(("join_group", *join, off), {}) for off in offsets])
-        sender = trainer.execute_rank_zero_async("send_weights", "join_group", *join)
-        self.wait_all([(rollout, receivers, "receive_weights"), (trainer, sender, "send_weights")])
+        receivers = rollout.remote.join_weight_group.each([(*join, off) for off in offsets])
+        sender = trainer.remote.host_weight_group.start(*join)
+        self.wait_all([receivers.as_call, sender.as_call])
         log.info("Weight broadcast group %s: %s, %d ranks (%s per replica)", self.group_name, self.backend,
                  self.world_size, ranks)
 
     def _send(self, index: int, entries: list[Any], version: int, count: int) -> list[Call]:
-        receivers = self.rollout.execute_all_async("receive_weights", "receive", entries, version, index, count)
-        sender = self.trainer.execute_all_async("send_weights", "broadcast", index)
-        return [(self.trainer, sender, "send_weights"), (self.rollout, receivers, "receive_weights")]
+        receivers = self.rollout.remote.receive_bucket.start(entries, version, index, count)
+        sender = self.trainer.remote.broadcast_bucket.start(index)
+        return [sender.as_call, receivers.as_call]
 
     def close(self) -> None:
-        _quietly(lambda: self.trainer.execute_rank_zero("send_weights", "leave_group"))
+        _quietly(lambda: self.trainer.remote.leave_weight_group())
 
 
 class SharedMemoryTransport(_Split):
@@ -314,24 +328,24 @@ class SharedMemoryTransport(_Split):
 
     def connect(self) -> None:
         trainer, rollout = self.trainer, self.rollout
-        self.slot_bytes = trainer.execute_rank_zero("send_weights", "slot_bytes", self.dtype)
-        paths = trainer.execute_rank_zero("send_weights", "create_slots", self.directory, self.tag, self.slot_bytes)
+        self.slot_bytes = trainer.remote.weight_slot_bytes(self.dtype)
+        paths = trainer.remote.create_weight_slots(self.directory, self.tag, self.slot_bytes)
         try:
-            everywhere = len(set(trainer.execute_all("node_ip"))) == 1
-            trainer.execute_all("send_weights", "share_slots", paths, self.slot_bytes, everywhere)
-            rollout.execute_all("receive_weights", "open_slots", paths, self.slot_bytes)
+            everywhere = len(set(trainer.remote.node_ip())) == 1
+            trainer.remote.share_weight_slots(paths, self.slot_bytes, everywhere)
+            rollout.remote.open_weight_slots(paths, self.slot_bytes)
         finally:
-            trainer.execute_rank_zero("send_weights", "unlink_slots")
+            trainer.remote.unlink_weight_slots()
         log.info("Shared-memory weight slots: 2 x %.0f MiB in %s", self.slot_bytes / 2**20, self.directory)
 
     def _send(self, index: int, entries: list[Any], version: int, count: int) -> list[Call]:
-        writes = self.trainer.execute_all_async("send_weights", "write_slot", index)
-        ready = self.trainer.ref(writes, "send_weights")  # the loads run once rank 0 has written
-        loads = self.rollout.execute_all_async("receive_weights", "load_slot", index, entries, ready, version, count)
-        return [(self.trainer, writes, "send_weights"), (self.rollout, loads, "receive_weights")]
+        writes = self.trainer.remote.write_slot.start(index)
+        ready = writes.ref()  # the loads run once rank 0 has written
+        loads = self.rollout.remote.load_slot.start(index, entries, ready, version, count)
+        return [writes.as_call, loads.as_call]
 
     def close(self) -> None:
-        _quietly(lambda: self.trainer.execute_all("send_weights", "close_slots"))
+        _quietly(lambda: self.trainer.remote.close_weight_slots())
 
 
 def _quietly(call: Callable[[], Any]) -> None:

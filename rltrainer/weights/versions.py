@@ -1,18 +1,30 @@
-"""Version counters of weight sync.
+"""Version counters of weight sync: every number that names a version of the policy's weights.
 
+A version is a count of training steps: the weights after ``k`` updates of the policy are
+version ``k`` (the Trainer's ``global_step``; version 0 is the initial weights).
+
+- :class:`WeightVersions` (the controller's, owned by the engine's sync owner,
+  ``rltrainer.strategies.weight_sync.WeightSync``, and written by it only): ``policy`` (the version
+  last pushed or synced: the weights the strategy trains), ``started`` (the last sync started) and
+  ``loaded`` (the last sync every replica loaded).
+- ``RolloutEngine.weight_version``: the version the engine holds, written where the engine lives by
+  :func:`mark_loaded` only (a rollout process once a sync's last bucket has loaded; an engine in the
+  controller's process by the in-process transport). The controller's handle on remote replicas
+  (``RemoteEngine``) holds the version its requests ask for: the owner writes it when a push starts
+  and when it has loaded (a replica generates with that version or a later one).
+- The batch column ``policy_version [N]``: the engine's version when a row was generated (what
+  asynchronous rollout tags its rows with; how stale the weights that sampled a row were:
+  ``global_step - policy_version``).
 - :class:`ParamVersions` (a training rank's, or an in-process strategy's): one counter per
-  parameter name, so a sync sends exactly the tensors an optimizer step changed.
-- :class:`WeightVersions` (the controller's): the policy version (training steps taken) and the
-  version each sync carried to the engine. A sync is started with a version; the engine that
-  loaded it reports it as ``RolloutEngine.weight_version`` once its last bucket has loaded. That
-  number is what asynchronous rollout tags its rows with (how stale the weights that sampled a
-  row were: ``policy - weight_version``).
+  parameter name, so a sync sends exactly the tensors an optimizer step changed. These count
+  optimizer steps per parameter, not policy versions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,11 +76,12 @@ def stepped_parameter_names(named_params: Iterable[tuple[str, torch.nn.Parameter
 
 @dataclass
 class WeightVersions:
-    """The controller's counters.
+    """The controller's counters, owned by one sync owner (``WeightSync``) and written by it only.
 
     Attributes:
-        policy: the version of the weights the strategy trains: training steps taken (the
-            Trainer's ``global_step``; one per update of the policy, whatever its optimizer steps).
+        policy: the version of the weights the strategy trains: the version last pushed or synced
+            through the owner (the Trainer's ``global_step``; one per update of the policy, whatever
+            its optimizer steps). A sync's default version.
         started: the version of the last sync started (its bytes are handed off).
         loaded: the version of the last sync waited for (every replica has loaded it).
     """
@@ -76,3 +89,9 @@ class WeightVersions:
     policy: int = 0
     started: int = -1
     loaded: int = -1
+
+
+def mark_loaded(engine: Any, version: int) -> None:
+    """The one writer of ``engine.weight_version`` where the engine lives: sync ``version`` has
+    fully loaded into it (its last bucket; a sync that changed nothing still moves the version)."""
+    engine.weight_version = version

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rltrainer.rollout.worker import Worker
+from rltrainer.controller.worker_group import WorkerGroup
 from rltrainer.rollout.engine import Generation, SamplingParams
 from rltrainer.rollout.remote import RemoteEngine
 from rltrainer.rollout.vllm import VLLMEngine
@@ -91,20 +93,25 @@ def test_replicas_seed_each_sample_as_one_engine_would():
     assert per_sample == one_engine == list(range(7, 17))
 
 
-class SleepingGroup:
+class SleepingGroup(WorkerGroup):
     """A worker group whose engines report (and reset) whether a sleep discarded their weights."""
 
     world_size = 2
+    worker_cls = Worker
 
     def __init__(self, discarded):
         self.discarded, self.calls = list(discarded), []
 
-    def execute_all(self, method, *args):
+    def _call_async(self, ranks, method, per_rank):
+        args, _ = per_rank[0]
         self.calls.append((method, *args))
-        if method == "receive_weights" and args == ("take_weights_discarded",):
+        if method == "take_weights_discarded" and args == ():
             answer, self.discarded = self.discarded, [False] * self.world_size
             return answer
-        return [None] * self.world_size
+        return [None] * len(ranks)
+
+    def get(self, futures, method):
+        return list(futures)
 
 
 def test_remote_sleep_asks_the_replicas_at_level_2_only():
@@ -113,7 +120,7 @@ def test_remote_sleep_asks_the_replicas_at_level_2_only():
     engine.sleep(1)
     assert group.calls == [("engine_sleep", 1)] and not engine.weights_discarded
     engine.sleep(2)
-    assert group.calls[1:] == [("engine_sleep", 2), ("receive_weights", "take_weights_discarded")]
+    assert group.calls[1:] == [("engine_sleep", 2), ("take_weights_discarded",)]
     assert engine.weights_discarded and engine.replica(1).weights_discarded  # views share it
     engine.replica(0).weights_discarded = False  # what the strategy does when it starts the full sync
     assert not engine.weights_discarded

@@ -95,7 +95,7 @@ def test_the_broadcast_group_takes_weight_sync_timeout_s(tiny_config, bpe_tokeni
         entries = bucket_entries([("w", (4,), torch.float32)])
         start = time.perf_counter()
         with pytest.raises(WorkerError, match="rollout"):
-            strategy.rollout_group.execute_all("receive_weights", "receive", entries, 1, 0, 1)  # no sender
+            strategy.rollout_group.remote.receive_bucket(entries, 1, 0, 1)  # no sender
         assert 2.0 < time.perf_counter() - start < 30
     finally:
         strategy.teardown()
