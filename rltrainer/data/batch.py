@@ -100,6 +100,18 @@ class RolloutBatch:
         return cls(non_tensors={k: [row[k] for row in rows] for k in keys}, meta=meta)
 
     @classmethod
+    def from_loader(cls, raw: Any) -> RolloutBatch:
+        """A dataloader's batch as a batch: a ``RolloutBatch`` as is, a list of dict rows, or a dict of columns."""
+        if isinstance(raw, RolloutBatch):
+            return raw
+        if (isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], Mapping)) or isinstance(raw, Mapping):
+            return cls.from_rows(raw)
+        raise TypeError(
+            "A dataloader batch must be a RolloutBatch, a list of dict rows, or a dict of columns; got "
+            f"{type(raw).__name__}. Use rltrainer.data.prompt_dataloader(dataset, batch_size) to build one."
+        )
+
+    @classmethod
     def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
         """Concatenate batches along rows. ``meta`` is taken from the first batch."""
         if not batches:

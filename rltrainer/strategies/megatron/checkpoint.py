@@ -94,7 +94,7 @@ class _Writer:
             self.flush()
 
     def flush(self) -> None:
-        from rltrainer.export import write_safetensors
+        from rltrainer.hf_export import write_safetensors
 
         if self.bucket:
             path = self.directory / f"rank={self.rank}-{self.files:05d}.safetensors"
