@@ -100,7 +100,7 @@ class Trainer(DeprecatedTrainerMethods):
         logger: Any = True,
         fast_dev_run: bool | int = False,
         enable_progress_bar: bool = True,
-        pipeline: str | Pipeline = "sync",
+        pipeline: Pipeline | str = "sync",
         stage_timeout_s: float | dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from rltrainer import GRPO, FSDP2Strategy, SGLangEngine, SingleDeviceStrategy, Trainer, VLLMEngine, prompt_dataloader
+from rltrainer import (GRPO, FSDP2Strategy, Logger, SGLangEngine, SingleDeviceStrategy, Trainer, VLLMEngine,
+                       prompt_dataloader)
 from rltrainer.schedulers import build_lr_scheduler, estimate_optimizer_steps
 
 
@@ -171,7 +172,7 @@ def test_trainer_builds_wandb_with_its_identity(tmp_path, monkeypatch):
     fake.WandbLogger = FakeWandbLogger
     monkeypatch.setitem(__import__("sys").modules, "fake_loggers", fake)
     monkeypatch.setitem(__import__("rltrainer.loggers").loggers.LOGGER_NAMES, "wandb", ("fake_loggers", "WandbLogger"))
-    Trainer(logger="wandb", project="p", run_name="r", default_root_dir=tmp_path, enable_progress_bar=False)
+    Trainer(logger=Logger("wandb", project="p", run_name="r"), default_root_dir=tmp_path, enable_progress_bar=False)
     assert built["project"] == "p" and built["name"] == "r" and built["resume"] == "allow" and built["id"]
 
 
