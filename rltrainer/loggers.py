@@ -64,7 +64,8 @@ class Logger:
 
     def __post_init__(self) -> None:
         if self.name not in LOGGER_NAMES:
-            raise ValueError(f"Unknown logger {self.name!r}. Available logger names: {', '.join(sorted(LOGGER_NAMES))}.")
+            raise ValueError(f"Unknown logger {self.name!r}. Available logger names: "
+                             f"{', '.join(sorted(LOGGER_NAMES))}.")
 
 
 def build_loggers(logger: Any, default_root_dir: str | Path, project: str | None = None,

@@ -110,7 +110,8 @@ class RLModule(torch.nn.Module):
         Only ``pipeline="sync"`` offers it; a module that uses it sets ``supported_pipelines``."""
         source = getattr(self, "_prompt_source", None)
         if source is None:
-            raise RuntimeError(f"{type(self).__name__}.draw_prompts() is only available inside fit(), from rollout_step")
+            raise RuntimeError(f"{type(self).__name__}.draw_prompts() is only available inside fit(), "
+                               "from rollout_step")
         return source.draw_prompts()
 
     def record_generations(self, batch: RolloutBatch, split: str) -> None:

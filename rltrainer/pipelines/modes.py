@@ -96,7 +96,8 @@ class AsyncPipeline(Pipeline):
 
     def __init__(self, max_staleness: int = 1, staleness_policy: str = "wait") -> None:
         if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
-            raise ValueError(f"max_staleness must be an int >= 0 (policy versions a row may lag), got {max_staleness!r}")
+            raise ValueError(f"max_staleness must be an int >= 0 (policy versions a row may lag), "
+                             f"got {max_staleness!r}")
         if staleness_policy not in STALENESS_POLICIES:
             raise ValueError(f"staleness_policy={staleness_policy!r}; choose from {', '.join(STALENESS_POLICIES)}")
         self.max_staleness, self.staleness_policy = max_staleness, staleness_policy
@@ -145,7 +146,8 @@ def check_module_pipeline(module: Any, pipeline: str | Pipeline) -> None:
                          f"Trainer(pipeline={mode!r}). {getattr(module, 'pipeline_reason', '')}".rstrip())
 
 
-def prompt_batches(loader: Iterable[Any], epoch: int, start: int, max_epochs: int | None) -> Iterator[tuple[int, int, Any]]:
+def prompt_batches(loader: Iterable[Any], epoch: int, start: int,
+                   max_epochs: int | None) -> Iterator[tuple[int, int, Any]]:
     """``(epoch, index, raw batch)`` from ``(epoch, start)`` on, epoch after epoch, until
     ``max_epochs`` (forever without it: ``max_steps`` ends the run)."""
     while max_epochs is None or epoch < max_epochs:

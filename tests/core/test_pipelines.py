@@ -223,8 +223,9 @@ def test_async_resume_loses_and_repeats_no_prompt(tiny_config, bpe_tokenizer, gs
     trained = []
     for max_steps, ckpt, save in ((2, None, tmp_path / "a.ckpt"), (-1, tmp_path / "a.ckpt", None)):
         m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
-        with trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=(0.0, 0.3)), pipeline=AsyncPipeline(max_staleness=2,
-                     staleness_policy="drop"), max_steps=max_steps, max_epochs=1) as t:
+        with trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=(0.0, 0.3)),
+                     pipeline=AsyncPipeline(max_staleness=2, staleness_policy="drop"), max_steps=max_steps,
+                     max_epochs=1) as t:
             t.fit(m, prompt_dataloader(prompts, batch_size=B), ckpt_path=ckpt)
             if save:
                 t.save_checkpoint(save)

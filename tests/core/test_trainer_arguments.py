@@ -130,6 +130,7 @@ def test_the_module_facing_helpers_left_the_trainer_and_still_answer(tiny_config
     with pytest.warns(DeprecationWarning, match=r"trainer.sync.sync\(trainer.global_step\)"):
         stats = t.sync_weights()
     assert stats["skipped"] and stats["tensors"] == 0  # the engine already holds these weights
-    with pytest.warns(DeprecationWarning, match=r"self.draw_prompts\(\)"), pytest.raises(RuntimeError, match="inside fit"):
+    with pytest.warns(DeprecationWarning, match=r"self.draw_prompts\(\)"), \
+            pytest.raises(RuntimeError, match="inside fit"):
         t.draw_prompts()  # after fit: no pipeline runs
     t.teardown()
