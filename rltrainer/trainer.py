@@ -34,7 +34,7 @@ from rltrainer.rollout.engine import RolloutEngine, build_engine, check_engine_s
 from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, resolve_strategy
 from rltrainer.strategies.weight_sync import WeightSync
-from rltrainer.training_checkpoint import PendingCheckpoint, read_checkpoint, write_checkpoint
+from rltrainer.training_checkpoint import PendingCheckpoint, load_checkpoint, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +383,10 @@ class Trainer(DeprecatedTrainerMethods):
         path = resolve_ckpt_path(self, ckpt_path)  # fit() passes it resolved; restore() its argument
         if path is None:
             return
-        checkpoint, self._pipeline_state = read_checkpoint(path, self.strategy, self.pipeline.mode)
+        checkpoint = read_trainer_state(path)
+        log.info("Resuming from checkpoint %s%s (step %d)", path, f" -> {path.resolve()}" * path.is_symlink(),
+                 checkpoint["global_step"])
+        self._pipeline_state = load_checkpoint(path, checkpoint, self.strategy, self.pipeline.mode)
         self.global_step = self.strategy.weight_versions.policy = checkpoint["global_step"]
         self.current_epoch = checkpoint["current_epoch"]
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]

@@ -1,12 +1,11 @@
 """The Trainer's checkpoint, written and read: the strategy's training state under ``training/``
 and the controller's counters, RNG, data position, pipeline buffers, loggers and callbacks' entries
 in ``trainer.pt`` (the format: :mod:`rltrainer.checkpoints`). Functions take what they use; the
-Trainer gathers its state and applies what :func:`read_checkpoint` returns."""
+Trainer gathers its state and applies what :func:`load_checkpoint` returns."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,10 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from rltrainer.checkpoints import (FORMAT, MANIFEST, TRAINER_FILE, TRAINING_DIR, VERSION, CheckpointError,
-                                   commit_directory, controller_rng_state, load_training, read_trainer_state, save_file,
-                                   seal, set_controller_rng_state, temporary_directory)
-
-log = logging.getLogger(__name__)
+                                   commit_directory, controller_rng_state, load_training, save_file, seal,
+                                   set_controller_rng_state, temporary_directory)
 
 
 @dataclass
@@ -64,14 +61,12 @@ def write_checkpoint(path: str | Path, strategy: Any, state: dict[str, Any], on_
     return PendingCheckpoint(tmp, path, on_saved)
 
 
-def read_checkpoint(path: Path, strategy: Any, pipeline_mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load the checkpoint at ``path`` into ``strategy`` (its files checked against ``checksums.json``
-    first) and set the controller's RNG; return its entries and the pipeline's buffers to restore
+def load_checkpoint(path: Path, checkpoint: dict[str, Any], strategy: Any, pipeline_mode: str) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` (``checkpoint``: its ``trainer.pt``, read by
+    :func:`~rltrainer.checkpoints.read_trainer_state`) into ``strategy`` (its files checked against
+    ``checksums.json`` first) and set the controller's RNG; return the pipeline's buffers to restore
     (its ``pipeline`` entry without the ``mode``). Raises if it was written with another pipeline
     mode than ``pipeline_mode``."""
-    checkpoint = read_trainer_state(path)
-    log.info("Resuming from checkpoint %s%s (step %d)", path, f" -> {path.resolve()}" * path.is_symlink(),
-             checkpoint["global_step"])
     pipeline = dict(checkpoint["pipeline"])
     if pipeline.pop("mode", pipeline_mode) != pipeline_mode and pipeline:
         raise ValueError(f"The checkpoint was written with pipeline={checkpoint['pipeline']['mode']!r}; "
@@ -83,4 +78,4 @@ def read_checkpoint(path: Path, strategy: Any, pipeline_mode: str) -> tuple[dict
             raise
         raise CheckpointError(f"{path}: {exc}") from exc
     set_controller_rng_state(checkpoint["rng"])
-    return checkpoint, pipeline
+    return pipeline
