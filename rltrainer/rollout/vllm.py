@@ -243,9 +243,7 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         python = resolve_python(self.python)
         if python is None:
             return None
-        import rltrainer
-
-        source = os.path.dirname(os.path.dirname(os.path.abspath(rltrainer.__file__)))
+        source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above rltrainer/
         path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
         return {"py_executable": python, "env_vars": {"PYTHONPATH": path}}
 
