@@ -41,6 +41,16 @@ class Pipeline:
         prompt batches ``(epoch, index, raw batch)`` in order."""
         raise NotImplementedError
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to its name (``trainer.pipeline == "async"``, as when it was a string) and to a
+        pipeline of the same class and settings."""
+        if isinstance(other, str):
+            return other == self.mode
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(vars(self).items()))))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 

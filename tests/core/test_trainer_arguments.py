@@ -39,7 +39,8 @@ def test_a_name_is_shorthand_for_the_pipeline_object_with_its_defaults(name, cls
         by_name, by_object = Trainer(strategy=strategy, pipeline=name, **QUIET), \
             Trainer(strategy=strategy, pipeline=cls(), **QUIET)
     assert type(by_name.pipeline) is type(by_object.pipeline) is cls
-    assert vars(by_name.pipeline) == vars(by_object.pipeline) and by_name.pipeline.mode == name
+    assert by_name.pipeline == by_object.pipeline == name and by_name.pipeline.mode == name
+    assert by_name.pipeline != ("sync" if name != "sync" else SyncPipeline(weight_sync="async"))
 
 
 def test_each_pipeline_checks_its_own_settings_at_construction():
