@@ -263,12 +263,10 @@ class Trainer(DeprecatedTrainerMethods):
 
     def save_hf(self, path: str | Path, dtype: torch.dtype | None = None, lora: str = "merged",
                 max_shard_bytes: int | None = None) -> Path:
-        """Export the policy as a Hugging Face model directory (safetensors shards, config,
-        generation config, tokenizer) that ``AutoModelForCausalLM.from_pretrained(path)`` loads,
-        from any strategy, gathering one bucket at a time (:mod:`rltrainer.hf_export`). ``dtype``:
-        cast the weights (default: as trained). A LoRA policy: ``lora="merged"`` (default) merges
-        the adapter in; ``lora="adapter"`` writes the adapter alone (peft's format). ``path`` must
-        be new or empty; it appears only once complete."""
+        """Export the policy as a Hugging Face model directory ``AutoModelForCausalLM.from_pretrained(path)``
+        loads, from any strategy (:mod:`rltrainer.hf_export`). ``dtype``: cast the weights (default: as
+        trained); a LoRA policy merged in (``lora="merged"``) or the adapter alone (``"adapter"``, peft's
+        format). ``path`` must be new or empty; it appears only once complete."""
         return save_hf(self.module, self.strategy, self.sync, path, dtype=dtype, lora=lora,
                        max_shard_bytes=max_shard_bytes)
 

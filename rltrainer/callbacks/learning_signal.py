@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.algorithms.advantages import group_index, group_signal_metrics
 from rltrainer.callbacks.callback import Callback
 
 if TYPE_CHECKING:
@@ -39,8 +40,6 @@ DECODED_ROWS = 8
 def signal_metrics(batch: RolloutBatch) -> dict[str, float]:
     """``response/empty_ratio`` (rows whose response text is blank, or that have no response token),
     ``critic/score/{max,min}`` and, for groups of two or more, ``critic/groups/zero_std_ratio``."""
-    from rltrainer.algorithms.advantages import group_index, group_signal_metrics
-
     out: dict[str, float] = {}
     if "response_text" in batch:
         out["response/empty_ratio"] = sum(not str(t).strip() for t in batch["response_text"]) / max(len(batch), 1)
