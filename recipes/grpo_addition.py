@@ -317,8 +317,9 @@ def run(config: Config) -> dict[str, Any]:
                                          threads_per_worker=config.threads)
             progress = PrintProgress(config.print_every)
             trainer = rltrainer.Trainer(
-                strategy=strategy, rollout=build_engine(config), pipeline=config.pipeline,
-                max_staleness=config.max_staleness,
+                strategy=strategy, rollout=build_engine(config),
+                pipeline=rltrainer.AsyncPipeline(max_staleness=config.max_staleness) if config.pipeline == "async"
+                else config.pipeline,
                 max_steps=config.steps, seed=config.seed if config.sampling_seed < 0 else config.sampling_seed,
                 val_check_interval=config.val_every or None, logger="csv" if config.output_dir else False,
                 default_root_dir=config.output_dir or None,

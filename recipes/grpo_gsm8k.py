@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer import GRPO, AsyncPipeline, OneStepOffPipeline, SyncPipeline, Trainer, prompt_dataloader
 from rltrainer.data import load_rows, prepare_gsm8k
 from rltrainer.strategies import build_strategy
 from rltrainer.testing import data_path, tiny_qwen2_config, tiny_qwen3_config
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", default="outputs/grpo_gsm8k")
     p.add_argument("--no-progress-bar", action="store_true")
     p.add_argument("--padding-free", action="store_true",
-                   help="pack each micro-batch's rows without their padding (Trainer(padding_free=True))")
+                   help="pack each micro-batch's rows without their padding (the strategy's padding_free=True)")
     args = p.parse_args(argv)
     preset = args.preset if args.preset != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
     for key, value in PRESETS[preset].items():
@@ -107,11 +107,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         per_rank["rollout_placement"] = "split"
     strategy = build_strategy(args.strategy, devices=args.devices, precision=args.precision,
                               micro_batch_size=args.micro_batch_size, padding_free=args.padding_free, **per_rank)
+    pipeline = (SyncPipeline(weight_sync=args.weight_sync) if args.pipeline == "sync" else OneStepOffPipeline()
+                if args.pipeline == "one_step_off" else AsyncPipeline(max_staleness=args.max_staleness))
     start = time.perf_counter()
     with Trainer(strategy=strategy, rollout=args.rollout, max_steps=args.max_steps, seed=args.seed,
                  val_check_interval=args.val_check_interval, limit_val_batches=args.val_batches,
                  default_root_dir=args.output_dir, enable_progress_bar=not args.no_progress_bar,
-                 weight_sync=args.weight_sync, pipeline=args.pipeline, max_staleness=args.max_staleness) as trainer:
+                 pipeline=pipeline) as trainer:
         trainer.fit(module, prompt_dataloader(train, args.batch_size, seed=args.seed),
                     val_dataloaders=prompt_dataloader(val, args.batch_size, shuffle=False, drop_last=False))
     keep = ("val/", "critic/score", "timing_s/step")

@@ -463,3 +463,10 @@ def set_controller_rng_state(rng: dict[str, Any]) -> None:
     random.setstate(rng["python"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def seed_controller(seed: int) -> None:
+    """Seed this process's Python, numpy and torch RNGs (the start of ``fit`` and ``validate``)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -3,7 +3,10 @@
 Built on jsonargparse, as Lightning's CLI is: the parser is made from the signatures, so every
 argument of :class:`~rltrainer.Trainer` (``trainer:``), of the module class (``module:``, a
 ``class_path`` such as ``rltrainer.GRPO`` or your own ``my_task.MyModule``, with its ``init_args``),
-of the strategy (``trainer.strategy``: a registered name or a ``class_path``) and of the data
+of the strategy (``trainer.strategy``: a registered name or a ``class_path``), of the pipeline
+(``trainer.pipeline``: ``sync``, ``one_step_off``, ``async``, or a ``class_path`` such as
+``AsyncPipeline`` with its ``init_args``: ``--trainer.pipeline AsyncPipeline
+--trainer.pipeline.max_staleness 2``) and of the data
 (``data:``: :class:`~rltrainer.data.PromptDataModule`'s arguments, or a ``class_path`` of your own
 data module with ``init_args``) can be set in YAML or as a flag (``--trainer.max_steps 5``,
 ``--module.init_args.lr 1e-5``); ``--print_config`` writes the whole resolved config. Reward
@@ -30,6 +33,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rltrainer.callbacks import ModelCheckpoint
+from rltrainer.data.datamodule import DataModule
+from rltrainer.module import RLModule
+from rltrainer.testing import data_path
+from rltrainer.trainer import Trainer
+
 log = logging.getLogger(__name__)
 
 #: The tokenizers shipped in ``recipes/data/tokenizers``, loadable by name.
@@ -47,8 +56,6 @@ def load_tokenizer_spec(spec: Any) -> Any:
     from transformers import AutoTokenizer
 
     if spec in SHIPPED_TOKENIZERS:
-        from rltrainer.testing import data_path
-
         spec = str(data_path("tokenizers", spec))
     return AutoTokenizer.from_pretrained(spec)
 
@@ -68,10 +75,6 @@ def fit_parser() -> Any:
     except ImportError as exc:
         raise ImportError("The rltrainer command line needs jsonargparse: pip install 'rltrainer[cli]' "
                           "(or pip install 'jsonargparse>=4.53')") from exc
-
-    from rltrainer.data.datamodule import DataModule
-    from rltrainer.module import RLModule
-    from rltrainer.trainer import Trainer
 
     parser = ArgumentParser(description="Train an RLModule with the Trainer, from a config file and flags.",
                             exit_on_error=False)
@@ -109,8 +112,6 @@ def instantiate_fit(parser: Any, config: Any) -> dict[str, Any]:
     """``trainer``, ``module`` and ``data`` built from a parsed ``fit`` config: the data gets the
     module's tokenizer (``setup(tokenizer)``, if it has one), and the trainer a
     :class:`~rltrainer.ModelCheckpoint` if it has none (but for a ``fast_dev_run``)."""
-    from rltrainer.callbacks import ModelCheckpoint
-
     objects = parser.instantiate_classes(config)
     if hasattr(objects.data, "setup"):
         objects.data.setup(objects.module.tokenizer)
@@ -155,8 +156,6 @@ def resume_command(argv: Sequence[str]) -> str:
 
 def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
     """A few lines at the end of a run: steps, wall time, the last metrics, where its outputs are."""
-    from rltrainer.callbacks import ModelCheckpoint
-
     state = "interrupted after" if trainer.interrupted else "done:"
     steps = f"{trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps != -1 else "")
     lines = [f"rltrainer fit {state} {steps} steps in {seconds:.0f} s"]

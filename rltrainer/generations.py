@@ -1,5 +1,6 @@
-"""Sample generations in the logs: every ``Trainer(log_generations_every_n_steps=N)`` steps and at
-every validation, ``K`` rows go to each logger in the form it supports:
+"""Sample generations in the logs: the :class:`LogGenerations` callback (on by default; configure it
+by passing one, ``Trainer(callbacks=[LogGenerations(every_n_steps=N, rows=K)])``) sends, every ``N``
+steps and at every validation, ``K`` rows to each logger in the form it supports:
 
 ===================  ====================================================================
 logger               what it gets
@@ -28,16 +29,69 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.callbacks.callback import Callback
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.files import append_bytes
+
+if TYPE_CHECKING:
+    from rltrainer.module import RLModule
+    from rltrainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("prompt", "response", "reward", "advantage", "finish_reason")
+
+
+class LogGenerations(Callback):
+    """Send sample generations to the loggers: ``rows`` rows of every ``every_n_steps``-th training
+    step (spread over its groups), and the first ``rows`` rows of every validation. On by default
+    (``every_n_steps=50, rows=4``); pass one to configure it, ``LogGenerations(every_n_steps=None)``
+    to log none.
+
+    The step keeps rows through :meth:`rltrainer.RLModule.record_generations` (the loop after
+    ``advantage_step``, the default ``validation_step``; a custom ``validation_step`` may call it
+    too); they are written at the end of the step and of the validation."""
+
+    def __init__(self, every_n_steps: int | None = 50, rows: int = 4) -> None:
+        for name, value in (("every_n_steps", every_n_steps), ("rows", rows)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"LogGenerations({name}=...) must be a positive int"
+                                 f"{' or None (never)' if name == 'every_n_steps' else ''}, got {value!r}")
+            if value is None and name == "rows":
+                raise ValueError("LogGenerations(rows=...) must be a positive int, got None")
+        self.every_n_steps, self.rows = every_n_steps, rows
+        self._kept: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}  # rows to write, per split
+
+    def record(self, trainer: Trainer, batch: RolloutBatch, split: str) -> None:
+        """Keep sample rows of a scored batch: ``split="train"`` on the steps that log them, ``"val"``
+        until ``rows`` are kept."""
+        kept = self._kept[split]
+        if not trainer.loggers or self.every_n_steps is None or len(kept) >= self.rows:
+            return
+        if split == "train" and (trainer.global_step + 1) % self.every_n_steps:
+            return
+        want = self.rows - len(kept)
+        indices = spread(len(batch), want) if split == "train" else list(range(min(want, len(batch))))
+        kept.extend(generation_rows(batch, trainer.module.tokenizer, indices))
+
+    def write(self, trainer: Trainer, split: str) -> None:
+        """Send the rows kept for ``split`` to the loggers, at the trainer's step."""
+        rows, self._kept[split] = self._kept[split], []
+        write_generations(trainer.loggers, rows, trainer.global_step, split)
+
+    def on_step_end(self, trainer: Trainer, module: RLModule, metrics: dict[str, float]) -> None:
+        self.write(trainer, "train")
+
+    def on_validation_start(self, trainer: Trainer, module: RLModule) -> None:
+        self.write(trainer, "train")  # a validation inside a step: the step's rows come first
+        self._kept["val"] = []
+
+    def on_validation_end(self, trainer: Trainer, module: RLModule, metrics: dict[str, float]) -> None:
+        self.write(trainer, "val")
 
 
 def generation_rows(batch: RolloutBatch, tokenizer: Any, indices: list[int]) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Loggers are Lightning's, resolved by name and imported lazily (``import lightning`` takes
 several seconds, so it happens only when a logger is actually used). A logger built by name gets
-the run's identity (``project``, ``run_name``, and for W&B a run id that a restarted job reuses,
-so a preempted run resumes as the same W&B run); every logger gets the hyperparameters.
+the run's identity from its :class:`Logger` spec (``Trainer(logger=Logger("wandb", project=...,
+run_name=..., run_id=...))``; for W&B a run id that a restarted job reuses, so a preempted run
+resumes as the same W&B run); every logger gets the hyperparameters.
 
 A log is whole: a ``validate()`` after ``fit`` reaches every logger and is saved at once
 (:func:`save_loggers`), and a run resumed with ``fit(ckpt_path=...)`` writes on in the CSV /
@@ -41,10 +42,38 @@ VERSIONED = ("CSVLogger", "TensorBoardLogger")
 WANDB_ID_FILE = "wandb_run_id"
 
 
+@dataclasses.dataclass
+class Logger:
+    """A logger built by name, with this run's identity; ``Trainer(logger="wandb")`` is
+    ``Logger("wandb")``. It is built under the Trainer's ``default_root_dir``.
+
+    Args:
+        name: ``"csv"``, ``"tensorboard"``, ``"wandb"`` or ``"mlflow"``.
+        project: the W&B project, MLflow experiment, or CSV/TensorBoard folder (default
+            ``"lightning_logs"``).
+        run_name: the W&B / MLflow run name, the CSV/TensorBoard version.
+        run_id: the W&B (or MLflow) run id to log to. ``None`` with ``"wandb"``: the id this job's
+            ``default_root_dir`` kept from its first start (``wandb_run_id``), so a job restarted
+            after preemption resumes the same W&B run.
+    """
+
+    name: str = "csv"
+    project: str | None = None
+    run_name: str | None = None
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in LOGGER_NAMES:
+            raise ValueError(f"Unknown logger {self.name!r}. Available logger names: "
+                             f"{', '.join(sorted(LOGGER_NAMES))}.")
+
+
 def build_loggers(logger: Any, default_root_dir: str | Path, project: str | None = None,
                   run_name: str | None = None, run_id: str | None = None) -> list[Any]:
     """``True`` -> CSVLogger; ``False``/``None`` -> none; a name (``"csv"``, ``"tensorboard"``,
-    ``"wandb"``, ``"mlflow"``); a logger instance; or a list of those."""
+    ``"wandb"``, ``"mlflow"``); a :class:`Logger`; a logger instance; or a list of those.
+    ``project``, ``run_name``, ``run_id``: the identity of the loggers given by name (the
+    Trainer's former arguments; a :class:`Logger` carries its own)."""
     if logger is None or logger is False:
         return []
     if logger is True:
@@ -54,6 +83,8 @@ def build_loggers(logger: Any, default_root_dir: str | Path, project: str | None
 
 
 def _build_one(item: Any, root: str | Path, project: str | None, run_name: str | None, run_id: str | None) -> Any:
+    if isinstance(item, Logger):
+        item, project, run_name, run_id = item.name, item.project, item.run_name, item.run_id
     if not isinstance(item, str):
         if not hasattr(item, "log_metrics"):
             raise TypeError(f"A logger needs a log_metrics(metrics, step) method; got {type(item).__name__}")
@@ -114,6 +145,11 @@ def hyperparameters(obj: Any, prefix: str) -> dict[str, Any]:
     return out
 
 
+def hyperparameters_of(**objects: Any) -> dict[str, Any]:
+    """:func:`hyperparameters` of each object, prefixed with its keyword (``trainer=trainer``)."""
+    return {k: v for prefix, obj in objects.items() for k, v in hyperparameters(obj, prefix).items()}
+
+
 def _scalar(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
@@ -148,6 +184,12 @@ class LogFlush:
             raise ValueError(f"log_flush_s must be a number of seconds >= 0 (0: after every logged step; math.inf: "
                              f"only at the end of fit), got {every_s!r}")
         self.every_s, self.last = float(every_s), time.monotonic()
+
+    def log(self, loggers: list[Any], metrics: Mapping[str, float], step: int) -> None:
+        """Send ``metrics`` of ``step`` to every logger, then save them if it is time to."""
+        for logger in loggers:
+            logger.log_metrics(metrics, step=step)
+        self(loggers)
 
     def __call__(self, loggers: list[Any]) -> None:
         if math.isinf(self.every_s) or time.monotonic() - self.last < self.every_s:

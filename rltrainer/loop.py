@@ -7,22 +7,43 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.call import call_module_hook
 from rltrainer.callbacks.learning_signal import signal_metrics
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.strategies.strategy import combine_metrics, is_extreme
 
 if TYPE_CHECKING:
-    from rltrainer.trainer import Trainer
+    from rltrainer.controller.watchdog import Watchdog
+    from rltrainer.module import RLModule
+    from rltrainer.rollout.engine import RolloutEngine
+    from rltrainer.strategies.strategy import Strategy
+    from rltrainer.strategies.weight_sync import WeightSync
 
 #: Training steps in a row that skipped every optimizer step before the run stops with an error.
 MAX_SKIPPED_STEPS = 3
+
+
+@dataclass
+class FitContext:
+    """What the step, the validation loop and a pipeline's run use of a set-up Trainer (it makes
+    one per fit), so that none of them reaches into the Trainer."""
+
+    module: RLModule
+    strategy: Strategy
+    engine: RolloutEngine  # the engine the strategy connected
+    sync: WeightSync  # the one owner of weight pushes
+    watchdog: Watchdog
+    seed: int
+    step: Callable[[], int]  # the trainer's global_step now (the policy version the weights have)
+    call_hooks: Callable[..., None]  # (name, *args): a lifecycle event, the module's hook, then the callbacks'
+    call_module: Callable[..., Any]  # (name, *args): a module hook, its result checked against its contract
+    log: Callable[[dict[str, float]], None]  # add to this step's metrics
 
 
 @contextmanager
@@ -32,28 +53,28 @@ def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
     metrics[f"timing_s/{name}"] = time.perf_counter() - start
 
 
-def training_step(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
+def training_step(fit: FitContext, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:
     """Train on ``N`` generated rows (the pipeline made them, see :mod:`rltrainer.pipelines`); return
-    the step's metrics. Ends by starting the push of the new weights (version ``global_step + 1``)."""
-    module, strategy = trainer.module, trainer.strategy
-    metrics = trainer.step_metrics
+    the step's metrics (``metrics``, what the step logged so far, updated). Ends by starting the push
+    of the new weights (version ``step + 1``)."""
+    module, strategy, step = fit.module, fit.strategy, fit.step()
     metrics.update(batch.meta.get("logged", {}))  # what rollout_step logged, in whichever thread ran it
     metrics.update({k: float(v) for k, v in batch.meta.items() if k.startswith(("pipeline/", "timing_s/"))})
     with timer(metrics, "reward"):
-        batch = trainer.watchdog.call("reward.reward_step", call_module_hook, trainer, "reward_step", batch)  # + scores
+        batch = fit.watchdog.call("reward.reward_step", fit.call_module, "reward_step", batch)  # + scores
     for stage in module.compute_stages():  # old_log_prob, ref, values, ...
         with timer(metrics, stage):
             batch = batch.union(strategy.compute(batch, stage))
     with timer(metrics, "adv"):
-        batch = call_module_hook(trainer, "advantage_step", batch)  # + advantages [N, T]
-    trainer.record_generations(batch, "train")  # sample rows for the loggers, on the steps that log them
+        batch = fit.call_module("advantage_step", batch)  # + advantages [N, T]
+    module.record_generations(batch, "train")  # sample rows for the loggers, on the steps that log them
     for name, value in signal_metrics(batch).items():  # empty responses, score spread: LearningSignal reads them
         metrics.setdefault(name, value)
     with timer(metrics, "update_actor"):
-        metrics.update(update_policy(trainer, batch))
+        metrics.update(update_policy(module, strategy, batch, seed=fit.seed + step))
     with timer(metrics, "update_weights"):
-        metrics.update(trainer.sync.push(trainer.global_step + 1))
-    metrics.update(staleness_metrics(batch, trainer.global_step))
+        metrics.update(fit.sync.push(step + 1))
+    metrics.update(staleness_metrics(batch, step))
     return metrics
 
 
@@ -65,21 +86,20 @@ def staleness_metrics(batch: RolloutBatch, step: int) -> dict[str, float]:
     return {"pipeline/staleness_mean": lag.mean().item(), "pipeline/staleness_max": lag.max().item()}
 
 
-def update_policy(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
-    """``update_epochs`` passes over the batch in mini-batches of ``mini_batch_size`` rows, one
-    optimizer step each; metrics are averaged over the optimizer steps (``*_max`` / ``*_min``: the
-    extreme over them)."""
-    module = trainer.module
+def update_policy(module: RLModule, strategy: Strategy, batch: RolloutBatch, seed: int) -> dict[str, float]:
+    """``update_epochs`` passes over the batch in mini-batches of ``mini_batch_size`` rows (shuffled
+    with ``seed``), one optimizer step each; metrics are averaged over the optimizer steps
+    (``*_max`` / ``*_min``: the extreme over them)."""
     size = module.mini_batch_size or len(batch)
     parts: list[dict[str, float]] = []
-    generator = torch.Generator().manual_seed(trainer.seed + trainer.global_step)
+    generator = torch.Generator().manual_seed(seed)
     for epoch in range(module.update_epochs):
         order = torch.randperm(len(batch), generator=generator) if epoch > 0 or size < len(batch) else None
         shuffled = batch[order] if order is not None else batch
         for mini_batch in shuffled.split(size):
             mini_batch.meta.update(global_tokens=max(float(mini_batch["response_mask"].sum()), 1.0),
                                    global_rows=float(len(mini_batch)))
-            parts.append(trainer.strategy.train_step(mini_batch))
+            parts.append(strategy.train_step(mini_batch))
     combined = combine_metrics(parts)
     out = {k: v if is_extreme(k) else v / len(parts) for k, v in combined.items()}
     out["training/optimizer_steps"] = float(len(parts))
@@ -139,15 +159,15 @@ def batch_metrics(batch: RolloutBatch, step_time: float) -> dict[str, float]:
     }
 
 
-def validation_loop(trainer: Trainer, dataloader: object, limit_batches: int | None = None) -> dict[str, float]:
+def validation_loop(fit: FitContext, dataloader: Any, limit_batches: int | None = None) -> dict[str, float]:
     """Run ``validation_step`` over the loader; average metrics weighted by ``val/rows``."""
     sums: dict[str, float] = {}
     rows = 0.0
     for i, raw in enumerate(dataloader):
         if limit_batches is not None and i >= limit_batches:
             break
-        out = trainer.watchdog.call("rollout.validation_step", call_module_hook, trainer, "validation_step",
-                                    trainer.as_batch(raw), trainer.engine)  # the engine's calls, watched
+        out = fit.watchdog.call("rollout.validation_step", fit.call_module, "validation_step",
+                                RolloutBatch.from_loader(raw), fit.engine)  # the engine's calls, watched
         n = out.pop("val/rows", 1.0)
         rows += n
         for k, v in out.items():

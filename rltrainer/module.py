@@ -85,6 +85,8 @@ class RLModule(torch.nn.Module):
         self.sampling = SamplingParams()
         self.tokenizer: Any = None
         self._trainer: Trainer | None = None
+        self._prompt_source: Any = None  # during fit: the pipeline's run, which draw_prompts asks
+        self._generation_log: Any = None  # the Trainer's LogGenerations callback, which record_generations feeds
 
     # -- where the module lives -----------------------------------------------------------------
     @property
@@ -101,6 +103,26 @@ class RLModule(torch.nn.Module):
             target = self._trainer.step_metrics if self._trainer is not None else self.__dict__.setdefault("logged_metrics", {})
         target[name] = float(value)
 
+    def draw_prompts(self) -> RolloutBatch | None:
+        """During ``fit``, for a ``rollout_step`` that needs more prompts than its batch (dynamic
+        sampling): the next loader batch as prompt rows with ``prompt_position [B, 3]``, or ``None``
+        when the data ran out. It counts as consumed (the epoch and resume position move past it).
+        Only ``pipeline="sync"`` offers it; a module that uses it sets ``supported_pipelines``."""
+        source = getattr(self, "_prompt_source", None)
+        if source is None:
+            raise RuntimeError(f"{type(self).__name__}.draw_prompts() is only available inside fit(), "
+                               "from rollout_step")
+        return source.draw_prompts()
+
+    def record_generations(self, batch: RolloutBatch, split: str) -> None:
+        """Keep sample rows of a scored batch for the loggers (:class:`~rltrainer.LogGenerations`):
+        ``split="train"`` on the steps that log them, ``"val"`` until its ``rows`` are kept. The loop
+        and the default :meth:`validation_step` call it; a custom ``validation_step`` may too. Outside
+        a Trainer, or with no ``LogGenerations`` callback, it does nothing."""
+        recorder = getattr(self, "_generation_log", None)
+        if recorder is not None and self._trainer is not None:
+            recorder.record(self._trainer, batch, split)
+
     def prompt_vocab_size(self) -> int | None:
         """The policy's vocabulary size (its config's ``vocab_size``, read by the Trainer at setup),
         or ``len(tokenizer)`` outside a Trainer; prompt token ids must be below it."""
@@ -112,6 +134,7 @@ class RLModule(torch.nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_trainer"] = None  # the controller's trainer never travels to workers
+        state["_prompt_source"] = state["_generation_log"] = None
         return state
 
     # -- models ---------------------------------------------------------------------------------
@@ -165,7 +188,7 @@ class RLModule(torch.nn.Module):
 
         The prompt rows carry ``prompt_position [B, 3]`` (epoch, loader batch, row), which
         ``batch.repeat`` keeps. A ``rollout_step`` that needs more prompts (dynamic sampling) may
-        call ``self.trainer.draw_prompts()`` for the next loader batch (``pipeline="sync"`` only);
+        call ``self.draw_prompts()`` for the next loader batch (``pipeline="sync"`` only);
         it then returns rows of any of the prompts it was given or drew, ``G`` per prompt, with
         their ``prompt_position`` carried over.
 
@@ -277,8 +300,7 @@ class RLModule(torch.nn.Module):
         sampling = SamplingParams(n=1, max_new_tokens=self.sampling.max_new_tokens, temperature=0.0,
                                   stop_token_ids=self.sampling.stop_token_ids)
         rollouts = self.reward_step(self.sample(batch, engine, sampling))
-        if self._trainer is not None:
-            self._trainer.record_generations(rollouts, "val")
+        self.record_generations(rollouts, "val")
         return validation_metrics(rollouts["scores"], self.max_score, self.correct_rows(rollouts))
 
     def correct_rows(self, batch: RolloutBatch) -> torch.Tensor | None:

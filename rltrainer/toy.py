@@ -278,11 +278,11 @@ def accuracy(model: Any, tokenizer: Any, problems: Sequence[tuple[str, str]], ma
 
 def _engine(model: Any, tokenizer: Any) -> Any:
     """The trainer's engine (weights synced, awake), or an ``hf`` engine holding ``model``'s weights."""
-    if hasattr(model, "sync_weights") and hasattr(model, "engine"):  # a Trainer
-        if not getattr(model, "_is_setup", False):
+    if hasattr(model, "sync") and hasattr(model, "engine"):  # a Trainer
+        if model.sync is None:  # set up by fit() or validate(), until teardown()
             raise ValueError("accuracy(trainer, ...) needs the trainer's engine: call it after fit() or validate() "
                              "and before teardown(), or pass the model itself.")
-        model.sync_weights()
+        model.sync.sync(model.global_step)
         model.engine.wake_up()
         return model.engine
     if not isinstance(model, torch.nn.Module):

@@ -30,16 +30,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltrainer.files", "rltrainer.registry", "rltrainer.weights", "rltrainer.controller", "rltrainer.allocator",
      "rltrainer.optim", "rltrainer.schedulers"),
     # 1: the batch, the data, the checkpoint format
-    ("rltrainer.data", "rltrainer.packing", "rltrainer.contracts", "rltrainer.generations", "rltrainer.lora",
-     "rltrainer.checkpoints"),
+    ("rltrainer.data", "rltrainer.packing", "rltrainer.contracts", "rltrainer.lora", "rltrainer.checkpoints",
+     "rltrainer.training_checkpoint", "rltrainer.hf_export"),
     # 2: models and the maths of algorithms
     ("rltrainer.models", "rltrainer.lm_head", "rltrainer.algorithms", "rltrainer.rewards"),
     # 3: the hooks users write against, and the compute behind them (an engine's host process included)
     ("rltrainer.module", "rltrainer.call", "rltrainer.modules", "rltrainer.strategies", "rltrainer.rollout",
      "rltrainer.envs", "rltrainer.plan"),
     # 4: the loop and what drives it
-    ("rltrainer.callbacks", "rltrainer.loggers", "rltrainer.csv_logger", "rltrainer.loop", "rltrainer.pipelines",
-     "rltrainer.interrupt", "rltrainer.export", "rltrainer.trainer"),
+    ("rltrainer.callbacks", "rltrainer.generations", "rltrainer.loggers", "rltrainer.csv_logger", "rltrainer.loop",
+     "rltrainer.pipelines", "rltrainer.interrupt", "rltrainer.deprecated", "rltrainer.export", "rltrainer.trainer"),
     # 5: entry points and helpers for tests
     ("rltrainer.cli", "rltrainer.plot", "rltrainer.testing", "rltrainer.toy", "rltrainer.__main__", "rltrainer"),
 ]

@@ -56,3 +56,27 @@ class EpochShuffle(Sampler[int]):
             torch.randperm(self.size, generator=generator)
         self.epoch += 1
         return iter(order.tolist())
+
+
+def resolve_dataloaders(train: Any, val: Any, datamodule: Any, need_train: bool = True) -> tuple[Any, Any]:
+    """Take loaders directly or from a datamodule (anything with ``train_dataloader()``)."""
+    if datamodule is not None:
+        if train is not None or val is not None:
+            raise ValueError("Pass either dataloaders or a datamodule, not both")
+        train = datamodule.train_dataloader() if need_train else None
+        val = datamodule.val_dataloader() if hasattr(datamodule, "val_dataloader") else None
+    if need_train and train is None:
+        raise ValueError("fit() needs train_dataloaders or a datamodule with train_dataloader()")
+    return train, val
+
+
+def estimate_training_steps(loader: Any, max_epochs: int | None, max_steps: int) -> int | None:
+    """The training steps of a run over ``loader``: the fewer of ``max_epochs`` passes and
+    ``max_steps`` (``-1``: no limit); ``None`` when neither bounds it (a loader without a length)."""
+    try:
+        per_epoch = len(loader)
+    except TypeError:
+        per_epoch = None
+    by_epochs = per_epoch * max_epochs if per_epoch is not None and max_epochs else None
+    candidates = [n for n in (by_epochs, max_steps if max_steps != -1 else None) if n is not None]
+    return min(candidates) if candidates else None

@@ -1,7 +1,7 @@
 """DAPO (Yu et al. 2025, arXiv:2503.14476) as GRPO with four hooks' worth of changes: dynamic
 sampling in ``rollout_step``, the soft overlong penalty in ``reward_step``, truncated responses
 masked out of the loss in ``advantage_step``, and clip-higher / token-mean / no KL as defaults.
-The loop is the same; the only thing DAPO asks of it is more prompts (``Trainer.draw_prompts``)."""
+The loop is the same; the only thing DAPO asks of it is more prompts (``RLModule.draw_prompts``)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from typing import Any
 import torch
 
 from rltrainer.algorithms.dapo import mixed_groups, overlong_penalty
-from rltrainer.data.batch import RolloutBatch
+from rltrainer.data.batch import RolloutBatch, concat_rollouts
 from rltrainer.models import ModelSpec
 from rltrainer.modules.grpo import GRPO
 from rltrainer.rewards.model import RewardSpec
-from rltrainer.pipelines import concat_rollouts
 from rltrainer.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -53,7 +52,7 @@ class DAPO(GRPO):
 
     Dynamic sampling, step by step: ``rollout_step`` samples ``G`` responses for its ``B`` prompts,
     scores them (so ``reward_step`` later only logs), keeps the groups with mixed rewards, and while
-    fewer than ``B`` are kept asks ``Trainer.draw_prompts()`` for the next loader batch and samples
+    fewer than ``B`` are kept asks ``self.draw_prompts()`` for the next loader batch and samples
     again. It trains on the first ``B`` mixed groups (verl: ``batch[:traj_bsz]``); the surplus is
     dropped, counted. Drawn batches are consumed: the epoch and a resume move past them, so one step
     can use several loader batches and an epoch has fewer steps than batches. At the end of the data
@@ -111,7 +110,7 @@ class DAPO(GRPO):
         if dynamic_sampling:
             self.supported_pipelines = ("sync",)
             self.pipeline_reason = ("DAPO's dynamic sampling draws further prompts from the loader inside the step "
-                                    "(Trainer.draw_prompts), which the pipelines that queue prompts ahead cannot "
+                                    "(RLModule.draw_prompts), which the pipelines that queue prompts ahead cannot "
                                     "offer. Use Trainer(pipeline='sync'), or DAPO(dynamic_sampling=False).")
 
     # -- control flow ---------------------------------------------------------------------------
@@ -135,7 +134,7 @@ class DAPO(GRPO):
                 break
             if self.max_gen_rounds is not None and rounds >= self.max_gen_rounds:
                 raise RuntimeError(self._bound_message(len(kept), target, rounds, generated))
-            prompts = self._trainer.draw_prompts() if self._trainer is not None else None  # None: no more data
+            prompts = self.draw_prompts() if self._trainer is not None else None  # None: no more data
         self._log_sampling(rounds, generated, len(kept), target)
         if not kept:  # the data ran out with no mixed group: the pipeline ends the run
             return rows[torch.zeros(0, dtype=torch.long)]

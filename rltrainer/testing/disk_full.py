@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rltrainer import GRPO, Callback, ModelCheckpoint, Trainer, prompt_dataloader
+from rltrainer import GRPO, Callback, LogGenerations, ModelCheckpoint, Trainer, prompt_dataloader
 from rltrainer.data import load_rows, prepare_gsm8k
 from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config
 from rltrainer.testing.tmpfs import fill, run_in_tmpfs
@@ -49,8 +49,8 @@ def main(root: str, leave: int, strategy: str, devices: int, every: int, report_
     module = GRPO(tiny_qwen2_config(len(tok), hidden_size=32, num_layers=2), tok, reward_funcs=_parity,
                   num_generations=2, max_new_tokens=4, lr=1e-3)
     trainer = Trainer(strategy=strategy, devices=devices, max_steps=3 if every == 1 else 16,
-                      enable_progress_bar=False, default_root_dir=root, log_generations_every_n_steps=None,
-                      callbacks=[ModelCheckpoint(every_n_steps=every), FillDisk()])
+                      enable_progress_bar=False, default_root_dir=root,
+                      callbacks=[LogGenerations(every_n_steps=None), ModelCheckpoint(every_n_steps=every), FillDisk()])
     report: dict[str, Any] = {}
     try:
         trainer.fit(module, prompt_dataloader(rows, batch_size=2, shuffle=False))

@@ -24,7 +24,7 @@ import torch
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, float]:
-    from rltrainer import GRPO, Trainer, prompt_dataloader
+    from rltrainer import GRPO, AsyncPipeline, Trainer, prompt_dataloader
     from rltrainer.callbacks import Callback
     from rltrainer.data import load_rows, prepare_gsm8k
     from rltrainer.strategies import FSDP2Strategy
@@ -49,9 +49,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, float]:
     clock = Clock()
     strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=args.micro_batch_size,
                              threads_per_worker=1)
-    extra = {"max_staleness": args.max_staleness} if mode == "async" else {}
-    with Trainer(strategy=strategy, rollout="hf", pipeline=mode, max_steps=args.steps, logger=False,
-                 enable_progress_bar=False, callbacks=[clock], seed=0, **extra) as trainer:
+    pipeline = AsyncPipeline(max_staleness=args.max_staleness) if mode == "async" else mode
+    with Trainer(strategy=strategy, rollout="hf", pipeline=pipeline, max_steps=args.steps, logger=False,
+                 enable_progress_bar=False, callbacks=[clock], seed=0) as trainer:
         trainer.fit(module, prompt_dataloader(prompts, args.batch_size))
     measured = clock.history[args.warmup:]
     span = clock.times[-1] - clock.times[args.warmup - 1]

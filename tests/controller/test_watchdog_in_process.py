@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer import GRPO, AsyncPipeline, Trainer, prompt_dataloader
 from rltrainer.controller.watchdog import StageTimeout, Watchdog, doing
 from rltrainer.rollout.hf import HFEngine
 from rltrainer.testing import length_reward
@@ -193,14 +193,15 @@ def test_a_hung_weight_push(tiny_config, bpe_tokenizer, gsm8k_prompts, monkeypat
 @pytest.mark.parametrize("pipeline, policy", [("one_step_off", "wait"), ("async", "drop")])
 def test_a_hung_rollout_thread_under_the_buffer_wait(pipeline, policy, tiny_config, bpe_tokenizer, gsm8k_prompts,
                                                      ray_session, monkeypatch):
-    from rltrainer.pipelines import Pipeline
+    from rltrainer.pipelines import SyncRun
     from rltrainer.strategies import FSDP2Strategy
 
-    monkeypatch.setattr(Pipeline, "_run", hang_on_call(2, Pipeline._run))  # outside rollout_step's own watch
+    monkeypatch.setattr(SyncRun, "_run", hang_on_call(2, SyncRun._run))  # outside rollout_step's own watch
     strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4)
     start = time.monotonic()
-    error, after_s = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, strategy=strategy, pipeline=pipeline,
-                         staleness_policy=policy, stage_timeout_s={"pipeline.wait": TIMEOUT_S})
+    error, after_s = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, strategy=strategy,
+                         pipeline=AsyncPipeline(staleness_policy=policy) if pipeline == "async" else pipeline,
+                         stage_timeout_s={"pipeline.wait": TIMEOUT_S})
     check(error, "pipeline.wait", "in stand_in", None)
     assert "'rltrainer-rollout_" in str(error).splitlines()[0]
     assert after_s < 2 * TIMEOUT_S + SLACK_S  # the trainer's wait began after the hang (one step later)

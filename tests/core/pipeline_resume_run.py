@@ -75,7 +75,7 @@ class KillAtBoundary(Callback):
 
     def on_step_end(self, trainer, module, metrics):
         if trainer.global_step == self.step:
-            pipeline = trainer._pipeline
+            pipeline = trainer._run
             held = {"in_flight": sum(len(f.prompts.positions) for f in pipeline._in_flight),
                     "ready": len(getattr(pipeline, "ready", [])), "queue": len(getattr(pipeline, "queue", [])),
                     "held_batch": getattr(pipeline, "_held", None) is not None}

@@ -57,7 +57,8 @@ def test_flags_override_every_layer_and_print_config_is_complete(capsys, tmp_pat
     """A trainer, a module, a strategy and a data argument set as flags; --print_config writes them
     with every default, and the printed config parses back to the same settings."""
     flags = ["--config", str(CPU), "--trainer.max_steps", "3", "--module.init_args.temperature", "0.7",
-             "--trainer.strategy.init_args.gradient_clip_val", "0.5", "--data.batch_size", "2"]
+             "--trainer.strategy.init_args.gradient_clip_val", "0.5", "--data.batch_size", "2",
+             "--trainer.pipeline", "AsyncPipeline", "--trainer.pipeline.max_staleness", "1"]
     config = parse(*flags)
     assert config.trainer.max_steps == 3 and config.module.init_args.temperature == 0.7
     assert config.trainer.strategy.init_args.gradient_clip_val == 0.5 and config.data.init_args.batch_size == 2
@@ -65,7 +66,7 @@ def test_flags_override_every_layer_and_print_config_is_complete(capsys, tmp_pat
         build_parser().parse_args(["fit", *flags, "--print_config"])
     printed = capsys.readouterr().out
     written = yaml.safe_load(printed)
-    assert written["trainer"]["staleness_policy"] == "wait"  # a default the config never set
+    assert written["trainer"]["pipeline"]["init_args"]["staleness_policy"] == "wait"  # a default the config never set
     assert written["module"]["init_args"]["clip_ratio_high"] == 0.2
     assert written["trainer"]["strategy"]["init_args"]["max_tokens_per_micro_batch"] is None
     (tmp_path / "printed.yaml").write_text(printed)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltrainer import GRPO, Callback, ModelCheckpoint, Trainer
+from rltrainer import GRPO, Callback, LogGenerations, ModelCheckpoint, Trainer
 from rltrainer.checkpoints import find_last_run, read_trainer_state
 from rltrainer.cli import main, resume_command
 from rltrainer.data import prompt_dataloader
@@ -58,9 +58,10 @@ TASK = """
 trainer:
   max_steps: 1000
   enable_progress_bar: false
-  log_generations_every_n_steps: null
   default_root_dir: {root}
   callbacks:
+    - class_path: rltrainer.LogGenerations
+      init_args: {{every_n_steps: null}}
     - class_path: rltrainer.ModelCheckpoint
       init_args: {{every_n_steps: 1}}
 module:
@@ -236,7 +237,7 @@ def reward(completions, **kwargs):
 def fit(tiny_config, tokenizer, prompts, root, callbacks, max_steps=50, ckpt_path=None):
     module = GRPO(tiny_config, tokenizer, reward_funcs=reward, num_generations=2, max_new_tokens=4, lr=1e-3)
     trainer = Trainer(max_steps=max_steps, logger="csv", enable_progress_bar=False, default_root_dir=root,
-                      callbacks=callbacks, log_generations_every_n_steps=None)
+                      callbacks=[LogGenerations(every_n_steps=None), *callbacks])
     with trainer:
         trainer.fit(module, prompt_dataloader(prompts, batch_size=2, shuffle=False), ckpt_path=ckpt_path)
     return trainer

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer import GRPO, RolloutBatch, Trainer, prompt_dataloader
 from rltrainer.export import main, write_safetensors
 from rltrainer.models import response_log_probs
 from rltrainer.strategies import FSDP2Strategy
@@ -38,7 +38,7 @@ def policy_and_export_log_probs(trainer, module, path, prompts):
     exported model's on the same rows."""
     from transformers import AutoModelForCausalLM
 
-    batch = module.rollout_step(trainer.as_batch(prompts[:2]), trainer.engine)
+    batch = module.rollout_step(RolloutBatch.from_loader(prompts[:2]), trainer.engine)
     trained_lp = trainer.strategy.compute(batch, "old_log_prob")["old_log_probs"]
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rltrainer import Trainer
+from rltrainer import LogGenerations, Trainer
 from rltrainer.checkpoints import DiskFullError, read_trainer_state
 from rltrainer.csv_logger import CSVLogger
 from rltrainer.files import append_rows, read_rows
@@ -29,7 +29,7 @@ TRAIN = textwrap.dedent("""
     import os, signal, sys
     import torch
     torch.set_num_threads(1)
-    from rltrainer import GRPO, Callback, ModelCheckpoint, Trainer, prompt_dataloader
+    from rltrainer import GRPO, Callback, LogGenerations, ModelCheckpoint, Trainer, prompt_dataloader
     from rltrainer.data import load_rows, prepare_gsm8k
     from rltrainer.testing import data_path, load_tokenizer, tiny_qwen2_config
 
@@ -49,8 +49,7 @@ TRAIN = textwrap.dedent("""
     module = GRPO(tiny_qwen2_config(len(tok), hidden_size=32, num_layers=2), tok, reward_funcs=parity,
                   num_generations=2, max_new_tokens=4, lr=1e-3)
     trainer = Trainer(max_steps=max_steps, enable_progress_bar=False, default_root_dir=root,
-                      log_generations_every_n_steps=None,
-                      callbacks=[ModelCheckpoint(every_n_steps=2), Kill()])
+                      callbacks=[LogGenerations(every_n_steps=None), ModelCheckpoint(every_n_steps=2), Kill()])
     trainer.fit(module, prompt_dataloader(rows, batch_size=2, shuffle=False),
                 ckpt_path=sys.argv[4] if len(sys.argv) > 4 else None)
     open(os.path.join(root, "done"), "w").close()
@@ -288,7 +287,7 @@ def test_each_logged_step_is_on_disk_before_the_next_step(log_flush_s, tmp_path,
                 seen["tb"] = [e.step for e in events.Scalars("critic/score/mean")] if "critic/score/mean" in tags else []
 
     trainer = Trainer(max_steps=2, logger=["csv", "tensorboard"], log_flush_s=log_flush_s, enable_progress_bar=False,
-                      default_root_dir=tmp_path, log_generations_every_n_steps=None, callbacks=[Look()])
+                      default_root_dir=tmp_path, callbacks=[LogGenerations(every_n_steps=None), Look()])
     module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                   num_generations=2, max_new_tokens=4)
     trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer import GRPO, LogGenerations, Trainer, prompt_dataloader
 from rltrainer.generations import write_generations
 
 ROW_KEYS = {"step", "split", "prompt", "response", "reward", "advantage", "finish_reason", "reward/odd_length",
@@ -30,7 +30,7 @@ def logged_run(tmp_path_factory, tiny_config, bpe_tokenizer, gsm8k_prompts):
                   lr=1e-3)
     trainer = Trainer(max_steps=3, max_epochs=100, val_check_interval=2, limit_val_batches=1,
                       logger=["csv", "tensorboard"], default_root_dir=root, enable_progress_bar=False,
-                      log_generations_every_n_steps=2, log_generations_rows=3)
+                      callbacks=[LogGenerations(every_n_steps=2, rows=3)])
     trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=4),
                 val_dataloaders=prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False))
     return trainer
@@ -124,7 +124,7 @@ def test_multi_turn_generations_show_what_the_model_saw(tmp_path, tiny_config, b
     module = GRPO(tiny_config, bpe_tokenizer, None, num_generations=2, max_new_tokens=3,
                   environment=MultiTurn(Echo, max_turns=2, max_workers=0))
     trainer = Trainer(max_steps=1, logger="csv", default_root_dir=tmp_path, enable_progress_bar=False,
-                      log_generations_every_n_steps=1, log_generations_rows=2)
+                      callbacks=[LogGenerations(every_n_steps=1, rows=2)])
     trainer.fit(module, prompt_dataloader(rows, batch_size=2, shuffle=False),
                 val_dataloaders=prompt_dataloader(rows[:2], batch_size=2, shuffle=False))
     logged = [json.loads(line) for line in (Path(trainer.loggers[0].log_dir) / "generations.jsonl").open()]

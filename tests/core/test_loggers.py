@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer import GRPO, LogGenerations, Trainer, prompt_dataloader
 from rltrainer.loggers import continue_logs, log_versions
 
 
@@ -40,7 +40,7 @@ def csv_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 def test_validate_after_fit_reaches_every_logger_and_is_saved(tmp_path, tiny_config, bpe_tokenizer, gsm8k_prompts):
     recorder = Recorder()
     trainer = Trainer(max_steps=2, logger=["csv", recorder], default_root_dir=tmp_path, enable_progress_bar=False,
-                      log_generations_every_n_steps=None)
+                      callbacks=[LogGenerations(every_n_steps=None)])
     module = make_module(tiny_config, bpe_tokenizer)
     trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2, shuffle=False))
     recorder.calls.clear()

@@ -25,7 +25,7 @@ import torch
 from rltrainer.checkpoints import safe_load
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.batch import RolloutBatch
-from rltrainer.pipelines import AsyncPipeline
+from rltrainer.pipelines import AsyncPipeline, AsyncRun
 
 SCRIPT = Path(__file__).with_name("pipeline_resume_run.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,11 +115,11 @@ def prompt(position: tuple[int, int, int]) -> RolloutBatch:
     return RolloutBatch({"prompt_position": torch.tensor([position])}, non_tensors={"prompt_ids": [[1, position[2]]]})
 
 
-def pipeline_over(batches: list[tuple[int, int, RolloutBatch]]) -> AsyncPipeline:
-    trainer = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=2)), global_step=3,
-                              strategy=SimpleNamespace(rollout_placement="split"), engine=SimpleNamespace(),
-                              as_batch=lambda raw: raw, watchdog=Watchdog())
-    return AsyncPipeline(trainer, batches, max_staleness=1, staleness_policy="wait")
+def pipeline_over(batches: list[tuple[int, int, RolloutBatch]]) -> AsyncRun:
+    fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=2)), step=lambda: 3,
+                          strategy=SimpleNamespace(rollout_placement="split"), engine=SimpleNamespace(),
+                          watchdog=Watchdog())
+    return AsyncPipeline(max_staleness=1, staleness_policy="wait").start(fit, batches)
 
 
 def loader_batch(epoch: int, index: int) -> tuple[int, int, RolloutBatch]:

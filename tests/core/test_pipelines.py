@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer import GRPO, AsyncPipeline, Trainer, prompt_dataloader
 from rltrainer.callbacks import Callback
 from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
@@ -94,9 +94,9 @@ def test_modes_that_cannot_work_refuse_at_construction():
     with pytest.raises(ValueError, match="sync, one_step_off, async"):
         Trainer(pipeline="overlap")
     with pytest.raises(ValueError, match="max_staleness"):
-        Trainer(strategy=split(), pipeline="async", max_staleness=-1)
+        Trainer(strategy=split(), pipeline=AsyncPipeline(max_staleness=-1))
     with pytest.raises(ValueError, match="wait, drop"):
-        Trainer(strategy=split(), pipeline="async", staleness_policy="skip")
+        Trainer(strategy=split(), pipeline=AsyncPipeline(staleness_policy="skip"))
     with pytest.raises(ValueError, match="weight_sync"):
         Trainer(strategy=split(), pipeline="one_step_off", weight_sync="async")
     assert Trainer(strategy=split(), pipeline="async").off_policy
@@ -180,7 +180,7 @@ def test_async_never_exceeds_the_staleness_bound_and_counts_drops(policy, max_st
     m = module(Counting, tiny_config, bpe_tokenizer)
     delay = (0.0, 1.0) if policy == "drop" else (0.0, 0.4)  # drop: a replica often falls behind the other
     with trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=delay, seed=max_staleness),
-                 pipeline="async", max_staleness=max_staleness, staleness_policy=policy, max_epochs=1,
+                 pipeline=AsyncPipeline(max_staleness=max_staleness, staleness_policy=policy), max_epochs=1,
                  callbacks=[Drops()]) as t:
         t.fit(m, prompt_dataloader(prompts, batch_size=B))
     trained = [p for r in m.records for p in r["positions"]]
@@ -223,8 +223,9 @@ def test_async_resume_loses_and_repeats_no_prompt(tiny_config, bpe_tokenizer, gs
     trained = []
     for max_steps, ckpt, save in ((2, None, tmp_path / "a.ckpt"), (-1, tmp_path / "a.ckpt", None)):
         m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
-        with trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=(0.0, 0.3)), pipeline="async", max_staleness=2,
-                     staleness_policy="drop", max_steps=max_steps, max_epochs=1) as t:
+        with trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=(0.0, 0.3)),
+                     pipeline=AsyncPipeline(max_staleness=2, staleness_policy="drop"), max_steps=max_steps,
+                     max_epochs=1) as t:
             t.fit(m, prompt_dataloader(prompts, batch_size=B), ckpt_path=ckpt)
             if save:
                 t.save_checkpoint(save)
@@ -270,12 +271,12 @@ def test_shutdown_with_requests_in_flight_leaves_no_process_behind(tiny_config, 
     class Interrupt(Callback):
         def on_step_end(self, trainer, module, metrics):
             seen["pids"] = list(trainer.strategy.rollout_group.pids)
-            seen["in_flight"] = len(trainer._pipeline._in_flight)
+            seen["in_flight"] = len(trainer._run._in_flight)
             seen["at"] = time.perf_counter()
             raise KeyboardInterrupt  # e.g. Ctrl-C while the replicas generate
 
     m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
-    t = trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=(1.0, 1.0)), pipeline="async", max_staleness=2,
+    t = trainer(split(replicas=2), rollout=SlowHFEngine(delay_s=(1.0, 1.0)), pipeline=AsyncPipeline(max_staleness=2),
                 max_epochs=1, callbacks=[Interrupt()])
     with pytest.raises(KeyboardInterrupt):
         t.fit(m, prompt_dataloader(gsm8k_prompts, batch_size=B))
@@ -338,9 +339,9 @@ def test_async_with_a_bound_of_one_equals_one_step_off(tiny_config, bpe_tokenize
     versions and end with the same weights."""
     prompts = gsm8k_prompts.select(range(4 * B))
     runs = {}
-    for pipeline, extra in (("one_step_off", {}), ("async", {"max_staleness": 1})):
+    for pipeline, spec in (("one_step_off", "one_step_off"), ("async", AsyncPipeline(max_staleness=1))):
         m = module(RecordingGRPO, tiny_config, bpe_tokenizer, seed=11)
-        with trainer(split(), pipeline=pipeline, max_epochs=1, **extra) as t:
+        with trainer(split(), pipeline=spec, max_epochs=1) as t:
             t.fit(m, prompt_dataloader(prompts, batch_size=B))
             runs[pipeline] = (m.records, dict(t.strategy.export_weights()))
     (ours, weights), (theirs, reference) = runs["async"], runs["one_step_off"]

@@ -134,11 +134,11 @@ def test_accuracy_counts_exact_matches_over_batches():
         def wake_up(self):
             pass
 
-    trainer = SimpleNamespace(_is_setup=True, engine=Engine(), sync_weights=lambda: {})
+    trainer = SimpleNamespace(sync=SimpleNamespace(sync=lambda version: {}), global_step=0, engine=Engine())
     problems = [("1>", "12"), ("2>", "8"), ("3>", "34"), ("4>", "55")]
     assert toy.accuracy(trainer, tokenizer, problems, batch_size=2) == 0.5
     assert seen == [(2, 0.0, 3), (2, 0.0, 3)]  # greedy; the longest answer and eos
     with pytest.raises(ValueError, match="after fit"):
-        toy.accuracy(SimpleNamespace(_is_setup=False, engine=None, sync_weights=None), tokenizer, problems)
+        toy.accuracy(SimpleNamespace(sync=None, engine=None, global_step=0), tokenizer, problems)
     with pytest.raises(ValueError, match="at least one"):
         toy.accuracy(trainer, tokenizer, [])

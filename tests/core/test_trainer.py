@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rltrainer import GRPO, Callback, ModelCheckpoint, RLModule, Trainer, prompt_dataloader
+from rltrainer import GRPO, Callback, ModelCheckpoint, RLModule, RolloutBatch, Trainer, prompt_dataloader
 from rltrainer.models import response_log_probs
 
 
@@ -135,7 +135,7 @@ def test_engine_log_probs_match_policy(tiny_config, bpe_tokenizer, gsm8k_prompts
     module = make_module(tiny_config, bpe_tokenizer, temperature=0.8, num_generations=3, max_new_tokens=12)
     trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False)
     trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
-    prompts = trainer.as_batch([gsm8k_prompts[i] for i in range(3)])
+    prompts = RolloutBatch.from_loader([gsm8k_prompts[i] for i in range(3)])
     rollouts = module.rollout_step(prompts, trainer.engine)
     with torch.no_grad():
         policy_lp, _ = response_log_probs(module.policy, rollouts, temperature=0.8)

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from rltrainer import GRPO, FSDP2Strategy, SGLangEngine, SingleDeviceStrategy, Trainer, VLLMEngine, prompt_dataloader
+from rltrainer import (GRPO, FSDP2Strategy, Logger, SGLangEngine, SingleDeviceStrategy, Trainer, VLLMEngine,
+                       prompt_dataloader)
 from rltrainer.schedulers import build_lr_scheduler, estimate_optimizer_steps
 
 
@@ -67,7 +68,8 @@ def test_micro_batch_size_from_the_trainer_reaches_the_hooks(tiny_config, bpe_to
             return super().policy_step(micro_batch)
 
     module = Counting(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=4)
-    trainer = Trainer(max_steps=1, micro_batch_size=3, logger=False, enable_progress_bar=False)
+    trainer = Trainer(strategy=SingleDeviceStrategy(micro_batch_size=3), max_steps=1, logger=False,
+                      enable_progress_bar=False)
     trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=4))
     assert sizes == [3, 3, 2]  # 8 rows in micro-batches of 3
 
@@ -171,7 +173,7 @@ def test_trainer_builds_wandb_with_its_identity(tmp_path, monkeypatch):
     fake.WandbLogger = FakeWandbLogger
     monkeypatch.setitem(__import__("sys").modules, "fake_loggers", fake)
     monkeypatch.setitem(__import__("rltrainer.loggers").loggers.LOGGER_NAMES, "wandb", ("fake_loggers", "WandbLogger"))
-    Trainer(logger="wandb", project="p", run_name="r", default_root_dir=tmp_path, enable_progress_bar=False)
+    Trainer(logger=Logger("wandb", project="p", run_name="r"), default_root_dir=tmp_path, enable_progress_bar=False)
     assert built["project"] == "p" and built["name"] == "r" and built["resume"] == "allow" and built["id"]
 
 
@@ -191,7 +193,8 @@ def test_every_logger_gets_the_hyperparameters(tiny_config, bpe_tokenizer, gsm8k
 
     a, b = Recording(), Recording()
     module = make_module(tiny_config, bpe_tokenizer, lr_scheduler_type="linear", clip_ratio_high=0.28)
-    Trainer(max_steps=1, logger=[a, b], micro_batch_size=4, enable_progress_bar=False).fit(
+    Trainer(strategy=SingleDeviceStrategy(micro_batch_size=4), max_steps=1, logger=[a, b],
+            enable_progress_bar=False).fit(
         module, prompt_dataloader(gsm8k_prompts, batch_size=2))
     assert a.params == b.params
     p = a.params

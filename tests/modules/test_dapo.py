@@ -247,7 +247,7 @@ class DrawsAndDiscards(RecordingDAPO):
 
     def rollout_step(self, batch, engine):
         out = super().rollout_step(batch, engine)
-        self.trainer.draw_prompts()
+        self.draw_prompts()
         return out
 
 
@@ -280,7 +280,8 @@ def test_groups_are_filtered_on_the_task_score_not_the_shaped_one() -> None:
     scores (1, 0) unequal. The paper filters on accuracy, so every group is dropped."""
     module = dapo(max_new_tokens=4, overlong_buffer_len=2, reward_funcs=lambda c, **k: [1.0] * len(c))
     drawn = []
-    module._trainer = SimpleNamespace(step_metrics={}, draw_prompts=lambda: drawn.append(1))  # no more data
+    module._trainer = SimpleNamespace(step_metrics={})
+    module._prompt_source = SimpleNamespace(draw_prompts=lambda: drawn.append(1))  # no more data
     prompts = RolloutBatch.from_rows([{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}])
     out = module.rollout_step(prompts, LengthByIndexEngine())
     assert len(out) == 0 and drawn == [1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer import GRPO, SyncPipeline, Trainer, prompt_dataloader
 from rltrainer.checkpoints import CheckpointError
 from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
@@ -172,7 +172,8 @@ def test_async_weight_sync_gives_the_same_run(tiny_config, bpe_tokenizer, gsm8k_
     results = {}
     for mode in ("sync", "async"):
         module = make_module(FrozenEmbeddingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
-        trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, seed=2, weight_sync=mode)
+        trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, seed=2,
+                          pipeline=SyncPipeline(weight_sync=mode))
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         results[mode] = ({n: p.detach().clone() for n, p in module.policy.named_parameters()},
                          trainer.callback_metrics)
@@ -183,7 +184,7 @@ def test_async_weight_sync_gives_the_same_run(tiny_config, bpe_tokenizer, gsm8k_
         assert torch.equal(results["async"][0][name], tensor), name
     assert "timing_s/wait_weights" in results["async"][1] and results["async"][1]["sync/skipped"] == 1
     with pytest.raises(ValueError, match="weight_sync"):
-        Trainer(weight_sync="later")
+        Trainer(pipeline=SyncPipeline(weight_sync="later"))
 
 
 def test_bad_fsdp2_arguments():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer import GRPO, RolloutBatch, Trainer, prompt_dataloader
 from rltrainer.models import build_causal_lm, response_log_probs
 from rltrainer.rollout.hf import HFEngine
 from rltrainer.strategies import FSDP2Strategy
@@ -59,7 +59,7 @@ def test_single_trains_the_adapter_alone_and_syncs_only_it(tiny_config, bpe_toke
         assert m["sync/tensors"] == adapter_count(tiny_config) and m["actor/kl_loss"] > 0
         assert m["sync/bytes"] == sum(p.numel() * 4 for n, p in module.policy.named_parameters() if ".lora_" in n)
 
-        batch = module.rollout_step(trainer.as_batch(gsm8k_prompts[:2]), trainer.engine)
+        batch = module.rollout_step(RolloutBatch.from_loader(gsm8k_prompts[:2]), trainer.engine)
         ref = trainer.strategy.compute(batch, "ref")["ref_log_probs"]
         base = build_causal_lm(tiny_config, seed=0).eval()  # GRPO's model_seed: the untouched base
         with torch.no_grad():

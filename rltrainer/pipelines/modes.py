@@ -1,0 +1,173 @@
+"""The pipeline objects a Trainer takes (``Trainer(pipeline=AsyncPipeline(max_staleness=2))``, or
+a name as shorthand): each holds and checks its own settings at construction, names the push mode
+its steps use (:class:`~rltrainer.strategies.weight_sync.WeightSync`) and makes the running state of
+one ``fit`` (:meth:`SyncPipeline.start`), so a Trainer can fit more than once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from rltrainer.pipelines.runs import AsyncRun, OneStepOffRun, SyncRun
+
+if TYPE_CHECKING:
+    from rltrainer.loop import FitContext
+
+STALENESS_POLICIES = ("wait", "drop")
+WEIGHT_SYNCS = ("sync", "async")
+
+
+class Pipeline:
+    """What every pipeline object answers: its ``mode`` (the name a checkpoint's ``pipeline.mode``
+    records), the weight-push mode of its steps, whether it runs on a strategy, and the running
+    state of one ``fit``."""
+
+    mode = ""
+    push_mode = "wait"  #: :data:`~rltrainer.strategies.weight_sync.PUSH_MODES`
+
+    def check_strategy(self, strategy: Any) -> None:
+        """Raise if this pipeline cannot run on ``strategy``'s rollout placement: generating while
+        the policy trains needs the engines in processes of their own."""
+        if self.mode != "sync" and getattr(strategy, "rollout_placement", None) != "split":
+            raise ValueError(
+                f"pipeline={self.mode!r} generates while the policy trains, so the rollout engines need processes "
+                f"of their own; strategy {getattr(strategy, 'name', type(strategy).__name__)!r} runs them "
+                f"{getattr(strategy, 'rollout_placement', 'in the training process')}. Use e.g. "
+                "Trainer(strategy=FSDP2Strategy(rollout_placement='split'), ...), or pipeline='sync'."
+            )
+
+    def start(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]]) -> SyncRun:
+        """The running state of one ``fit`` (iterate it for the batches to train on), from the
+        prompt batches ``(epoch, index, raw batch)`` in order."""
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to its name (``trainer.pipeline == "async"``, as when it was a string) and to a
+        pipeline of the same class and settings."""
+        if isinstance(other, str):
+            return other == self.mode
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(vars(self).items()))))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+class SyncPipeline(Pipeline):
+    """``"sync"``: generate a batch with the current weights, then train on it.
+
+    Args:
+        weight_sync: ``"sync"`` (push new weights at the end of each step and wait) or ``"async"``
+            (push in a background thread; logging, callbacks and loading the next prompts overlap
+            with it, and the next rollout, validation or checkpoint waits for it).
+    """
+
+    mode = "sync"
+
+    def __init__(self, weight_sync: str = "sync") -> None:
+        if weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"weight_sync must be 'sync' or 'async', got {weight_sync!r}")
+        self.weight_sync = weight_sync
+        self.push_mode = "background" if weight_sync == "async" else "wait"
+
+    def start(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]]) -> SyncRun:
+        return SyncRun(fit, prompt_batches)
+
+    def __repr__(self) -> str:
+        return f"SyncPipeline(weight_sync={self.weight_sync!r})"
+
+
+class OneStepOffPipeline(Pipeline):
+    """``"one_step_off"``: generate batch ``t + 1`` with the previous weights while training on batch
+    ``t``. Needs the engines in processes of their own (``rollout_placement="split"``)."""
+
+    mode = "one_step_off"
+    push_mode = "overlap"
+
+    def start(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]]) -> SyncRun:
+        return OneStepOffRun(fit, prompt_batches)
+
+
+class AsyncPipeline(Pipeline):
+    """``"async"``: engines stream finished groups into a buffer; the trainer takes rows at most
+    ``max_staleness`` policy versions old. Needs ``rollout_placement="split"``.
+
+    Args:
+        max_staleness: how many policy versions a trained row may lag.
+        staleness_policy: ``"wait"`` (train on the oldest requests first, never exceed the bound) or
+            ``"drop"`` (train on what finished first; drop rows that fell behind the bound, count
+            them and generate their prompts again).
+    """
+
+    mode = "async"
+    push_mode = "overlap"
+
+    def __init__(self, max_staleness: int = 1, staleness_policy: str = "wait") -> None:
+        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0 (policy versions a row may lag), "
+                             f"got {max_staleness!r}")
+        if staleness_policy not in STALENESS_POLICIES:
+            raise ValueError(f"staleness_policy={staleness_policy!r}; choose from {', '.join(STALENESS_POLICIES)}")
+        self.max_staleness, self.staleness_policy = max_staleness, staleness_policy
+
+    def start(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]]) -> SyncRun:
+        return AsyncRun(fit, prompt_batches, self.max_staleness, self.staleness_policy)
+
+    def __repr__(self) -> str:
+        return f"AsyncPipeline(max_staleness={self.max_staleness!r}, staleness_policy={self.staleness_policy!r})"
+
+
+#: The shorthand names ``Trainer(pipeline=...)`` takes.
+PIPELINES: dict[str, type[Pipeline]] = {"sync": SyncPipeline, "one_step_off": OneStepOffPipeline,
+                                            "async": AsyncPipeline}
+
+
+def resolve_pipeline(pipeline: str | Pipeline, **settings: Any) -> Pipeline:
+    """A pipeline object from ``pipeline`` (an object, or a name of :data:`PIPELINES`). ``settings``
+    are the Trainer's former flat arguments (``weight_sync``, ``max_staleness``,
+    ``staleness_policy``): they build a pipeline given by name, and are checked as they were."""
+    if isinstance(pipeline, Pipeline):
+        if settings:
+            raise ValueError(f"Trainer({', '.join(map(str, settings))}=...) configures a pipeline given by name; "
+                             f"this one is an object ({pipeline!r}): set them in its constructor")
+        return pipeline
+    if not isinstance(pipeline, str) or pipeline not in PIPELINES:
+        raise ValueError(f"pipeline={pipeline!r}; choose from {', '.join(PIPELINES)} (or pass a pipeline object, "
+                         "e.g. AsyncPipeline(max_staleness=2))")
+    staleness = {k: settings[k] for k in ("max_staleness", "staleness_policy") if k in settings}
+    checked = AsyncPipeline(**staleness)  # as before: the bound and the policy are checked for any mode
+    weight_sync = settings.get("weight_sync", "sync")
+    if pipeline != "sync" and weight_sync != "sync":
+        raise ValueError(f"weight_sync={weight_sync!r} overlaps the push with the next step in sync mode; "
+                         f"pipeline={pipeline!r} already pushes in the background: leave weight_sync='sync'")
+    if pipeline == "async":
+        return checked
+    return SyncPipeline(weight_sync) if pipeline == "sync" else OneStepOffPipeline()
+
+
+def check_module_pipeline(module: Any, pipeline: str | Pipeline) -> None:
+    """Raise before setup if ``module`` cannot run under ``pipeline`` (its ``supported_pipelines``)."""
+    mode = pipeline.mode if isinstance(pipeline, Pipeline) else pipeline
+    supported = getattr(module, "supported_pipelines", None)
+    if supported is not None and mode not in supported:
+        raise ValueError(f"{type(module).__name__} runs with pipeline in {', '.join(map(repr, supported))}, got "
+                         f"Trainer(pipeline={mode!r}). {getattr(module, 'pipeline_reason', '')}".rstrip())
+
+
+def prompt_batches(loader: Iterable[Any], epoch: int, start: int,
+                   max_epochs: int | None) -> Iterator[tuple[int, int, Any]]:
+    """``(epoch, index, raw batch)`` from ``(epoch, start)`` on, epoch after epoch, until
+    ``max_epochs`` (forever without it: ``max_steps`` ends the run)."""
+    while max_epochs is None or epoch < max_epochs:
+        if hasattr(getattr(loader, "sampler", None), "set_epoch"):
+            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        got_any = False
+        for i, raw in enumerate(loader):
+            got_any = True
+            if i >= start:
+                yield epoch, i, raw
+        if not got_any:
+            raise ValueError("The train dataloader yielded no batches (is the dataset empty after filtering?)")
+        epoch, start = epoch + 1, 0
