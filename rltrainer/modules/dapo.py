@@ -1,4 +1,4 @@
-"""DAPO (Yu et al. 2025, arXiv:2503.14476) as GRPO with four hooks' worth of changes: dynamic
+"""DAPO (Yu et al. 2025, arXiv:2503.14476) as policy gradient with four hooks' worth of changes: dynamic
 sampling in ``rollout_step``, the soft overlong penalty in ``reward_step``, truncated responses
 masked out of the loss in ``advantage_step``, and clip-higher / token-mean / no KL as defaults.
 The loop is the same; the only thing DAPO asks of it is more prompts (``Trainer.draw_prompts``)."""
@@ -14,7 +14,7 @@ import torch
 from rltrainer.algorithms.dapo import mixed_groups, overlong_penalty
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec
-from rltrainer.modules.grpo import GRPO
+from rltrainer.modules.policy_gradient import PolicyGradient
 from rltrainer.rewards.model import RewardSpec
 from rltrainer.pipelines import concat_rollouts
 from rltrainer.rollout.engine import RolloutEngine
@@ -25,10 +25,11 @@ log = logging.getLogger(__name__)
 OVERLONG_BUFFER_SHARE = 4096 / 20480
 
 
-class DAPO(GRPO):
+class DAPO(PolicyGradient):
     """Decoupled Clip and Dynamic sAmpling Policy Optimization, with the paper's defaults.
 
-    Takes every :class:`~rltrainer.GRPO` argument; these differ or are new:
+    Takes every :class:`~rltrainer.GRPO` argument (GRPO's parts: :class:`~rltrainer.modules.PolicyGradient`
+    with other defaults); these differ or are new:
 
     Args:
         clip_ratio_low, clip_ratio_high: clip-higher, ``[1 - 0.2, 1 + 0.28]`` (paper, section 3.1).
@@ -84,11 +85,11 @@ class DAPO(GRPO):
         overlong_penalty_factor: float = 1.0,
         overlong_buffer_len: int | None = None,
         mask_truncated: bool = True,
-        **grpo_kwargs: Any,
+        **settings: Any,
     ) -> None:
         super().__init__(model, tokenizer, reward_funcs, num_generations=num_generations, max_new_tokens=max_new_tokens,
                          clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-                         loss_agg_mode=loss_agg_mode, kl_coef=kl_coef, **grpo_kwargs)
+                         loss_agg_mode=loss_agg_mode, kl_coef=kl_coef, **settings)
         if max_gen_rounds is not None and (not isinstance(max_gen_rounds, int) or max_gen_rounds < 1):
             raise ValueError(f"max_gen_rounds must be an int >= 1 (generation rounds per step) or None (no bound), "
                              f"got {max_gen_rounds!r}")
@@ -116,7 +117,7 @@ class DAPO(GRPO):
 
     # -- control flow ---------------------------------------------------------------------------
     def rollout_step(self, batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
-        """GRPO's sampling; with ``dynamic_sampling``, scored and filtered, drawing more prompts
+        """The default sampling; with ``dynamic_sampling``, scored and filtered, drawing more prompts
         until ``B`` groups have mixed rewards (see the class docstring). Returns ``N <= B*G`` rows.
         Called by hand (no Trainer), it filters the groups of the prompts it is given and draws none."""
         if not self.dynamic_sampling:
@@ -158,7 +159,7 @@ class DAPO(GRPO):
                         kept, target, "them" if kept else "nothing (in fit, the run ends)")
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
-        """GRPO's reward, then the overlong penalty: ``task_scores [N]`` (the reward functions'),
+        """The rule rewards (:meth:`PolicyGradient.reward_step`), then the overlong penalty: ``task_scores [N]`` (the reward functions'),
         ``overlong_penalty [N]`` and ``scores [N]`` (their sum). Lengths are the generated tokens of
         ``response_mask`` (verl's ``valid_response_length``); ``L_max`` is ``max_new_tokens``."""
         batch = super().reward_step(batch)
@@ -188,7 +189,7 @@ class DAPO(GRPO):
 
     def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
         """With ``mask_truncated``, rows cut at ``max_new_tokens`` leave ``response_mask [N, T]``
-        (all zero: no loss term, no token in any count); then GRPO's advantage step."""
+        (all zero: no loss term, no token in any count); then the parts' advantage step."""
         if self.mask_truncated:
             if "finish_reason" not in batch:
                 raise KeyError(f"mask_truncated=True needs 'finish_reason' (one per row, 'length' for a truncated "
