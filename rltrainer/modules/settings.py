@@ -107,6 +107,7 @@ def route_settings(owner: str, settings: Mapping[str, Any], groups: Mapping[str,
     for kind, cls in groups.items():
         mine = {k: v for k, v in settings.items() if owners[k] == kind}
         if kind in given:
+            mine = {k: v for k, v in mine.items() if not _is_default(cls, k, v, defaults)}
             if mine:
                 raise TypeError(f"{owner}() got {kind}={given[kind]!r} and its setting(s) {', '.join(mine)}: set "
                                 f"them in the part ({type(given[kind]).__name__}(...)) or leave the part out.")
@@ -115,6 +116,14 @@ def route_settings(owner: str, settings: Mapping[str, Any], groups: Mapping[str,
             preset = {k: v for k, v in (defaults or {}).items() if owners.get(k) == kind}
             out[kind] = cls(**{**preset, **mine})
     return out
+
+
+def _is_default(cls: type | None, name: str, value: Any, defaults: Mapping[str, Any] | None) -> bool:
+    if cls is None:
+        return False
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    default = (defaults or {}).get(name, field.default)
+    return value is default or (type(value) is type(default) and value == default)
 
 
 def flat_signature(init: Callable[..., None], groups: Mapping[str, type | None], preset: Mapping[str, Any],
@@ -128,7 +137,7 @@ def flat_signature(init: Callable[..., None], groups: Mapping[str, type | None],
     except NameError:  # an annotation only imported for type checkers: keep the strings
         own_hints = {}
     own = [p.replace(annotation=own_hints.get(p.name, p.annotation))
-           for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]
+           for p in inspect.signature(init).parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     params = {p.name: p for p in own if p.name != "self"}
     for cls in (c for c in groups.values() if c is not None):
         hints = typing.get_type_hints(cls)
@@ -138,7 +147,7 @@ def flat_signature(init: Callable[..., None], groups: Mapping[str, type | None],
                 params[f.name] = inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                                    annotation=hints.get(f.name, f.type))
     for p in (parent.parameters.values() if parent is not None else ()):
-        if p.name not in params and p.name != "self" and p.kind is not p.VAR_KEYWORD:
+        if p.name not in params and p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
             params[p.name] = p
     for name, value in preset.items():  # a preset's defaults, over an inherited signature's
         if name in params:
