@@ -159,9 +159,10 @@ class DAPO(PolicyGradient):
                         kept, target, "them" if kept else "nothing (in fit, the run ends)")
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
-        """The rule rewards (:meth:`PolicyGradient.reward_step`), then the overlong penalty: ``task_scores [N]`` (the reward functions'),
-        ``overlong_penalty [N]`` and ``scores [N]`` (their sum). Lengths are the generated tokens of
-        ``response_mask`` (verl's ``valid_response_length``); ``L_max`` is ``max_new_tokens``."""
+        """The rule rewards (:meth:`PolicyGradient.reward_step`), then the overlong penalty:
+        ``task_scores [N]`` (the reward functions'), ``overlong_penalty [N]`` and ``scores [N]``
+        (their sum). Lengths are the generated tokens of ``response_mask`` (verl's
+        ``valid_response_length``); ``L_max`` is ``max_new_tokens``."""
         batch = super().reward_step(batch)
         batch["task_scores"] = batch["scores"].clone()  # [N]
         penalty = torch.zeros_like(batch["task_scores"])  # [N]

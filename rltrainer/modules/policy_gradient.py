@@ -120,7 +120,8 @@ class PolicyGradient(RLModule):
             raise ValueError(f"{type(self).__name__} needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
         rewards: Rewards = built.pop("rewards")
         self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(
-            reward_funcs, rewards.reward_weights, num_workers=rewards.reward_num_workers, timeout=rewards.reward_timeout)
+            reward_funcs, rewards.reward_weights, num_workers=rewards.reward_num_workers,
+            timeout=rewards.reward_timeout)
         if self.rewards is not None:  # validation's full credit: every rule reward's max_score, weighted
             self.max_score = self.rewards.max_score
         self.optimizer_settings: Optimizer = built.pop("optimizer")
@@ -129,8 +130,8 @@ class PolicyGradient(RLModule):
         #: the parts, in the order every hook asks them
         self.parts: dict[str, Part] = {k: v for k, v in {"teacher": teacher, "reward_model": reward_model,
                                                           **built}.items() if v is not None}
-        for group in (rewards, self.optimizer_settings, *self.parts.values()):
-            for name, value in group.exposed().items():  # flat views of the settings (and the loggers' hparams)
+        for group in (rewards, self.optimizer_settings, *built.values()):  # the settings' flat views
+            for name, value in group.exposed().items():  # (read them, and the loggers' hyperparameters)
                 setattr(self, name, value)
         self.distill = teacher
         self.model_spec, self.model_seed, self.tokenizer = model, model_seed, tokenizer
@@ -195,7 +196,8 @@ class PolicyGradient(RLModule):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         policy = self.optimizer_settings.build(params, self.estimated_optimizer_steps)
         models = dict(self.named_children())
-        others = [opt for part in self.parts.values() for opt in part.optimizers(models, self.optimizer_settings.weight_decay)]
+        decay = self.optimizer_settings.weight_decay
+        others = [opt for part in self.parts.values() for opt in part.optimizers(models, decay)]
         return [policy, *others] if others else policy
 
     # -- control flow ---------------------------------------------------------------------------
