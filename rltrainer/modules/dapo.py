@@ -12,11 +12,10 @@ from typing import Any
 import torch
 
 from rltrainer.algorithms.dapo import mixed_groups, overlong_penalty
-from rltrainer.data.batch import RolloutBatch
+from rltrainer.data.batch import RolloutBatch, concat_rollouts
 from rltrainer.models import ModelSpec
 from rltrainer.modules.policy_gradient import PolicyGradient
 from rltrainer.rewards.model import RewardSpec
-from rltrainer.pipelines import concat_rollouts
 from rltrainer.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
