@@ -4,19 +4,15 @@ it needs and the batch fields it reads and adds, and takes part in the hooks it 
 :class:`~rltrainer.modules.PolicyGradient` holds its parts in order and asks each in turn; a part
 that has nothing to do at a hook inherits the base class's no-op. The hooks, in the loop's order:
 
-==========================  ==============================  =========================================
-part method                 called by (where it runs)       what it does
-==========================  ==============================  =========================================
-``stages(off_policy)``      ``compute_stages`` (controller)  names the forward passes it needs
-``build_models(base)``      ``configure_model`` (ranks)      builds its models (set on the module)
-``optimizers(models, wd)``  ``configure_optimizers``         the optimizers of the models it trains
-``compute(models, mb, s)``  ``compute_step`` (ranks)         runs its stage ``s``, or ``None``
-``before_advantages``       ``advantage_step`` (controller)  changes scores / mask before the estimator
-``estimate``                ``advantage_step``               ``(advantages, returns)``: one part only
-``adjust_advantages``       ``advantage_step``               changes the advantages (distillation)
-``after_advantages``        ``advantage_step``               adds what the update needs, logs
-``update(u)``               ``policy_step`` (ranks)          adds its term to the loss
-==========================  ==============================  =========================================
+- ``stages(off_policy)``, asked by ``compute_stages`` (controller): the forward passes it needs;
+- ``build_models(base)``, by ``configure_model`` (every rank): its models, set on the module;
+- ``optimizers(models, weight_decay)``, by ``configure_optimizers``: those of the models it trains;
+- ``compute(models, micro_batch, stage)``, by ``compute_step`` (ranks): its stage, else ``None``;
+- ``before_advantages``, ``adjust_advantages``, ``after_advantages``, by ``advantage_step``
+  (controller): scores and mask before the estimator (the advantage part's ``estimate``), the
+  advantages after it (distillation), then what the update needs (a loss's token selection);
+- ``update(u)``, by ``policy_step`` (ranks): its term of the loss;
+- ``check(setup)``, at construction: refuse what cannot work with the other parts.
 
 Settings are the part's dataclass fields: typed, documented and defaulted there, once. A module
 routes each of its keyword settings to the part that declares it
