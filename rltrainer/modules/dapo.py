@@ -27,11 +27,12 @@ OVERLONG_BUFFER_SHARE = 4096 / 20480
 class DAPO(PolicyGradient):
     """Decoupled Clip and Dynamic sAmpling Policy Optimization, with the paper's defaults.
 
-    Takes every :class:`~rltrainer.GRPO` argument (GRPO's parts: :class:`~rltrainer.modules.PolicyGradient`
-    with other defaults); these differ or are new:
+    :class:`~rltrainer.modules.PolicyGradient` with GRPO's parts and the paper's settings, plus four
+    hooks' worth of its own. Takes every :class:`~rltrainer.GRPO` argument; these differ or are new:
 
     Args:
-        clip_ratio_low, clip_ratio_high: clip-higher, ``[1 - 0.2, 1 + 0.28]`` (paper, section 3.1).
+        clip_ratio_low, clip_ratio_high: clip-higher, ``[1 - 0.2, 1 + 0.28]`` (paper, section 3.1;
+            settings of :class:`~rltrainer.algorithms.parts.PolicyLoss`, as the next two).
         clip_ratio_c: ``None``: no dual clip (the paper's objective, eq. 8; verl's DAPO recipe uses 10).
         loss_agg_mode: ``"token-mean"`` (section 3.3); ``kl_coef``: 0, no reference model (section 2.3).
         num_generations: 16 (section 4.1).
@@ -66,6 +67,9 @@ class DAPO(PolicyGradient):
     rows' shaped scores; the reward functions' own ``reward/*`` metrics are the last round's.
     """
 
+    #: the paper's loss settings (clip-higher, no dual clip); token-mean and no KL are the defaults
+    preset = {"clip_ratio_high": 0.28, "clip_ratio_c": None}
+
     def __init__(
         self,
         model: ModelSpec,
@@ -74,11 +78,6 @@ class DAPO(PolicyGradient):
         *,
         num_generations: int = 16,
         max_new_tokens: int = 512,
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.28,
-        clip_ratio_c: float | None = None,
-        loss_agg_mode: str = "token-mean",
-        kl_coef: float = 0.0,
         dynamic_sampling: bool = True,
         max_gen_rounds: int | None = 10,
         overlong_penalty_factor: float = 1.0,
@@ -87,8 +86,7 @@ class DAPO(PolicyGradient):
         **settings: Any,
     ) -> None:
         super().__init__(model, tokenizer, reward_funcs, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-                         loss_agg_mode=loss_agg_mode, kl_coef=kl_coef, **settings)
+                         **settings)
         if max_gen_rounds is not None and (not isinstance(max_gen_rounds, int) or max_gen_rounds < 1):
             raise ValueError(f"max_gen_rounds must be an int >= 1 (generation rounds per step) or None (no bound), "
                              f"got {max_gen_rounds!r}")

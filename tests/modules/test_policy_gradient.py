@@ -177,3 +177,10 @@ def test_a_users_registered_loss_and_estimator_train_a_step(tiny_config, bpe_tok
         for registry, name in ((POLICY_LOSSES, "test_reinforce"), (ADVANTAGES, "test_max_baseline")):
             registry._entries.pop(name)
             registry._descriptions.pop(name)
+
+
+def test_dapos_loss_settings_are_a_preset_a_given_loss_replaces():
+    dapo = make(DAPO, dynamic_sampling=False)
+    assert (dapo.clip_ratio_high, dapo.clip_ratio_c, dapo.loss_agg_mode) == (0.28, None, "token-mean")
+    given = make(DAPO, dynamic_sampling=False, loss=PolicyLoss(clip_ratio_high=0.3))
+    assert given.policy_loss_kwargs["clip_ratio_high"] == 0.3 and given.policy_loss_kwargs["clip_ratio_c"] == 3.0
