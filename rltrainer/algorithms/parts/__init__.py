@@ -2,18 +2,18 @@
 each declares the forward passes it needs and the batch fields it reads and adds, and carries its
 own settings. (What a part is: :mod:`rltrainer.algorithms.part`.)
 
-======================  ============================  =============================================
-part                    argument of the module        what it does
-======================  ============================  =============================================
-:class:`PolicyLoss`     ``loss=``                     the policy loss (``POLICY_LOSSES``), entropy
-:class:`Advantage`      ``advantage=``                the estimator (``ADVANTAGES``)
-:class:`CriticAdvantage`  ``advantage=`` (PPO)        the same, GAE and its shorthands by default
-:class:`RolloutCorrection`  ``correction=``           mismatch metrics, ``ROLLOUT_CORRECTIONS``
-:class:`KLPenalty`      ``kl=``                       the KL-to-reference loss term
-:class:`Critic`         ``critic=`` (PPO's default)   a value model, its pass and its loss
-:class:`Teacher`        ``teacher=``                  on-policy distillation
-:class:`RewardModelScores`  (from ``reward_funcs``)   a reward model's scores
-======================  ============================  =============================================
+- :class:`PolicyLoss` (``loss=``): the policy loss (``POLICY_LOSSES``), the entropy bonus;
+- :class:`Advantage` (``advantage=``): the estimator (``ADVANTAGES``); :class:`CriticAdvantage`,
+  PPO's, has GAE and its shorthands by default;
+- :class:`RolloutCorrection` (``correction=``): the mismatch metrics, ``ROLLOUT_CORRECTIONS``;
+- :class:`KLPenalty` (``kl=``): the KL-to-reference loss term;
+- :class:`Critic` (``critic=``, PPO's by default): a value model, its pass and its loss;
+- :class:`Teacher` (``teacher=``): on-policy distillation;
+- :class:`RewardModelScores` (made from a ``RewardModel`` in ``reward_funcs``): its scores.
+
+A part of your own: subclass :class:`~rltrainer.algorithms.part.Part` as a dataclass whose
+fields are its settings, and add it to a module's ``PARTS`` (``class Mine(PolicyGradient): PARTS =
+{**PolicyGradient.PARTS, "mine": MyPart}``): its settings are then the module's keyword arguments.
 """
 
 from rltrainer.algorithms.distill import Teacher
