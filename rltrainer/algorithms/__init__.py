@@ -1,6 +1,8 @@
 """Algorithm math as registry entries: advantages, policy losses, KL estimators, aggregation,
 off-policy rollout corrections. (Every entry: the docs' "Registries" and "Algorithms" pages,
-``.ci/docs/pages/registries.md`` and ``algorithms.md``.)"""
+``.ci/docs/pages/registries.md`` and ``algorithms.md``.) The parts a
+:class:`~rltrainer.modules.PolicyGradient` is composed of, which call these entries:
+:mod:`rltrainer.algorithms.parts` (what a part is: :mod:`rltrainer.algorithms.part`)."""
 
 from rltrainer.algorithms.advantages import (ADVANTAGES, AdvantageContext, check_advantage, gae_advantages,
                                              grpo_advantages, required_fields, rloo_advantages)

@@ -9,15 +9,20 @@ ids are scored as they are, so a teacher with another vocabulary would score oth
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from rltrainer.algorithms.part import BaseModels, Part, Setup, Step
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.models import build_causal_lm, freeze, response_log_probs
+
 
 @dataclass(frozen=True)
-class Teacher:
-    """A teacher for on-policy distillation (``GRPO(teacher=Teacher(...))``).
+class Teacher(Part):
+    """A teacher for on-policy distillation (``GRPO(teacher=Teacher(...))``): the distillation part.
 
     Args:
         model: hub id or local path, a transformers ``PretrainedConfig`` (random init) or a
@@ -31,6 +36,11 @@ class Teacher:
         seed: seed of a config's random init (``None``: the RNG as the policy's init left it, so a
             teacher with the policy's config is another random model; the policy's ``model_seed``
             gives a copy of the policy).
+
+    Stages ``old_log_prob`` and ``teacher`` (``teacher_log_probs [N, T]``, at the sampling
+    temperature, as the policy's); ``advantage_step`` subtracts ``coef * (old_log_probs -
+    teacher_log_probs)`` from the estimator's advantages, per token, and logs
+    ``distill/reverse_kl/mean``.
     """
 
     model: Any
@@ -42,6 +52,39 @@ class Teacher:
         if not isinstance(self.coef, (int, float)) or not self.coef >= 0:
             raise ValueError(f"Teacher(coef={self.coef!r}): the distillation weight must be a number >= 0 "
                              "(lambda in A - lambda * (log pi - log pi_teacher)).")
+
+    reads: ClassVar[tuple[str, ...]] = ("old_log_probs", "teacher_log_probs")
+    adds: ClassVar[tuple[str, ...]] = ("teacher_log_probs",)
+
+    def stages(self, off_policy: bool) -> tuple[str, ...]:
+        return ("old_log_prob", "teacher")
+
+    def check(self, setup: Setup) -> None:
+        check_same_vocabulary(setup.tokenizer, self.tokenizer)
+
+    def build_models(self, base: BaseModels) -> dict[str, torch.nn.Module]:
+        """The frozen teacher, built like the reference model, so every strategy places it alike."""
+        teacher = freeze(build_causal_lm(self.model, seed=self.seed))
+        check_teacher_vocab(base.policy, teacher, base.tokenizer, self.tokenizer is not None)
+        return {"teacher": teacher}
+
+    def compute(self, models: Mapping[str, torch.nn.Module], micro_batch: RolloutBatch, stage: str
+                ) -> dict[str, torch.Tensor] | None:
+        if stage != "teacher":
+            return None
+        temperature = micro_batch.meta.get("temperature") or 1.0
+        return {"teacher_log_probs": response_log_probs(models["teacher"], micro_batch, temperature)[0]}
+
+    def adjust_advantages(self, batch: RolloutBatch, advantages: torch.Tensor, step: Step) -> torch.Tensor:
+        """``advantages [N, T] - coef * (old_log_probs - teacher_log_probs)``."""
+        missing = [f for f in ("old_log_probs", "teacher_log_probs") if f not in batch]
+        if missing:
+            raise KeyError(f"Distillation needs {missing} [N, T] from the compute stages 'old_log_prob' and 'teacher' "
+                           f"(compute_stages adds them with a teacher); the batch has {batch.keys()}")
+        term, reverse_kl = distillation_term(batch["old_log_probs"], batch["teacher_log_probs"],
+                                             batch["response_mask"], self.coef)
+        step.log("distill/reverse_kl/mean", reverse_kl)
+        return advantages - term  # [N, T]
 
 
 def check_same_vocabulary(tokenizer: Any, teacher_tokenizer: Any) -> None:

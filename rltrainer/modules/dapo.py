@@ -1,4 +1,4 @@
-"""DAPO (Yu et al. 2025, arXiv:2503.14476) as GRPO with four hooks' worth of changes: dynamic
+"""DAPO (Yu et al. 2025, arXiv:2503.14476) as policy gradient with four hooks' worth of changes: dynamic
 sampling in ``rollout_step``, the soft overlong penalty in ``reward_step``, truncated responses
 masked out of the loss in ``advantage_step``, and clip-higher / token-mean / no KL as defaults.
 The loop is the same; the only thing DAPO asks of it is more prompts (``RLModule.draw_prompts``)."""
@@ -14,7 +14,7 @@ import torch
 from rltrainer.algorithms.dapo import mixed_groups, overlong_penalty
 from rltrainer.data.batch import RolloutBatch, concat_rollouts
 from rltrainer.models import ModelSpec
-from rltrainer.modules.grpo import GRPO
+from rltrainer.modules.policy_gradient import PolicyGradient
 from rltrainer.rewards.model import RewardSpec
 from rltrainer.rollout.engine import RolloutEngine
 
@@ -24,13 +24,15 @@ log = logging.getLogger(__name__)
 OVERLONG_BUFFER_SHARE = 4096 / 20480
 
 
-class DAPO(GRPO):
+class DAPO(PolicyGradient):
     """Decoupled Clip and Dynamic sAmpling Policy Optimization, with the paper's defaults.
 
-    Takes every :class:`~rltrainer.GRPO` argument; these differ or are new:
+    :class:`~rltrainer.modules.PolicyGradient` with GRPO's parts and the paper's settings, plus four
+    hooks' worth of its own. Takes every :class:`~rltrainer.GRPO` argument; these differ or are new:
 
     Args:
-        clip_ratio_low, clip_ratio_high: clip-higher, ``[1 - 0.2, 1 + 0.28]`` (paper, section 3.1).
+        clip_ratio_low, clip_ratio_high: clip-higher, ``[1 - 0.2, 1 + 0.28]`` (paper, section 3.1;
+            settings of :class:`~rltrainer.algorithms.parts.PolicyLoss`, as the next two).
         clip_ratio_c: ``None``: no dual clip (the paper's objective, eq. 8; verl's DAPO recipe uses 10).
         loss_agg_mode: ``"token-mean"`` (section 3.3); ``kl_coef``: 0, no reference model (section 2.3).
         num_generations: 16 (section 4.1).
@@ -65,6 +67,9 @@ class DAPO(GRPO):
     rows' shaped scores; the reward functions' own ``reward/*`` metrics are the last round's.
     """
 
+    #: the paper's loss settings (clip-higher, no dual clip); token-mean and no KL are the defaults
+    preset = {"clip_ratio_high": 0.28, "clip_ratio_c": None}
+
     def __init__(
         self,
         model: ModelSpec,
@@ -73,21 +78,15 @@ class DAPO(GRPO):
         *,
         num_generations: int = 16,
         max_new_tokens: int = 512,
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.28,
-        clip_ratio_c: float | None = None,
-        loss_agg_mode: str = "token-mean",
-        kl_coef: float = 0.0,
         dynamic_sampling: bool = True,
         max_gen_rounds: int | None = 10,
         overlong_penalty_factor: float = 1.0,
         overlong_buffer_len: int | None = None,
         mask_truncated: bool = True,
-        **grpo_kwargs: Any,
+        **settings: Any,
     ) -> None:
         super().__init__(model, tokenizer, reward_funcs, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-                         loss_agg_mode=loss_agg_mode, kl_coef=kl_coef, **grpo_kwargs)
+                         **settings)
         if max_gen_rounds is not None and (not isinstance(max_gen_rounds, int) or max_gen_rounds < 1):
             raise ValueError(f"max_gen_rounds must be an int >= 1 (generation rounds per step) or None (no bound), "
                              f"got {max_gen_rounds!r}")
@@ -115,7 +114,7 @@ class DAPO(GRPO):
 
     # -- control flow ---------------------------------------------------------------------------
     def rollout_step(self, batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
-        """GRPO's sampling; with ``dynamic_sampling``, scored and filtered, drawing more prompts
+        """The default sampling; with ``dynamic_sampling``, scored and filtered, drawing more prompts
         until ``B`` groups have mixed rewards (see the class docstring). Returns ``N <= B*G`` rows.
         Called by hand (no Trainer), it filters the groups of the prompts it is given and draws none."""
         if not self.dynamic_sampling:
@@ -157,9 +156,10 @@ class DAPO(GRPO):
                         kept, target, "them" if kept else "nothing (in fit, the run ends)")
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
-        """GRPO's reward, then the overlong penalty: ``task_scores [N]`` (the reward functions'),
-        ``overlong_penalty [N]`` and ``scores [N]`` (their sum). Lengths are the generated tokens of
-        ``response_mask`` (verl's ``valid_response_length``); ``L_max`` is ``max_new_tokens``."""
+        """The rule rewards (:meth:`PolicyGradient.reward_step`), then the overlong penalty:
+        ``task_scores [N]`` (the reward functions'), ``overlong_penalty [N]`` and ``scores [N]``
+        (their sum). Lengths are the generated tokens of ``response_mask`` (verl's
+        ``valid_response_length``); ``L_max`` is ``max_new_tokens``."""
         batch = super().reward_step(batch)
         batch["task_scores"] = batch["scores"].clone()  # [N]
         penalty = torch.zeros_like(batch["task_scores"])  # [N]
@@ -187,7 +187,7 @@ class DAPO(GRPO):
 
     def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
         """With ``mask_truncated``, rows cut at ``max_new_tokens`` leave ``response_mask [N, T]``
-        (all zero: no loss term, no token in any count); then GRPO's advantage step."""
+        (all zero: no loss term, no token in any count); then the parts' advantage step."""
         if self.mask_truncated:
             if "finish_reason" not in batch:
                 raise KeyError(f"mask_truncated=True needs 'finish_reason' (one per row, 'length' for a truncated "

@@ -1,0 +1,365 @@
+"""``PolicyGradient``: an ``RLModule`` composed of parts (a policy loss, an advantage estimator, a
+rollout correction, a KL penalty, and optional ones: a critic, a teacher, a reward model), each
+declaring the forward passes it needs and the fields it reads and adds (:mod:`rltrainer.algorithms.parts`).
+The hooks ask the parts in order; the presets (GRPO, PPO, DAPO, ...: :mod:`rltrainer.modules`) say
+which parts, with which defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from rltrainer.algorithms.advantages import group_signal_metrics
+from rltrainer.algorithms.distill import Teacher
+from rltrainer.algorithms.part import STAGE_FIELDS, BaseModels, Part, Setup, Step, Update
+from rltrainer.algorithms.parts import (Advantage, Critic, KLPenalty, PolicyLoss, RewardModelScores, RolloutCorrection,
+                                        log_scores)
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.envs import as_multi_turn, env_reward
+from rltrainer.lora import adapter_disabled, apply_lora, check_lora_config
+from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
+from rltrainer.module import RLModule
+from rltrainer.modules.settings import Optimizer, Rewards, flat_signature, route_settings
+from rltrainer.rewards.manager import declares_correctness, reward_max_score
+from rltrainer.rewards.model import RewardSpec, split_rewards
+from rltrainer.rollout.engine import RolloutEngine, SamplingParams
+
+#: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
+ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason", "baseline_response_text",
+                            "turn_rewards", "env_turns", "env_finish", "env_error"})
+
+#: The signature's order: today's GRPO arguments, then the parts passed as such.
+SIGNATURE_ORDER = (
+    "model", "tokenizer", "reward_funcs", "reward_weights", "reward_num_workers", "reward_timeout", "num_generations",
+    "max_new_tokens", "temperature", "top_p", "top_k", "lr", "weight_decay", "warmup_steps", "lr_scheduler_type",
+    "lr_scheduler_kwargs", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef", "kl_estimator",
+    "entropy_coef", "loss_agg_mode", "norm_adv_by_std", "advantage_estimator", "advantage_kwargs", "policy_loss",
+    "policy_loss_kwargs", "update_epochs", "mini_batch_size", "rollout_correction", "rollout_correction_kwargs",
+    "model_seed", "teacher", "environment", "lora", "loss", "advantage", "correction", "kl", "critic")
+
+
+class PolicyGradient(RLModule):
+    """A policy-gradient algorithm composed of parts; the presets (:class:`~rltrainer.GRPO`,
+    :class:`~rltrainer.PPO`, :class:`~rltrainer.DAPO`, ...) are this with other parts or defaults.
+
+    Args:
+        model: hub id or local path, a transformers ``PretrainedConfig`` (random init), or a
+            callable returning a causal LM.
+        tokenizer: the transformers tokenizer of ``model``.
+        reward_funcs: a callable ``fn(completions, **dataset_fields) -> list[float]``, a registered
+            name (``"gsm8k"``, ``"math"``, ...), a :class:`~rltrainer.rewards.model.RewardModel` (a
+            sequence-classification model scored on the training ranks, at most one), or a list of
+            those. ``None`` or ``[]``: no reward, which needs a ``teacher`` (distillation alone). A
+            reward function may also return a list per completion (one value per response token,
+            i.e. per entry of the ``completion_ids`` field every reward function receives):
+            ``token_level_scores [N, T]``, which the token-level estimators use, while outcome
+            estimators use its sum.
+        num_generations: group size ``G``: samples per prompt.
+        max_new_tokens, temperature, top_p, top_k: rollout sampling (``top_k=0`` is off).
+        update_epochs, mini_batch_size: passes over each batch, and rows per optimizer step.
+        model_seed: seed for a randomly initialised ``model`` config.
+        teacher: a :class:`~rltrainer.algorithms.distill.Teacher` (the distillation part).
+        environment: multi-turn episodes instead of single responses: a
+            :class:`~rltrainer.envs.MultiTurn`, or an environment class, wrapped in ``MultiTurn``
+            with its defaults. Each row is one episode (``G`` per prompt); ``reward_funcs=None``
+            then scores each with its summed environment reward. ``max_new_tokens`` is per turn.
+        lora: a ``peft.LoraConfig``: train a LoRA adapter on the policy (``single`` and ``fsdp2``
+            strategies); the reference model is the policy with its adapter disabled.
+        loss, advantage, correction, kl, critic: the parts, given as such
+            (:class:`~rltrainer.algorithms.parts.PolicyLoss`, ``Advantage``, ``RolloutCorrection``,
+            ``KLPenalty``, ``Critic``); a part not given is built from its settings.
+        **settings: every part's and group's settings by name (documented on the part:
+            ``clip_ratio_high=0.28`` goes to ``PolicyLoss``, ``lr=...`` to
+            :class:`~rltrainer.modules.settings.Optimizer`, ``reward_weights=...`` to
+            :class:`~rltrainer.modules.settings.Rewards`); an unknown name raises a TypeError.
+
+    Where the scores come from, in the loop's order: ``reward_step`` (controller) sums the rule
+    rewards (``scores [N]``, zeros if there are none); the compute stages then run on the training
+    ranks, ``reward_model`` among them (``rm_scores [N]``); ``advantage_step`` (controller) asks
+    the parts in order: the reward model's scores join ``scores``, the rollouts are corrected, the
+    estimator runs, the distillation term is subtracted, the loss prepares its batch-level
+    selection. Validation (``validation_step``, on the controller) scores with the rule rewards only.
+    """
+
+    #: the part kinds in the order they are asked, with the class built from settings (None: optional)
+    PARTS: ClassVar[dict[str, type[Part] | None]] = {
+        "correction": RolloutCorrection, "advantage": Advantage, "loss": PolicyLoss, "kl": KLPenalty, "critic": None}
+    #: settings groups that are not parts of the algorithm
+    GROUPS: ClassVar[dict[str, type]] = {"rewards": Rewards, "optimizer": Optimizer}
+    #: a preset's defaults for routed settings (e.g. ``{"policy_loss": "gspo"}``)
+    preset: ClassVar[dict[str, Any]] = {}
+    signature_order: ClassVar[tuple[str, ...]] = SIGNATURE_ORDER
+
+    def __init__(self, model: ModelSpec, tokenizer: Any, reward_funcs: RewardSpec | Sequence[RewardSpec] | None, *,
+                 num_generations: int = 8, max_new_tokens: int = 512, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, update_epochs: int = 1, mini_batch_size: int | None = None,
+                 model_seed: int | None = 0, teacher: Teacher | None = None, environment: Any = None,
+                 lora: Any = None, loss: PolicyLoss | None = None, advantage: Advantage | None = None,
+                 correction: RolloutCorrection | None = None, kl: KLPenalty | None = None,
+                 critic: Critic | None = None, **settings: Any) -> None:
+        super().__init__()
+        named = [p for p in inspect.signature(PolicyGradient.__init__).parameters if p != "self"]
+        given = {"loss": loss, "advantage": advantage, "correction": correction, "kl": kl, "critic": critic}
+        built = route_settings(type(self).__name__, settings, {**self.GROUPS, **self.PARTS}, given, self.preset, named)
+        self.environment = as_multi_turn(environment)
+        if self.environment is not None and reward_funcs is None:
+            reward_funcs = env_reward  # the episodes' summed environment reward
+        if lora is not None:
+            check_lora_config(lora)
+        self.lora = lora
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        if teacher is not None and not isinstance(teacher, Teacher):
+            raise TypeError(f"teacher must be a rltrainer.algorithms.distill.Teacher (the model and its coef), got "
+                            f"{type(teacher).__name__}; e.g. teacher=Teacher('Qwen/Qwen3-8B', coef=1.0).")
+        if tokenizer is None or getattr(tokenizer, "pad_token_id", None) is None:
+            raise ValueError(f"{type(self).__name__} needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
+        rewards: Rewards = built.pop("rewards")
+        self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(
+            reward_funcs, rewards.reward_weights, num_workers=rewards.reward_num_workers,
+            timeout=rewards.reward_timeout)
+        if self.rewards is not None:  # validation's full credit: every rule reward's max_score, weighted
+            self.max_score = self.rewards.max_score
+        self.optimizer_settings: Optimizer = built.pop("optimizer")
+        reward_model = (RewardModelScores(self.reward_model_spec, self.reward_model_weight)
+                        if self.reward_model_spec is not None else None)
+        #: the parts, in the order every hook asks them
+        self.parts: dict[str, Part] = {k: v for k, v in {"teacher": teacher, "reward_model": reward_model,
+                                                          **built}.items() if v is not None}
+        for group in (rewards, self.optimizer_settings, *built.values()):  # the settings' flat views
+            for name, value in group.exposed().items():  # (read them, and the loggers' hyperparameters)
+                setattr(self, name, value)
+        self.distill = teacher
+        self.model_spec, self.model_seed, self.tokenizer = model, model_seed, tokenizer
+        self.sampling = SamplingParams(n=num_generations, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       top_p=top_p, top_k=top_k)
+        self.update_epochs, self.mini_batch_size = update_epochs, mini_batch_size
+        self._check_parts(num_generations)
+
+    def _check_parts(self, num_generations: int) -> None:
+        stages = frozenset(s for part in self.parts.values() for flag in (False, True) for s in part.stages(flag))
+        setup = Setup(type(self).__name__, num_generations, stages, self.environment is not None,
+                      self.rewards is not None, self.reward_model_spec is not None, self.tokenizer)
+        for part in self.parts.values():
+            part.check(setup)
+        if self.rewards is None and self.reward_model_spec is None and self.distill is None:
+            raise ValueError(f"{type(self).__name__} got no reward (reward_funcs is empty) and no teacher: give reward "
+                             "functions, a RewardModel, or teacher=Teacher(...) to train on distillation alone.")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A preset that sets ``preset`` or its own ``__init__(..., **settings)`` gets the signature
+        listing every setting (:func:`~rltrainer.modules.settings.flat_signature`)."""
+        super().__init_subclass__(**kwargs)
+        own_init = cls.__dict__.get("__init__")
+        if own_init is None and "preset" not in cls.__dict__ and "PARTS" not in cls.__dict__:
+            return  # the parent's __init__ and signature hold
+        if own_init is None:
+            parent_init = cls.__init__
+
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                parent_init(self, *args, **kwargs)
+
+            __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+            cls.__init__ = own_init = __init__  # type: ignore[method-assign]
+            init_for_names, parent = parent_init, None
+        else:
+            if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(own_init).parameters.values()):
+                return
+            init_for_names, parent = own_init, inspect.signature(super(cls, cls).__init__)  # type: ignore[misc]
+        own_init.__signature__ = flat_signature(init_for_names, {**cls.GROUPS, **cls.PARTS}, cls.preset, parent,
+                                                cls.signature_order)
+
+    # -- models ---------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """The policy (with its LoRA adapter); a frozen copy as reference if :meth:`needs_ref`; then
+        each part's models (the teacher, the reward model, the critic), built like the policy so
+        every strategy places them alike."""
+        self.policy = build_causal_lm(self.model_spec, seed=self.model_seed)
+        if self.lora is not None:  # the reference is the policy with its adapter disabled: no copy
+            self.policy = apply_lora(self.policy, self.lora, seed=self.model_seed or 0)
+        self.ref_policy = frozen_copy(self.policy) if self.needs_ref() and self.lora is None else None
+        self.teacher, self.reward_model = None, None
+        base = BaseModels(self.policy, self.tokenizer, self.model_spec, self.model_seed)
+        for part in self.parts.values():
+            for name, model in part.build_models(base).items():
+                setattr(self, name, model)
+
+    def needs_ref(self) -> bool:
+        """A reference model: some part asks for the stage ``ref`` (a KL loss, a KL in the reward)."""
+        return any("ref" in part.stages(False) for part in self.parts.values())
+
+    def configure_optimizers(self) -> dict[str, Any] | list[dict[str, Any]]:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        policy = self.optimizer_settings.build(params, self.estimated_optimizer_steps)
+        models = dict(self.named_children())
+        decay = self.optimizer_settings.weight_decay
+        others = [opt for part in self.parts.values() for opt in part.optimizers(models, decay)]
+        return [policy, *others] if others else policy
+
+    # -- control flow ---------------------------------------------------------------------------
+    def reads(self, field: str) -> bool:
+        """Whether some part reads ``field`` (its estimator's context included)."""
+        return any(field in part.fields_read() for part in self.parts.values())
+
+    def rollout_step(self, batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
+        """The default sampling; when a part reads ``reward_baselines`` (ReMax), also one greedy
+        response per prompt, ``baseline_response_text`` (each row its prompt's), which
+        :meth:`reward_step` scores."""
+        out = super().rollout_step(batch, engine)
+        if self.reads("reward_baselines"):
+            greedy_sampling = dataclasses.replace(self.sampling, n=1, temperature=0.0)
+            greedy = engine.generate(list(batch["prompt_ids"]), greedy_sampling)  # B greedy responses
+            out["baseline_response_text"] = [text for text in greedy.text for _ in range(self.sampling.n)]
+        return out
+
+    def reward_step(self, batch: RolloutBatch) -> RolloutBatch:
+        """``scores [N]``: the rule rewards' weighted sum (zeros without rule rewards). A reward
+        model's scores are added later, in :meth:`advantage_step` (see the class docstring)."""
+        if self.rewards is None:
+            batch["scores"] = torch.zeros(len(batch), dtype=torch.float32)  # [N]
+        else:
+            fields = {k: list(v) for k, v in batch.non_tensors.items() if k not in ROLLOUT_FIELDS}
+            if "responses" in batch:  # the completions' token ids, TRL's name
+                with_ids = {**fields, "completion_ids": [row[mask.bool()].tolist() for row, mask in
+                                                        zip(batch["responses"], batch["response_mask"])]}
+            else:  # a batch made by hand, without token ids
+                with_ids = fields
+            result = self.rewards(list(batch["response_text"]), with_ids)
+            batch["scores"] = result.scores  # [N]
+            if result.token_scores is not None:  # per-token rewards; their rows sum to the scores
+                batch["token_level_scores"] = result.token_level_scores(batch["response_mask"])  # [N, T]
+            batch["reward_components"] = torch.stack(list(result.per_func.values()), dim=-1)  # [N, F], unweighted
+            batch.meta["reward_components"] = list(result.per_func)  # the F names
+            if result.invalid is not None:  # NaN/inf from a reward function: out of the advantages
+                batch["reward_invalid"] = result.invalid  # [N] bool
+            if "baseline_response_text" in batch:
+                batch["reward_baselines"] = self.baseline_scores(batch, fields)  # [N]
+                self.log("critic/reward_baseline/mean", batch["reward_baselines"].mean().item())
+            for name, value in result.metrics().items():
+                self.log(name, value)
+        if self.reward_model_spec is None:
+            self.log_scores(batch["scores"])
+        return batch
+
+    def teardown(self) -> None:
+        """Stop the reward worker processes (``reward_num_workers``); a later reward call starts them again."""
+        if self.rewards is not None:
+            self.rewards.close()
+
+    def correct_rows(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """``[N]`` bool: rows where every rule reward that declares ``correctness`` (``gsm8k``,
+        ``math``) gave its ``max_score``, from ``reward_components``; ``None`` if none declares it."""
+        if self.rewards is None or "reward_components" not in batch:
+            return None
+        judges = [(i, reward_max_score(fn)) for i, fn in enumerate(self.rewards.reward_funcs)
+                  if declares_correctness(fn)]
+        if not judges:
+            return None
+        components = batch["reward_components"]  # [N, F], unweighted
+        return torch.stack([components[:, i] >= top - 1e-6 for i, top in judges], dim=-1).all(-1)  # [N]
+
+    def log_scores(self, scores: torch.Tensor) -> None:
+        """``critic/score/{mean,max,min}`` of the scores the estimator sees (``[N]``)."""
+        log_scores(scores, self.log)
+
+    def baseline_scores(self, batch: RolloutBatch, fields: dict[str, list[Any]]) -> torch.Tensor:
+        """``reward_baselines [N]``: the reward of each group's greedy response, scored once per group."""
+        uids = list(batch["uid"])
+        first: dict[Any, int] = {}
+        for i, uid in enumerate(uids):
+            first.setdefault(uid, i)
+        rows = list(first.values())
+        texts = [batch["baseline_response_text"][i] for i in rows]
+        scores = self.rewards(texts, {k: [v[i] for i in rows] for k, v in fields.items()}).scores  # [groups]
+        position = {uid: k for k, uid in enumerate(first)}
+        return scores[torch.tensor([position[uid] for uid in uids])]
+
+    def compute_stages(self) -> list[str]:
+        """The forward passes the parts ask for, in the order of
+        :data:`~rltrainer.algorithms.part.STAGE_FIELDS`: ``old_log_prob`` also when the policy moves
+        within a batch (``update_epochs > 1`` or ``mini_batch_size`` set); otherwise the old
+        log-probs equal the current ones at the update's forward and ``policy_step`` uses those,
+        detached."""
+        off_policy = self.off_policy()
+        wanted = {stage for part in self.parts.values() for stage in part.stages(off_policy)}
+        if self.update_epochs > 1 or self.mini_batch_size is not None:
+            wanted.add("old_log_prob")
+        return [stage for stage in STAGE_FIELDS if stage in wanted]
+
+    def compute_step(self, micro_batch: RolloutBatch, stage: str) -> dict[str, torch.Tensor]:
+        """RLModule's stages (``ref`` with a LoRA policy: the policy with its adapter disabled), and
+        the parts' (``teacher``, ``reward_model``, ``values``)."""
+        if stage == "ref" and self.lora is not None:
+            with adapter_disabled(self.policy):
+                temperature = micro_batch.meta.get("temperature") or 1.0
+                return {"ref_log_probs": response_log_probs(self.policy, micro_batch, temperature)[0]}
+        models = dict(self.named_children())
+        for part in self.parts.values():
+            out = part.compute(models, micro_batch, stage)
+            if out is not None:
+                return out
+        return super().compute_step(micro_batch, stage)
+
+    def off_policy(self) -> bool:
+        """The Trainer's ``off_policy`` (an async pipeline, or an engine whose log-probs differ)."""
+        return self._trainer is not None and getattr(self._trainer, "off_policy", False)
+
+    def corrects_rollouts(self) -> bool:
+        """Whether rollouts can be off-policy here (the Trainer's ``off_policy``) or a
+        ``rollout_correction`` is set: then the mismatch is logged and the correction applied."""
+        return self.off_policy() or self.rollout_correction is not None
+
+    def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
+        """Ask the parts in order: before the estimator (a reward model's scores, the rollout
+        correction), the estimator, the advantages' adjustments (distillation), then what the update
+        needs (the loss's batch-level selection); log the advantages and the group signal."""
+        step = Step(self.log, self.off_policy())
+        for part in self.parts.values():
+            batch = part.before_advantages(batch, step)
+        advantages, returns = self.estimate_advantages(batch)
+        for part in self.parts.values():
+            advantages = part.adjust_advantages(batch, advantages, step)
+        batch["advantages"] = advantages  # [N, T]
+        batch["returns"] = returns  # [N, T]
+        for part in self.parts.values():
+            batch = part.after_advantages(batch, step)
+        mask = batch["response_mask"].bool()
+        self.log("critic/advantages/mean", advantages[mask].mean().item() if mask.any() else 0.0)
+        signal = group_signal_metrics(batch["scores"], batch["uid"], batch["responses"], batch["response_mask"])
+        for name, value in signal.items():  # a stalled run shows here: all groups zero-std
+            self.log(name, value)
+        return batch
+
+    def estimate_advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The advantage part's ``(advantages, returns)`` ``[N, T]`` (rows with invalid rewards left out)."""
+        return self.parts["advantage"].estimate(batch)
+
+    def _loss_prepare(self) -> Any:
+        return self.parts["loss"].prepare
+
+    # -- compute flow ---------------------------------------------------------------------------
+    def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The policy's forward, then each part's term: the correction's IS weights, the policy
+        loss with its entropy bonus, the KL penalty, the critic's value loss."""
+        meta = micro_batch.meta
+        loss_part: PolicyLoss = self.parts["loss"]
+        temperature = meta.get("temperature") or 1.0
+        log_probs, entropy = response_log_probs(self.policy, micro_batch, temperature, with_entropy=True,
+                                                entropy_grad=loss_part.entropy_coef != 0)
+        old_log_probs = micro_batch["old_log_probs"] if "old_log_probs" in micro_batch else log_probs.detach()
+        counts = {"global_tokens": meta["global_tokens"], "global_rows": meta["global_rows"],
+                  "max_response_length": self.sampling.max_new_tokens}
+        u = Update(micro_batch, dict(self.named_children()), log_probs, entropy, old_log_probs,
+                   loss_part.loss_agg_mode, counts)
+        for part in self.parts.values():
+            part.update(u)
+        assert u.loss is not None, "the policy loss part adds the loss"
+        return u.loss, u.metrics
+
+
+PolicyGradient.__init__.__signature__ = flat_signature(  # type: ignore[attr-defined]
+    PolicyGradient.__init__, {**PolicyGradient.GROUPS, **PolicyGradient.PARTS}, {}, None, SIGNATURE_ORDER)

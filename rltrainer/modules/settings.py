@@ -1,0 +1,160 @@
+"""A module's settings, grouped: each keyword setting belongs to one dataclass (a part of the
+algorithm, or one of the groups here) that types, documents and defaults it, once.
+
+A preset's ``__init__`` names the common settings and takes the rest as ``**settings``;
+:func:`route_settings` hands each to the group that declares it (an unknown name raises a TypeError
+with the closest valid one), and :func:`flat_signature` gives the preset the signature that lists
+them all (what ``inspect.signature``, ``help()`` and the command line's jsonargparse read), so a
+setting is written the same way in Python, in YAML and as a flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rltrainer.optim import adamw
+from rltrainer.schedulers import build_lr_scheduler, check_lr_scheduler
+
+
+@dataclass
+class Optimizer:
+    """The policy's optimizer: AdamW, with a linear warm-up then an LR schedule.
+
+    Args:
+        lr, weight_decay, warmup_steps: AdamW, with a linear warm-up over ``warmup_steps`` optimizer
+            steps (transformers' schedules: from 0).
+        lr_scheduler_type: the LR schedule after the warm-up, a name of transformers'
+            ``get_scheduler`` (as TRL's ``lr_scheduler_type``): ``"constant"`` (default),
+            ``"linear"`` or ``"cosine"`` decay to 0 over the run (the Trainer's estimate of its
+            optimizer steps), ``"cosine_with_min_lr"``, ...
+        lr_scheduler_kwargs: that schedule's own arguments (e.g. ``{"min_lr_rate": 0.1}``).
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    lr_scheduler_type: str = "constant"
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        check_lr_scheduler(self.lr_scheduler_type, self.warmup_steps)
+
+    def build(self, params: list[torch.nn.Parameter], estimated_steps: int | None) -> dict[str, Any]:
+        opt = adamw(params, lr=self.lr, weight_decay=self.weight_decay)
+        sched = build_lr_scheduler(opt, self.lr_scheduler_type, self.warmup_steps, estimated_steps,
+                                   dict(self.lr_scheduler_kwargs or {}))
+        return {"optimizer": opt, "lr_scheduler": sched}
+
+    def exposed(self) -> dict[str, Any]:
+        return {**settings_of(self), "lr_scheduler_kwargs": dict(self.lr_scheduler_kwargs or {})}
+
+
+@dataclass
+class Rewards:
+    """How the rule rewards (``reward_funcs``) are combined and run.
+
+    Args:
+        reward_weights: one weight per entry of ``reward_funcs`` (default 1.0 each).
+        reward_num_workers: run the synchronous reward functions in this many processes (``0``: one
+            after another on the controller); ``async def`` ones are always awaited concurrently.
+        reward_timeout: seconds a sample's reward may take (async, or with ``reward_num_workers``);
+            past it the sample scores 0 and counts in ``reward/errors``.
+    """
+
+    reward_weights: Sequence[float] | None = None
+    reward_num_workers: int = 0
+    reward_timeout: float | None = None
+
+    def exposed(self) -> dict[str, Any]:
+        return settings_of(self)
+
+
+def settings_of(group: Any) -> dict[str, Any]:
+    """A settings dataclass's fields given at construction."""
+    return {f.name: getattr(group, f.name) for f in dataclasses.fields(group) if f.init}
+
+
+def setting_names(group: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(group) if f.init]
+
+
+def route_settings(owner: str, settings: Mapping[str, Any], groups: Mapping[str, type | None],
+                   given: Mapping[str, Any] | None = None, defaults: Mapping[str, Any] | None = None,
+                   named: Sequence[str] = ()) -> dict[str, Any]:
+    """One object per group: the one ``given`` (a part passed as such), or the group's class built
+    from its settings (``defaults``, a preset's, under ``settings``). A group with no class and
+    none given is left out. Raises a TypeError for a name no group declares (with the closest of
+    the valid ones: the groups' settings and ``named``, the owner's own arguments), and for a part
+    given together with one of its settings."""
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    owners = {name: kind for kind, cls in groups.items() if cls is not None for name in setting_names(cls)}
+    unknown = [name for name in settings if name not in owners]
+    if unknown:
+        valid = sorted(set(owners) | set(named))
+        close = difflib.get_close_matches(unknown[0], valid, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}.{hint} Its arguments: "
+                        f"{', '.join(valid)}.")
+    out: dict[str, Any] = {}
+    for kind, cls in groups.items():
+        mine = {k: v for k, v in settings.items() if owners[k] == kind}
+        if kind in given:
+            mine = {k: v for k, v in mine.items() if not _is_default(cls, k, v, defaults)}
+            if mine:
+                raise TypeError(f"{owner}() got {kind}={given[kind]!r} and its setting(s) {', '.join(mine)}: set "
+                                f"them in the part ({type(given[kind]).__name__}(...)) or leave the part out.")
+            out[kind] = given[kind]
+        elif cls is not None:
+            preset = {k: v for k, v in (defaults or {}).items() if owners.get(k) == kind}
+            out[kind] = cls(**{**preset, **mine})
+    return out
+
+
+def _is_default(cls: type | None, name: str, value: Any, defaults: Mapping[str, Any] | None) -> bool:
+    if cls is None:
+        return False
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    default = (defaults or {}).get(name, field.default)
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def flat_signature(init: Callable[..., None], groups: Mapping[str, type | None], preset: Mapping[str, Any],
+                   parent: inspect.Signature | None, order: Sequence[str]) -> inspect.Signature:
+    """The signature of a preset's ``init(self, <named>, **settings)`` with ``**settings`` spelled
+    out: its named parameters, every setting of ``groups`` (defaults: ``preset``'s, else the
+    field's), and what ``parent`` (the signature ``**settings`` is passed on to) has besides; in
+    ``order``, then the rest. Everything after the first three is keyword-only."""
+    try:
+        own_hints = typing.get_type_hints(init)
+    except NameError:  # an annotation only imported for type checkers: keep the strings
+        own_hints = {}
+    own = [p.replace(annotation=own_hints.get(p.name, p.annotation))
+           for p in inspect.signature(init).parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    params = {p.name: p for p in own if p.name != "self"}
+    for cls in (c for c in groups.values() if c is not None):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in params:
+                default = preset.get(f.name, f.default)
+                params[f.name] = inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                                   annotation=hints.get(f.name, f.type))
+    for p in (parent.parameters.values() if parent is not None else ()):
+        if p.name not in params and p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            params[p.name] = p
+    for name, value in preset.items():  # a preset's defaults, over an inherited signature's
+        if name in params:
+            params[name] = params[name].replace(default=value)
+    ranked = sorted(params.values(), key=lambda p: (order.index(p.name) if p.name in order else len(order)))
+    positional = {p.name for p in ranked[:3] if p.kind is p.POSITIONAL_OR_KEYWORD}
+    ranked = [p if p.name in positional else p.replace(kind=p.KEYWORD_ONLY) for p in ranked]
+    return inspect.Signature([own[0], *ranked])  # own[0]: self
+
+
