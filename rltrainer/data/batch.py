@@ -311,30 +311,3 @@ def _rebuild_batch(arrays: dict[str, Any], non_tensors: dict[str, np.ndarray], m
     out = RolloutBatch(tensors, batch_size=rows, meta=meta, padding_free=padding_free)
     out.non_tensors = dict(non_tensors)
     return out
-
-
-def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
-    """Rows of several requests as one batch: prompt-side fields (``[n, P]``, and the prompt part of
-    ``[n, P+T]``) left-padded to the widest ``P``, response-side ones (``[n, T]``) right-padded."""
-    if len(batches) == 1:
-        return batches[0]
-    P = max(b["prompts"].shape[1] for b in batches)
-    T = max(b["responses"].shape[1] for b in batches)
-    pad_values = {"prompts": pad_token_id, "responses": pad_token_id, "input_ids": pad_token_id}
-    out = []
-    for b in batches:
-        b = b.copy()
-        p, t = b["prompts"].shape[1], b["responses"].shape[1]
-        for key in list(b.tensors.keys()):
-            x, value = b[key], pad_values.get(key, 0)
-            if x.dim() < 2 or key == "prompt_position":
-                continue
-            if p and x.shape[1] == p + t:
-                left = torch.nn.functional.pad(x[:, :p], (P - p, 0), value=value)
-                b[key] = torch.cat([left, torch.nn.functional.pad(x[:, p:], (0, T - t), value=value)], dim=1)
-            elif x.shape[1] == p and key == "prompts":
-                b[key] = torch.nn.functional.pad(x, (P - p, 0), value=value)
-            elif x.shape[1] == t:
-                b[key] = torch.nn.functional.pad(x, (0, T - t), value=value)
-        out.append(b)
-    return RolloutBatch.concat(out)
