@@ -203,6 +203,25 @@ class HFEngine(RolloutEngine):
                 nbytes += tensor.numel() * tensor.element_size()
         return {"tensors": count, "bytes": nbytes}
 
+    def weight_tensors(self, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
+        """The model's own tensors of ``names`` (delta weight sync writes the changed elements into
+        them in place, :mod:`rltrainer.weights.delta`); ``None`` if one is missing or shares the
+        policy's storage."""
+        model = self._require_model()
+        targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+        targets.update(model.named_buffers())
+        out = {}
+        state: dict[str, torch.Tensor] | None = None  # built only if a tied alias shows up
+        for name in names:
+            target = self._weight_target(name, targets)
+            if target is None:
+                state = state if state is not None else model.state_dict(keep_vars=True)
+                target = state.get(name)
+            if target is None or id(target) in self._bound:
+                return None
+            out[name] = target.data
+        return out
+
     def bind_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Like :meth:`update_weights`, but a tensor of the parameter's dtype, device and shape
         becomes its storage (``param.data = tensor``: tied parameters, one object, follow) instead

@@ -30,7 +30,7 @@ from rltrainer.controller.methods import RANK_ZERO, remote
 from rltrainer.rollout.engine import Generation, ModelFiles, RolloutEngine, SamplingParams
 from rltrainer.weights.receiver import WeightReceiver
 from rltrainer.weights.staging import EngineGate
-from rltrainer.weights.wire import Bucket, Entry
+from rltrainer.weights.wire import Bucket, Encoding, Entry
 
 WEIGHTS_GROUP = "weights"  # the Ray concurrency group (thread) that receives weights
 Stats = dict[str, float]
@@ -217,9 +217,15 @@ class Worker:
                                  rank_offset)
 
     @receives
-    def receive_bucket(self, entries: Sequence[Entry], version: int, index: int, count: int) -> Stats:
-        """Broadcast bucket ``index`` of ``count`` of sync ``version``."""
-        return self.receiver.receive(self._require_engine(), entries, version, index, count)
+    def receive_bucket(self, entries: Sequence[Entry], version: int, index: int, count: int,
+                       encoding: Encoding | None = None) -> Stats:
+        """Broadcast bucket ``index`` of ``count`` of sync ``version`` (coded as ``encoding`` with delta sync)."""
+        return self.receiver.receive(self._require_engine(), entries, version, index, count, encoding)
+
+    @receives
+    def repair_weights(self, buckets: list[Bucket], version: int) -> Stats:
+        """Delta sync: buckets of sync ``version`` whose checksums did not match, again in full."""
+        return self.receiver.repair(self._require_engine(), buckets, version)
 
     @receives
     def open_weight_slots(self, paths: list[str], nbytes: int) -> None:

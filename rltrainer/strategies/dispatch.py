@@ -12,6 +12,7 @@ ranks map to shares.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from rltrainer.rollout.remote import RemoteEngine
 from rltrainer.rollout.worker import InOrderWorker, Worker
 from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import Strategy, combine_metrics, form_micro_batches, refuse_other_environment
+from rltrainer.weights.delta import DeltaSync
 from rltrainer.weights.group import DEFAULT_TIMEOUT_S
 from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
                                           InProcessTransport, ObjectStoreTransport, SharedMemoryTransport,
@@ -40,6 +42,8 @@ from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
     from rltrainer.rollout.engine import RolloutEngine
+
+log = logging.getLogger(__name__)
 
 PLACEMENTS = ("colocated", "split")
 
@@ -55,7 +59,8 @@ class WorkerGroupStrategy(Strategy):
                  rollout_replicas: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, cpus_per_worker: float = 1.0,
                  gpus_per_worker: float | None = None, threads_per_worker: int | None = None,
                  ray_init_kwargs: dict[str, Any] | None = None, weight_transport: str = "auto",
-                 weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> None:
+                 weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S, weight_sync_delta: bool | DeltaSync = False,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if devices == "auto":
             devices = max(torch.cuda.device_count(), 1)
@@ -82,6 +87,7 @@ class WorkerGroupStrategy(Strategy):
         self.remote_engine: RemoteEngine | None = None
         self.weight_transport = weight_transport
         self.weight_sync_timeout_s = float(weight_sync_timeout_s)
+        self.weight_sync_delta = DeltaSync.resolve(weight_sync_delta)
         self.transport: WeightTransport | None = None  # to remote_engine
         self._started_ray = False
         self._config: Any = None
@@ -176,7 +182,12 @@ class WorkerGroupStrategy(Strategy):
         self.set_weight_view(view)
         groups = group.remote.engine_weight_groups(self._weight_names)
         self.group.remote.set_weight_groups(groups)  # the sender keeps them whole (and forgets the synced)
-        if self.rollout_placement == "split":
+        split = self.rollout_placement == "split"
+        self.group.remote.configure_weight_delta(self.weight_sync_delta if split else None)
+        if self.weight_sync_delta is not None and not split:
+            log.info("weight_sync_delta: colocated engines copy each weight in place (a diff scan reads as many bytes "
+                     "as that copy writes), so they sync in full")
+        if split:
             self.transport.connect()
         else:
             self.transport = ColocatedTransport(self.group, dtype)
@@ -191,11 +202,13 @@ class WorkerGroupStrategy(Strategy):
         devices = {trainer.remote.device_type.on_rank_zero(), *rollout.remote.device_type()}
         same_node = set(rollout.remote.node_ip()) == {trainer.remote.node_ip.on_rank_zero()}
         name = resolve_transport(self.weight_transport, devices, same_node)
+        delta = self.weight_sync_delta is not None
         if name == "broadcast":
-            return BroadcastTransport(trainer, rollout, dtype, get_together, timeout_s=self.weight_sync_timeout_s)
+            return BroadcastTransport(trainer, rollout, dtype, get_together, timeout_s=self.weight_sync_timeout_s,
+                                      delta=delta)
         if name == "shared_memory":
-            return SharedMemoryTransport(trainer, rollout, dtype, get_together)
-        return ObjectStoreTransport(trainer, rollout, dtype, get_together)
+            return SharedMemoryTransport(trainer, rollout, dtype, get_together, delta=delta)
+        return ObjectStoreTransport(trainer, rollout, dtype, get_together, delta=delta)
 
     def _require_group(self) -> WorkerGroup:
         if self.group is None:

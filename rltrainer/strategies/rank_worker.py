@@ -26,9 +26,10 @@ from rltrainer.lora import LoraView
 from rltrainer.rollout.worker import Stats, Worker
 from rltrainer.strategies.strategy import (clip_gradients, load_local_training_state, local_training_state, run_compute,
                                           run_micro_batches, run_train_step)
+from rltrainer.weights.delta import DeltaSync
 from rltrainer.weights.sender import WeightSender
 from rltrainer.weights.versions import ParamVersions
-from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Bucket, Entry
+from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Bucket, Encoding, Entry
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -220,6 +221,21 @@ class TrainingWorker(Worker):
         self.sender.join_group(address, port, world_size, group_name, backend, timeout_s)
 
     @sends
+    def configure_weight_delta(self, settings: DeltaSync | None) -> None:
+        """Delta sync on (``settings``) or off; the next sync sends every weight in full."""
+        self.sender.configure_delta(settings)
+
+    @sends
+    def encode_bucket(self, index: int) -> Encoding | None:
+        """Delta sync over a broadcast: gather and code bucket ``index``; rank 0 returns its encoding."""
+        return self.sender.encode(index)
+
+    @sends_rank_zero
+    def base_buckets(self, entries: list[list[Entry]]) -> list[Bucket]:
+        """Delta sync: buckets in full from the delta base (to repair a checksum mismatch)."""
+        return self.sender.base_buckets(entries)
+
+    @sends
     def broadcast_bucket(self, index: int) -> None:
         """Gather bucket ``index``; rank 0 broadcasts it."""
         self.sender.broadcast(index)
@@ -248,8 +264,8 @@ class TrainingWorker(Worker):
         self.sender.unlink_slots()
 
     @sends
-    def write_slot(self, index: int) -> int:
-        """Gather bucket ``index`` into its slot; its bytes."""
+    def write_slot(self, index: int) -> int | Encoding | None:
+        """Gather bucket ``index`` into its slot; its bytes (delta sync: rank 0's encoding)."""
         return self.sender.write_slot(index)
 
     @sends

@@ -30,7 +30,7 @@ from rltrainer.weights.group import WeightGroup
 from rltrainer.weights.shm import SharedSlots
 from rltrainer.weights.staging import EngineGate
 from rltrainer.weights.versions import mark_loaded
-from rltrainer.weights.wire import Bucket, Entry, bucket_nbytes, empty_bucket
+from rltrainer.weights.wire import Bucket, Encoding, Entry, bucket_nbytes, empty_bucket
 
 Stats = dict[str, float]
 
@@ -47,13 +47,46 @@ class WeightReceiver:
         self._slots: SharedSlots | None = None
 
     def _staged(self, engine: Any, buffer: torch.Tensor, entries: Sequence[Entry], version: int, index: int,
-                count: int) -> Stats:
-        """Stage bucket ``index`` of ``count`` (``buffer``: this process's own copy of its bytes);
-        after the last, wait until the sync is applied."""
-        staged = self.gate.stage(version, index, count, buffer, entries)
+                count: int, encoding: Encoding | None = None) -> Stats | dict[str, Any]:
+        """Stage bucket ``index`` of ``count`` (``buffer``: this process's own copy of its payload);
+        after the last, wait until the sync is applied. With delta sync the stats carry the
+        bucket's coding, and the last bucket's ``mismatched``: the buckets whose checksums did not
+        match (the controller sends them again, :meth:`repair`)."""
+        if encoding is not None and encoding.kind == "delta" and engine.native_weight_broadcast:
+            raise RuntimeError(f"{type(engine).__name__} receives broadcast buckets itself and cannot apply a delta; "
+                               "use weight_sync_delta=False with it")
+        staged = self.gate.stage(version, index, count, buffer, entries, encoding)
+        stats: dict[str, Any] = {"tensors": len(entries), "bytes": bucket_nbytes(entries)}
+        if encoding is not None:
+            stats.update(encoding.stats())
         if staged is not None:
             self.gate.commit(engine, staged)
-        return {"tensors": len(entries), "bytes": bucket_nbytes(entries)}
+            if encoding is not None:
+                stats["mismatched"] = list(staged.mismatched)
+        return stats
+
+    def repair(self, engine: Any, buckets: Sequence[Bucket], version: int) -> Stats:
+        """Load buckets of sync ``version`` again in full (their checksums did not match after the
+        sync was applied; requests have waited since), verify them, and set the version."""
+        if not buckets:
+            return {"tensors": 0, "bytes": 0}
+        self.gate.acquire()
+        try:
+            engine.start_weight_update()
+            bad = [i for i, bucket in enumerate(buckets)
+                   if not self.gate.decoder.apply(engine, torch.tensor(bucket.data, device=self.device), bucket.entries,
+                                                  bucket.encoding)]
+            engine.finish_weight_update()
+            if bad:
+                raise RuntimeError(f"Weight sync {version}: buckets sent again in full still do not match the "
+                                   f"trainer's checksums ({len(bad)} of {len(buckets)}): the engine does not load "
+                                   "the bytes it is given")
+            mark_loaded(engine, version)
+        except BaseException as exc:
+            self.gate.release(failure=(version, exc))
+            raise
+        self.gate.release(repaired=True)
+        return {"tensors": sum(len(b.entries) for b in buckets), "bytes": sum(b.nbytes for b in buckets)}
 
     def load(self, engine: Any, bucket: Bucket, version: int | None = None, index: int = 0,
              count: int = 1) -> Stats:
@@ -65,7 +98,7 @@ class WeightReceiver:
             self._held(engine, index, count, None, lambda: engine.update_weights(bucket.views()))
             return {"tensors": len(bucket.entries), "bytes": bucket.nbytes}
         owned = torch.tensor(bucket.data, device=self.device)  # a copy: the object store's buffer is released
-        return self._staged(engine, owned, bucket.entries, version, index, count)
+        return self._staged(engine, owned, bucket.entries, version, index, count, bucket.encoding)
 
     def commit(self, engine: Any, version: int) -> Stats:
         """A sync with nothing to send still moves the engine's version (between two requests)."""
@@ -98,15 +131,20 @@ class WeightReceiver:
         else:
             self._group = WeightGroup(address, port, rank_offset, world_size, group_name, backend, timeout_s)
 
-    def receive(self, engine: Any, entries: Sequence[Entry], version: int, index: int, count: int) -> Stats:
-        """Receive broadcast bucket ``index`` of ``count`` of sync ``version``."""
-        if engine.native_weight_broadcast:
+    def receive(self, engine: Any, entries: Sequence[Entry], version: int, index: int, count: int,
+                encoding: Encoding | None = None) -> Stats:
+        """Receive broadcast bucket ``index`` of ``count`` of sync ``version`` (coded as ``encoding``
+        with delta sync)."""
+        if engine.native_weight_broadcast and encoding is None:
             return self._receive_native(engine, entries, version, index, count)
         if self._group is None:
             raise RuntimeError("receive before join_group (the broadcast transport was not connected)")
-        buffer = empty_bucket(entries, self.device)  # kept as the staged copy
+        if encoding is None:
+            buffer = empty_bucket(entries, self.device)  # kept as the staged copy
+        else:
+            buffer = torch.empty(encoding.nbytes, dtype=torch.uint8, device=self.device)
         self._group.broadcast(buffer)
-        return self._staged(engine, buffer, entries, version, index, count)
+        return self._staged(engine, buffer, entries, version, index, count, encoding)
 
     def _receive_native(self, engine: Any, entries: Sequence[Entry], version: int, index: int, count: int) -> Stats:
         """The engine loads each bucket as it arrives: it is held from the first bucket to the last."""
@@ -154,8 +192,10 @@ class WeightReceiver:
         rank 0's write, resolved first); the slot is copied, so rank 0 may reuse it at once."""
         if self._slots is None:
             raise RuntimeError("load_slot before open_slots (the shared-memory transport was not connected)")
-        owned = self._slots.slot(index, bucket_nbytes(entries)).to(self.device, copy=True)
-        return self._staged(engine, owned, entries, version, index, count)
+        encoding = ready if isinstance(ready, Encoding) else None  # delta sync: rank 0's coded payload
+        nbytes = encoding.nbytes if encoding is not None else bucket_nbytes(entries)
+        owned = self._slots.slot(index, bucket_nbytes(entries))[:nbytes].to(self.device, copy=True)
+        return self._staged(engine, owned, entries, version, index, count, encoding)
 
     def close_slots(self) -> None:
         if self._slots is not None:

@@ -15,11 +15,12 @@ from typing import Any, Protocol
 
 import torch
 
+from rltrainer.weights.delta import DeltaEncoder, DeltaSync
 from rltrainer.weights.group import WeightGroup
 from rltrainer.weights.shm import SharedSlots
 from rltrainer.weights.versions import ParamVersions, mark_loaded
-from rltrainer.weights.wire import Bucket, Entry, bucket_entries, bucket_nbytes, flatten_bucket, flatten_into, \
-    itemsize, plan_buckets
+from rltrainer.weights.wire import Bucket, Encoding, Entry, bucket_entries, bucket_nbytes, flatten_bucket, \
+    flatten_into, itemsize, plan_buckets
 
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -61,6 +62,14 @@ class WeightSender:
         self._group: WeightGroup | None = None
         self._slots: SharedSlots | None = None
         self._slots_everywhere = False  # every training rank mapped the slots (one node)
+        self.delta: DeltaEncoder | None = None  # delta sync (rank 0 codes; every rank knows it is on)
+        self._coding = False  # this sync's buckets are coded (delta sync on, a sync of the changed names)
+        self._encoded: torch.Tensor | None = None  # the broadcast's coded bucket, between encode and broadcast
+
+    def configure_delta(self, settings: DeltaSync | None) -> None:
+        """Turn delta sync on (``settings``) or off; either way the next sync sends every name in full."""
+        self.delta = DeltaEncoder(settings) if settings is not None else None
+        self.versions.forget_synced()
 
     # -- planning ------------------------------------------------------------------------------
     def plan(self, dtype: torch.dtype | None, only_changed: bool) -> tuple[int, int]:
@@ -75,6 +84,9 @@ class WeightSender:
 
         self._plan = plan_buckets([(n, nbytes(n)) for n in names], self.bucket_bytes, self.versions.groups)
         self._dtype, self._marks_synced = dtype, only_changed
+        self._coding = self.delta is not None and only_changed
+        if self._coding and self.source.rank == 0:
+            self.delta.begin_sync(n for n in names if n not in self.versions.synced)
         return len(self._plan), len(specs) - len(names)
 
     def entries(self) -> list[list[Entry]]:
@@ -93,6 +105,8 @@ class WeightSender:
 
     def forget_synced(self) -> None:
         self.versions.forget_synced()
+        if self.delta is not None:
+            self.delta.forget()
 
     def _gather(self, index: int) -> list[tuple[str, torch.Tensor]]:
         tensors = self.source.gather_weights(self._plan[index], self._dtype, index)
@@ -103,11 +117,40 @@ class WeightSender:
     # -- in-process and object-store: rank 0 returns each bucket --------------------------------------
     def export(self, index: int) -> Bucket | None:
         """Gather bucket ``index``; rank 0 returns it as a :class:`Bucket` (other ranks ``None``)."""
+        if self._coding:
+            payload, encoding = self._encode(index)
+            return Bucket(self._entries(index), payload.cpu().numpy(), encoding) if encoding is not None else None
         tensors = dict(self._gather(index))
         if self.source.rank != 0:
             return None
         entries = self._entries(index)
         return Bucket(entries, flatten_bucket(tensors, entries, "cpu").numpy())
+
+    # -- delta sync: rank 0 codes each bucket against what the engines hold -----------------------------
+    def _encode(self, index: int) -> tuple[torch.Tensor, Encoding | None]:
+        """Gather bucket ``index`` (a collective); rank 0 codes it (other ranks ``(empty, None)``)."""
+        tensors = dict(self._gather(index))
+        if self.source.rank != 0:
+            return torch.empty(0, dtype=torch.uint8), None
+        assert self.delta is not None
+        return self.delta.encode(tensors, self._entries(index))
+
+    def encode(self, index: int) -> Encoding | None:
+        """Broadcast with delta sync: gather and code bucket ``index``, kept for :meth:`broadcast`;
+        rank 0 returns its encoding (the receivers size their buffers from it)."""
+        payload, encoding = self._encode(index)
+        self._encoded = payload if encoding is not None else None
+        return encoding
+
+    def base_buckets(self, entries: list[list[Entry]]) -> list[Bucket]:
+        """Rank 0: buckets in full from the delta base, to repair engines whose checksums did not match."""
+        if self.delta is None:
+            raise RuntimeError("base_buckets without delta sync (configure_delta was not called)")
+        out = []
+        for bucket_entries_ in entries:
+            payload, encoding = self.delta.full(bucket_entries_)
+            out.append(Bucket(list(bucket_entries_), payload.numpy(), encoding))
+        return out
 
     # -- colocated: every rank loads its own engine replica ------------------------------------------------
     def load_local(self, dtype: torch.dtype | None, version: int) -> dict[str, float]:
@@ -118,6 +161,7 @@ class WeightSender:
             raise RuntimeError(f"Training rank {self.source.rank} holds no rollout engine (colocated sync before "
                                "connect_engine)")
         buckets, skipped = self.plan(dtype, only_changed=True)
+        self._coding = False  # a colocated engine copies in place: a diff scan reads as much as the copy writes
         count = nbytes = 0
         if buckets:
             engine.start_weight_update()
@@ -138,12 +182,19 @@ class WeightSender:
         self._group = WeightGroup(address, port, 0, world_size, group_name, backend, timeout_s)
 
     def broadcast(self, index: int) -> None:
-        """Gather bucket ``index``; rank 0 broadcasts its bytes."""
-        tensors = dict(self._gather(index))
+        """Gather bucket ``index``; rank 0 broadcasts its bytes (with delta sync: the payload
+        :meth:`encode` coded)."""
+        if self._coding:
+            payload, self._encoded = self._encoded, None
+        else:
+            tensors = dict(self._gather(index))
+            payload = flatten_bucket(tensors, self._entries(index), self.source.device) if self.source.rank == 0 else None
         if self.source.rank == 0:
             if self._group is None:
                 raise RuntimeError("broadcast before join_group (the transport was not connected)")
-            self._group.broadcast(flatten_bucket(tensors, self._entries(index), self.source.device))
+            if payload is None:
+                raise RuntimeError(f"broadcast of bucket {index} before encode (delta sync codes each bucket first)")
+            self._group.broadcast(payload.to(self.source.device))
 
     def leave_group(self) -> None:
         if self._group is not None:
@@ -176,12 +227,20 @@ class WeightSender:
         if self._slots is not None:
             self._slots.unlink()
 
-    def write_slot(self, index: int) -> int:
-        """Gather bucket ``index`` into slot ``index % 2`` in wire layout; returns its bytes (the
-        rollout processes' load calls take rank 0's result as an argument, so they run after it)."""
+    def write_slot(self, index: int) -> int | Encoding | None:
+        """Gather bucket ``index`` into slot ``index % 2`` in wire layout; returns its bytes (with
+        delta sync, rank 0 writes the coded payload and returns its encoding; the rollout processes'
+        load calls take rank 0's result as an argument, so they run after it)."""
         entries = self._entries(index)
         nbytes = bucket_nbytes(entries)
         out = self._slots.slot(index, nbytes) if self._slots is not None else None
+        if self._coding:
+            payload, encoding = self._encode(index)
+            if encoding is not None:
+                if out is None:
+                    raise RuntimeError("write_slot before create_slots (the transport was not connected)")
+                out[:encoding.nbytes].copy_(payload)
+            return encoding
         direct = self._slots_everywhere and self.source.gather_weights_into(self._plan[index], self._dtype, index,
                                                                              entries, out)
         if direct:

@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 
+from rltrainer.weights.delta import DeltaDecoder
 from rltrainer.weights.versions import mark_loaded
-from rltrainer.weights.wire import Entry, bucket_views
+from rltrainer.weights.wire import Encoding, Entry, bucket_views
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,15 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class StagedSync:
     """The buckets of sync ``version`` received so far (of ``count``), in order, with their bytes;
-    ``applied`` once loaded into the engine (``error``: the load raised)."""
+    ``applied`` once loaded into the engine (``error``: the load raised; ``mismatched``: the buckets
+    whose checksums did not match, sent again in full by the controller, see :meth:`EngineGate.repair`)."""
 
     version: int
     count: int
-    buckets: list[tuple[torch.Tensor, list[Entry]]] = field(default_factory=list)
+    buckets: list[tuple[torch.Tensor, list[Entry], Encoding | None]] = field(default_factory=list)
     applied: bool = False
     error: BaseException | None = None
+    mismatched: list[int] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -75,6 +78,8 @@ class EngineGate:
         self._claims = 0  # weight loads waiting for the engine: the next request waits behind them
         self._staged: StagedSync | None = None  # the sync arriving, or arrived and not applied yet
         self._failed: tuple[int, BaseException] | None = None  # a load that raised: the engine is unusable
+        self._repairing = False  # a sync's checksums did not match: requests wait for its repair
+        self.decoder = DeltaDecoder()  # delta sync: applies coded buckets (and keeps a mirror if it must)
 
     # -- the requests' side -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -82,17 +87,27 @@ class EngineGate:
         """Hold ``engine`` for one call, once it holds ``min_version`` or later (a complete staged
         sync is applied first). Only a process that receives in a thread of its own may wait for a
         version; one that receives in order with its requests passes ``-1``."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._busy and not self._claims and self._arrived(engine, min_version))
-            if self._failed is not None:
-                version, error = self._failed
-                raise RuntimeError(f"Loading weight sync {version} into this engine failed ({error!r}); its weights "
-                                   "may be partly updated, so it takes no more requests") from error
-            self._busy = True
-            staged = self._take_complete()
-        try:
-            if staged is not None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._busy and not self._claims and not self._repairing
+                                    and self._arrived(engine, min_version))
+                if self._failed is not None:
+                    version, error = self._failed
+                    raise RuntimeError(f"Loading weight sync {version} into this engine failed ({error!r}); its "
+                                       "weights may be partly updated, so it takes no more requests") from error
+                self._busy = True
+                staged = self._take_complete()
+            if staged is None:
+                break
+            try:
                 self._apply(engine, staged)
+            except BaseException:
+                self._release()
+                raise
+            if not staged.mismatched:
+                break
+            self._release()  # the sync needs its repair first
+        try:
             yield engine
         finally:
             self._release()
@@ -103,10 +118,10 @@ class EngineGate:
                 or (staged is not None and staged.complete and staged.version >= version))
 
     # -- the receiver's side ------------------------------------------------------------------------
-    def stage(self, version: int, index: int, count: int, buffer: torch.Tensor,
-              entries: Sequence[Entry]) -> StagedSync | None:
+    def stage(self, version: int, index: int, count: int, buffer: torch.Tensor, entries: Sequence[Entry],
+              encoding: Encoding | None = None) -> StagedSync | None:
         """Keep bucket ``index`` of ``count`` of sync ``version`` (``buffer`` is the receiver's own
-        copy of its bytes); returns the sync once complete (for :meth:`commit`). Buckets arrive in
+        copy of its payload, coded as ``encoding`` with delta sync); returns the sync once complete (for :meth:`commit`). Buckets arrive in
         order; bucket 0 starts a sync, dropping what is left of one that did not complete (it
         failed midway)."""
         with self._cond:
@@ -120,7 +135,7 @@ class EngineGate:
                 have = "none" if staged is None else f"{len(staged.buckets)} of sync {staged.version}"
                 raise RuntimeError(f"Bucket {index} of weight sync {version} arrived with {have} staged; a sync's "
                                    "buckets must arrive in order, from bucket 0")
-            staged.buckets.append((buffer, list(entries)))
+            staged.buckets.append((buffer, list(entries), encoding))
             if not staged.complete:
                 return None
             self._cond.notify_all()  # a request waiting for this version may apply it
@@ -161,12 +176,15 @@ class EngineGate:
                 self._claims -= 1
             self._busy = True
 
-    def release(self, failure: tuple[int, BaseException] | None = None) -> None:
+    def release(self, failure: tuple[int, BaseException] | None = None, repaired: bool = False) -> None:
         """Give the engine back; ``failure``: ``(version, error)`` of a load that raised midway (the
-        engine's weights may be partly updated: later requests raise)."""
-        if failure is not None:
-            with self._cond:
+        engine's weights may be partly updated: later requests raise); ``repaired``: a sync whose
+        checksums did not match is whole again (requests may go on)."""
+        with self._cond:
+            if failure is not None:
                 self._failed = failure
+            if repaired:
+                self._repairing = False
         self._release()
 
     # -- applying -----------------------------------------------------------------------------------
@@ -180,19 +198,28 @@ class EngineGate:
     def _apply(self, engine: Any, staged: StagedSync) -> None:
         """Load a complete staged sync (the caller holds the engine): one update session, buckets in
         order, then the version."""
+        mismatched = []
         try:
             if staged.buckets:
                 engine.start_weight_update()
-                for buffer, entries in staged.buckets:
-                    engine.update_weights(bucket_views(buffer, entries))
+                for index, (buffer, entries, encoding) in enumerate(staged.buckets):
+                    if encoding is None:
+                        engine.update_weights(bucket_views(buffer, entries))
+                    elif not self.decoder.apply(engine, buffer, entries, encoding):
+                        mismatched.append(index)
                 engine.finish_weight_update()
-            mark_loaded(engine, staged.version)
+            if mismatched:
+                log.warning("Weight sync %d: the checksums of buckets %s did not match the trainer's; they are sent "
+                            "again in full", staged.version, mismatched)
+            else:
+                mark_loaded(engine, staged.version)
         except BaseException as exc:
             with self._cond:
                 staged.error, self._failed = exc, (staged.version, exc)
             raise
         with self._cond:
-            staged.applied, self._failed = True, None
+            staged.applied, staged.mismatched, self._failed = True, mismatched, None
+            self._repairing = bool(mismatched)
 
     def _release(self) -> None:
         with self._cond:

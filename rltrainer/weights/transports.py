@@ -115,6 +115,15 @@ class SyncHandle:
         return dict(self._stats)
 
 
+def delta_stats(totals: dict[str, float], buckets: int) -> dict[str, float]:
+    """A delta sync's shares from its summed bucket stats: ``changed_share`` (words that differ from
+    what the engines held, of the synced tensors' words), ``wire_share`` (bytes sent of a full sync's),
+    ``full_buckets`` (sent whole: no base yet, or too much changed)."""
+    return {"changed_share": totals.get("changed_words", 0) / max(totals.get("words", 0), 1),
+            "wire_share": totals.get("wire_bytes", 0) / max(totals.get("bytes", 0), 1),
+            "full_buckets": buckets - totals.get("delta_buckets", 0)}
+
+
 def sync_metrics(stats: dict[str, float]) -> dict[str, float]:
     """A sync's stats as step metrics: ``sync/tensors``, ``sync/bytes``, ``sync/skipped``, ``sync/gb_per_s``."""
     out = {f"sync/{k}": float(v) for k, v in stats.items() if k != "seconds"}
@@ -213,21 +222,29 @@ class _Split(WeightTransport):
 
     depth = 2  # buckets in flight (the shared-memory transport has two slots)
 
-    def __init__(self, trainer: Any, rollout: Any, dtype: torch.dtype | None, wait_all: WaitAll) -> None:
+    def __init__(self, trainer: Any, rollout: Any, dtype: torch.dtype | None, wait_all: WaitAll,
+                 delta: bool = False) -> None:
         super().__init__()
         self.trainer, self.rollout, self.dtype, self.wait_all = trainer, rollout, dtype, wait_all
+        self.delta = delta  # the training ranks code buckets (weight_sync_delta, rltrainer.weights.delta)
 
     def _start(self, version: int) -> Callable[[], Stats]:
         trainer, rollout = self.trainer, self.rollout
         buckets, skipped = trainer.remote.plan_weights(self.dtype, True)[0]
         entries = trainer.remote.weight_entries() if buckets else []
-        totals = {"tensors": 0, "bytes": 0}
+        totals: dict[str, float] = {"tensors": 0, "bytes": 0}
+        mismatched: list[list[int]] = []  # delta sync: per rollout process, buckets to send again in full
         in_flight: list[list[Call]] = []
 
         def finish_oldest() -> None:
             results = self.wait_all(in_flight.pop(0))
-            for key in totals:
-                totals[key] += results[-1][0][key]  # the first replica's load
+            for key, value in results[-1][0].items():  # the first replica's load
+                if key != "mismatched":
+                    totals[key] = totals.get(key, 0) + value
+            for process, stats in enumerate(results[-1]):
+                if stats.get("mismatched"):
+                    mismatched.extend([] for _ in range(process + 1 - len(mismatched)))
+                    mismatched[process].extend(stats["mismatched"])
 
         for index in range(buckets):
             while len(in_flight) >= self.depth:  # bucket i reuses bucket i - 2's buffers
@@ -241,9 +258,26 @@ class _Split(WeightTransport):
             while in_flight:
                 finish_oldest()
             finished.get()
-            return {**totals, "skipped": skipped, "buckets": buckets}
+            stats = {**totals, "skipped": skipped, "buckets": buckets}
+            if self.delta:
+                stats.update(delta_stats(totals, buckets), checksum_mismatches=sum(map(len, mismatched)))
+                if mismatched:
+                    self._repair(mismatched, entries, version)
+            return stats
 
         return finish
+
+    def _repair(self, mismatched: list[list[int]], entries: list[list[Any]], version: int) -> None:
+        """Send the buckets whose checksums did not match again, in full from trainer rank 0's delta base,
+        to the processes that reported them (their requests wait until then)."""
+        wanted = sorted({index for indices in mismatched for index in indices})
+        log.warning("Weight sync %d: %d rollout process(es) reported checksum mismatches in buckets %s; sending them "
+                    "again in full", version, sum(map(bool, mismatched)), wanted)
+        full = dict(zip(wanted, self.trainer.remote.base_buckets([entries[i] for i in wanted])))
+        processes = self.rollout.world_size
+        per_process = [([full[i] for i in sorted(set(mismatched[p]))] if p < len(mismatched) else [], version)
+                       for p in range(processes)]
+        self.wait_all([self.rollout.remote.repair_weights.each(per_process).as_call])
 
     @abc.abstractmethod
     def _send(self, index: int, entries: list[Any], version: int, count: int) -> list[Call]:
@@ -274,8 +308,8 @@ class BroadcastTransport(_Split):
     name = "broadcast"
 
     def __init__(self, trainer: Any, rollout: Any, dtype: torch.dtype | None, wait_all: WaitAll,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(trainer, rollout, dtype, wait_all)
+                 timeout_s: float = DEFAULT_TIMEOUT_S, delta: bool = False) -> None:
+        super().__init__(trainer, rollout, dtype, wait_all, delta)
         self.timeout_s = timeout_s
         self.group_name = f"rltrainer-weights-{uuid.uuid4().hex[:12]}"
         self.backend = "gloo"
@@ -300,6 +334,11 @@ class BroadcastTransport(_Split):
                  self.world_size, ranks)
 
     def _send(self, index: int, entries: list[Any], version: int, count: int) -> list[Call]:
+        if self.delta:  # the receivers size their buffers from the bucket's coding
+            coded = self.trainer.remote.encode_bucket.start(index)
+            receivers = self.rollout.remote.receive_bucket.start(entries, version, index, count, coded.ref())
+            sender = self.trainer.remote.broadcast_bucket.start(index)
+            return [coded.as_call, sender.as_call, receivers.as_call]
         receivers = self.rollout.remote.receive_bucket.start(entries, version, index, count)
         sender = self.trainer.remote.broadcast_bucket.start(index)
         return [sender.as_call, receivers.as_call]
@@ -320,8 +359,8 @@ class SharedMemoryTransport(_Split):
     name = "shared_memory"
 
     def __init__(self, trainer: Any, rollout: Any, dtype: torch.dtype | None, wait_all: WaitAll,
-                 directory: str = "/dev/shm") -> None:
-        super().__init__(trainer, rollout, dtype, wait_all)
+                 directory: str = "/dev/shm", delta: bool = False) -> None:
+        super().__init__(trainer, rollout, dtype, wait_all, delta)
         self.directory = directory
         self.tag = uuid.uuid4().hex[:12]  # the slots' files are named rltrainer-weights-{tag}-{slot}
         self.slot_bytes = 0

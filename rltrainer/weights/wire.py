@@ -137,13 +137,45 @@ def bucket_views(buffer: torch.Tensor, entries: Sequence[Entry]) -> list[tuple[s
     return out
 
 
+@dataclass(frozen=True)
+class Encoding:
+    """How a bucket's payload is coded when delta sync is on (:mod:`rltrainer.weights.delta`); it
+    travels beside the payload as a call argument or a result (small). Without delta sync a bucket
+    has no encoding: its payload is its bytes.
+
+    ``kind="full"``: the payload is the bucket's bytes (wire layout). ``kind="delta"``: the payload is
+    the ``changed`` words (``word`` bytes each) of the bucket's bytes that differ from what the engines
+    hold, then their indices (``index_bytes`` each, at ``index_offset``), ascending. ``checksums``:
+    one per entry, of the entry's bytes after the update (:func:`~rltrainer.weights.delta.checksum`;
+    empty: not verified this sync)."""
+
+    kind: str
+    nbytes: int  # payload bytes (on the wire)
+    full_nbytes: int  # the bucket's bytes
+    word: int
+    words: int  # the bucket's bytes in words
+    changed: int  # words that differ from the engines' copy (words: unknown, the first sync)
+    index_bytes: int = 4
+    index_offset: int = 0
+    checksums: tuple[int, ...] = ()
+    encode_s: float = 0.0  # the sender's diff scan and encoding
+    checksum_s: float = 0.0  # the sender's checksums
+
+    def stats(self) -> dict[str, float]:
+        """The sender's side of a bucket's stats (summed over a sync by the transports)."""
+        return {"wire_bytes": self.nbytes, "changed_words": self.changed, "words": self.words,
+                "delta_buckets": int(self.kind == "delta"), "encode_s": self.encode_s, "checksum_s": self.checksum_s}
+
+
 @dataclass
 class Bucket:
     """One bucket as a value: its entries and its bytes as a numpy array, so Ray's object store
-    carries it without pickling each tensor (and a reader on the same node maps it, zero-copy)."""
+    carries it without pickling each tensor (and a reader on the same node maps it, zero-copy).
+    With delta sync on, ``encoding`` says how ``data`` is coded (``None``: it is the bucket's bytes)."""
 
     entries: list[Entry]
-    data: np.ndarray  # [bucket_nbytes] uint8
+    data: np.ndarray  # [payload bytes] uint8
+    encoding: Encoding | None = None
 
     @classmethod
     def pack(cls, tensors: Sequence[tuple[str, torch.Tensor]]) -> Bucket:

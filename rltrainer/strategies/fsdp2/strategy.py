@@ -46,6 +46,13 @@ class FSDP2Strategy(WorkerGroupStrategy):
             to join, and for each bucket's broadcast (default 600 s). Raise it for slow links or
             very large buckets; an engine that receives on its own (SGLang) starts receiving a sync
             only once its running request has finished, so a request may need to fit in it too.
+        weight_sync_delta: ``"split"`` only: send each bucket as the words that changed since the
+            replicas' copy (values and int32 indices) when that is at most half its bytes, else in
+            full, with every tensor's checksum verified after each sync (a mismatch is sent again in
+            full); ``True`` or :class:`~rltrainer.weights.delta.DeltaSync` ``(max_share=...,
+            checksum_every=...)``. Costs one engine-dtype copy of the weights on trainer rank 0, and
+            one per rollout process for engines that cannot lend their tensors (vLLM). See
+            :mod:`rltrainer.weights.delta`.
         bucket_bytes: weight-sync bucket size; the extra memory of a sync is about one bucket.
         cpus_per_worker / gpus_per_worker: Ray resources per process (GPUs: 1 if the cluster
             has GPUs, else 0, by default).

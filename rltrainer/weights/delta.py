@@ -1,0 +1,273 @@
+"""Delta weight sync: send only the words of a bucket that changed since the engines' last copy.
+
+Between two RL steps at a realistic learning rate most engine-dtype weights do not change: the
+fp32 master weights move by less than one bf16 ulp. With ``weight_sync_delta`` on (a
+:class:`DeltaSync`), trainer rank 0 keeps a copy of what the engines hold, one tensor per weight
+name in the engine's dtype (:class:`DeltaEncoder`, "the base"), and codes each bucket as:
+
+- a **delta**: the words (2 bytes for bf16, 4 for fp32) of the bucket's bytes that differ from the
+  base, then their indices (int32), when that is at most ``max_share`` of the bucket's bytes;
+- else the **full** bucket (early steps, a high learning rate, fp32 engines), decided per bucket
+  from the measured share of changed words.
+
+The receiving side (:class:`DeltaDecoder`) applies a delta in place: to the engine's own tensors
+when the engine holds the weights whole under their HF names (``RolloutEngine.weight_tensors``:
+the ``hf`` engine), else to a copy of what it loaded (a mirror, one engine-dtype copy per rollout
+process) whose touched tensors are then loaded through ``update_weights`` (vLLM's fused and
+sharded layout). Every ``checksum_every``-th sync, each tensor's :func:`checksum` after the update
+is compared with the sender's; a mismatch leaves the engine's version where it was and the
+controller sends those buckets again in full from the base (counted as ``sync/checksum_mismatches``).
+
+A name with no base (the first sync, a new engine, a woken engine that dropped its weights, a
+restored run: ``ParamVersions.forget_synced``) goes in full first. Memory: the base is one
+engine-dtype copy of the synced weights on trainer rank 0 (on the device its gathers return).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rltrainer.weights.wire import Encoding, Entry, bucket_views, entry_offsets, flatten_bucket, itemsize
+
+WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHECK_COLUMNS = 1024
+
+
+@dataclass(frozen=True)
+class DeltaSync:
+    """``weight_sync_delta=DeltaSync(...)`` (``True``: these defaults).
+
+    Args:
+        max_share: a bucket travels as a delta when its payload (values and indices) is at most this
+            share of its full bytes (0 < max_share <= 1); else in full.
+        checksum_every: verify the engines' weights against the sender's every this many syncs
+            (1: every sync; 0: never).
+    """
+
+    max_share: float = 0.5
+    checksum_every: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_share <= 1:
+            raise ValueError(f"DeltaSync(max_share={self.max_share!r}): a share of the bucket's bytes, in (0, 1]")
+        if not isinstance(self.checksum_every, int) or self.checksum_every < 0:
+            raise ValueError(f"DeltaSync(checksum_every={self.checksum_every!r}): an int >= 0 (0: never verify)")
+
+    @classmethod
+    def resolve(cls, value: bool | DeltaSync | None) -> DeltaSync | None:
+        """``weight_sync_delta`` as settings (``None``: off)."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"weight_sync_delta={value!r}; pass True, False or DeltaSync(max_share=..., checksum_every=...)")
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """A 64-bit checksum of a tensor's bytes, the same on any device and thread count (integer sums,
+    exact modulo 2**64): the words' total and their sums weighted by row and by column, so a changed
+    word or two swapped words change it."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    head = data.numel() // 8 * 8
+    words = data[:head]
+    if words.data_ptr() % 8:
+        words = words.clone()
+    words = words.view(torch.int64)
+    rows = words[:words.numel() // _CHECK_COLUMNS * _CHECK_COLUMNS].view(-1, _CHECK_COLUMNS)
+    parts = [int(words.sum()), data.numel()]
+    if rows.numel():
+        row_sums = rows.sum(1)
+        parts.append(int((row_sums * torch.arange(1, row_sums.numel() + 1, device=rows.device)).sum()))
+        col_sums = rows.sum(0)
+        parts.append(int((col_sums * torch.arange(1, _CHECK_COLUMNS + 1, device=rows.device)).sum()))
+    tail = words[rows.numel():]
+    parts.append(int((tail * torch.arange(1, tail.numel() + 1, device=tail.device)).sum()))
+    parts.extend(int(b) for b in data[head:].tolist())
+    out = 0
+    for part in parts:
+        out = (out * 1_000_003 + part) % (1 << 64)
+    return out
+
+
+def word_bytes(entries: Sequence[Entry]) -> int:
+    """The word a bucket's delta is counted in: its smallest element size (every entry starts at a
+    multiple of it)."""
+    return min((itemsize(getattr(torch, dtype)) for _, dtype, _ in entries), default=1)
+
+
+def as_words(tensor: torch.Tensor, word: int) -> torch.Tensor:
+    """A tensor's bytes as a flat view of ``word``-byte integers (a view where it can be)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).view(WORD_DTYPES[word])
+
+
+def _word_offsets(entries: Sequence[Entry], word: int) -> list[int]:
+    return [offset // word for offset in entry_offsets(entries)]
+
+
+class DeltaEncoder:
+    """Trainer rank 0's side: the base (what the engines hold) and each bucket's coding."""
+
+    def __init__(self, settings: DeltaSync) -> None:
+        self.settings = settings
+        self.base: dict[str, torch.Tensor] = {}  # name -> flat words, in the engine's dtype
+        self.syncs = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The base's memory."""
+        return sum(t.numel() * t.element_size() for t in self.base.values())
+
+    def begin_sync(self, fresh: Iterable[str]) -> None:
+        """A sync starts; ``fresh``: names the engines may not hold (never synced, or forgotten) go in full."""
+        for name in fresh:
+            self.base.pop(name, None)
+        self.syncs += 1
+
+    def forget(self) -> None:
+        self.base.clear()
+
+    @property
+    def verifies(self) -> bool:
+        """Whether this sync's buckets carry checksums."""
+        every = self.settings.checksum_every
+        return every > 0 and (self.syncs - 1) % every == 0
+
+    def encode(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry]) -> tuple[torch.Tensor, Encoding]:
+        """Code one bucket (``tensors`` by name, in the engine's dtype) and move the base to it;
+        returns the payload (uint8, on the tensors' device) and its :class:`Encoding`."""
+        start = time.perf_counter()
+        word = word_bytes(entries)
+        full_nbytes = sum(math.prod(shape) * itemsize(getattr(torch, dtype)) for _, dtype, shape in entries)
+        words = full_nbytes // word
+        index_dtype, index_bytes = (torch.int32, 4) if words < 2**31 else (torch.int64, 8)
+        known = all(name in self.base for name, _, _ in entries)
+        indices, values = [], []
+        for (name, _, _), offset in zip(entries, _word_offsets(entries, word)):
+            new = as_words(tensors[name], word)
+            old = self.base.get(name)
+            if old is None or old.dtype != new.dtype or old.numel() != new.numel():
+                self.base[name] = new.clone()
+                continue
+            changed = torch.ne(new, old).nonzero().view(-1)
+            if changed.numel():
+                moved = new[changed]
+                old[changed] = moved
+                indices.append(changed.add_(offset).to(index_dtype))
+                values.append(moved)
+        changed_words = sum(i.numel() for i in indices) if known else words
+        value_bytes = changed_words * word
+        index_offset = -(-value_bytes // 8) * 8
+        delta_nbytes = index_offset + changed_words * index_bytes
+        if known and delta_nbytes <= self.settings.max_share * full_nbytes:
+            device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+            payload = torch.zeros(delta_nbytes, dtype=torch.uint8, device=device)
+            if changed_words:
+                payload[:value_bytes].view(WORD_DTYPES[word]).copy_(torch.cat(values))
+                payload[index_offset:].view(index_dtype).copy_(torch.cat(indices))
+            kind = "delta"
+        else:
+            device = next(iter(tensors.values())).device
+            payload, kind, index_offset = flatten_bucket(tensors, entries, device), "full", 0
+        encode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        sums = tuple(checksum(self.base[name]) for name, _, _ in entries) if self.verifies else ()
+        return payload, Encoding(kind, int(payload.numel()), full_nbytes, word, words, changed_words, index_bytes,
+                                 index_offset, sums, encode_s, time.perf_counter() - start)
+
+    def full(self, entries: Sequence[Entry]) -> tuple[torch.Tensor, Encoding]:
+        """A bucket in full from the base (to repair an engine whose checksum did not match)."""
+        tensors = {name: self.base[name].view(torch.uint8).view(getattr(torch, dtype)).view(shape)
+                   for name, dtype, shape in entries}
+        payload = flatten_bucket(tensors, entries, "cpu")
+        word = word_bytes(entries)
+        sums = tuple(checksum(self.base[name]) for name, _, _ in entries)
+        return payload, Encoding("full", int(payload.numel()), int(payload.numel()), word,
+                                 int(payload.numel()) // word, 0, checksums=sums)
+
+
+def split_delta(payload: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.Tensor]:
+    """A delta payload's ``(indices, values)``, as views."""
+    count, word = encoding.changed, encoding.word
+    values = payload[:count * word].view(WORD_DTYPES[word])
+    index_dtype = torch.int32 if encoding.index_bytes == 4 else torch.int64
+    indices = payload[encoding.index_offset:encoding.index_offset + count * encoding.index_bytes].view(index_dtype)
+    return indices, values
+
+
+class DeltaDecoder:
+    """A rollout process's side: apply a bucket (full or delta) to its engine and verify it.
+
+    Where the engine lends its own tensors (``engine.weight_tensors(names)``, in the wire dtype), a
+    delta is scattered into them; else the decoder keeps a mirror of what the engine loaded (one
+    engine-dtype copy, built from full buckets) and loads the tensors a delta touched from it."""
+
+    def __init__(self) -> None:
+        self.mirror: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.mirror.values())
+
+    def apply(self, engine: Any, payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding) -> bool:
+        """Load one bucket into ``engine`` (inside its update session); whether its checksums match
+        (True when it carries none)."""
+        word = encoding.word
+        own = _lent(engine, entries)
+        if encoding.kind == "full":
+            views = bucket_views(payload, entries)
+            engine.update_weights(views)
+            if own is None:
+                for name, tensor in views:
+                    words = as_words(tensor, word)
+                    kept = self.mirror.get(name)
+                    if kept is not None and kept.shape == words.shape and kept.dtype == words.dtype:
+                        kept.copy_(words)
+                    else:
+                        self.mirror[name] = words.clone()
+        else:
+            targets = own if own is not None else {n: self.mirror.get(n) for n, _, _ in entries}
+            if any(t is None for t in targets.values()):
+                return False  # nothing to apply the delta to (a new replica): repaired in full
+            indices, values = split_delta(payload, encoding)
+            device = next(iter(targets.values())).device
+            indices, values = indices.to(device, torch.int64), values.to(device)
+            starts = _word_offsets(entries, word)
+            bounds = torch.searchsorted(indices, torch.tensor(starts + [encoding.words], device=device)).tolist()
+            with torch.no_grad():
+                for (name, _, _), start, lo, hi in zip(entries, starts, bounds, bounds[1:]):
+                    if hi > lo:
+                        as_words(targets[name], word)[indices[lo:hi] - start] = values[lo:hi]
+            if own is None and encoding.changed:  # the whole bucket: an engine may rebuild a fused layer from all of it
+                engine.update_weights([(name, self.mirror[name].view(torch.uint8).view(getattr(torch, dtype)).view(shape))
+                                       for name, dtype, shape in entries])
+        if not encoding.checksums:
+            return True
+        held = own if own is not None else self.mirror
+        return all(name in held and checksum(held[name]) == expected
+                   for (name, _, _), expected in zip(entries, encoding.checksums))
+
+    def forget(self) -> None:
+        self.mirror.clear()
+
+
+def _lent(engine: Any, entries: Sequence[Entry]) -> dict[str, torch.Tensor] | None:
+    """The engine's own tensors for a bucket's names, if it lends them whole in the wire dtype and
+    shape (contiguous), else ``None`` (the decoder keeps a mirror)."""
+    lend = getattr(engine, "weight_tensors", None)
+    own = lend([name for name, _, _ in entries]) if lend is not None else None
+    if own is None:
+        return None
+    for name, dtype, shape in entries:
+        tensor = own.get(name)
+        if (tensor is None or tensor.dtype != getattr(torch, dtype) or tuple(tensor.shape) != tuple(shape)
+                or not tensor.is_contiguous()):
+            return None
+    return own
