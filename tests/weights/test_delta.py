@@ -380,6 +380,39 @@ def test_a_repair_that_still_mismatches_stops_the_engine():
             pass
 
 
+def test_a_request_waiting_for_a_repair_that_fails_raises():
+    tensors = make_tensors(DTYPE_CASES["bf16"])
+    entries = entries_of(tensors)
+    gate, engine, encoder = EngineGate(), LendingEngine(), DeltaEncoder(DeltaSync())
+    receiver = WeightReceiver(torch.device("cpu"), gate)
+    for version in (1, 2):
+        if version == 2:
+            engine.weights["a"].view(-1)[0] += 1
+            tensors["b"].view(-1)[3] += 1
+        encoder.begin_sync(())
+        payload, encoding = encoder.encode(tensors, entries)
+        stats = receiver.load(engine, Bucket(entries, payload.numpy(), encoding), version, 0, 1)
+    assert stats["mismatched"] == [0]
+    outcome: dict = {}
+
+    def request():
+        try:
+            with gate.use(engine, 2):
+                outcome["ran"] = True
+        except RuntimeError as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    payload, encoding = encoder.full(entries)
+    wrong = Bucket(entries, payload.numpy(), dataclasses.replace(encoding, checksums=(1, 2)))
+    with pytest.raises(RuntimeError, match="still do not match"):
+        receiver.repair(engine, [wrong], 2)
+    thread.join(10)
+    assert not thread.is_alive(), "the request still waits for a repair that failed"
+    assert "ran" not in outcome and "Loading weight sync 2 into this engine failed" in str(outcome["error"])
+
+
 def test_an_engine_that_receives_broadcasts_itself_refuses_a_delta():
     class Native(LendingEngine):
         native_weight_broadcast = True
