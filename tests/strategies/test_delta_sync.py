@@ -78,13 +78,13 @@ def make_trainer(devices: int, transport: str, engine, steps: int, callbacks=(),
                    callbacks=list(callbacks), **kwargs)
 
 
-@pytest.mark.parametrize("devices, dtype, transport", [
-    (1, torch.bfloat16, "shared_memory"),
-    (2, torch.bfloat16, "object_store"),
-    (1, torch.bfloat16, "broadcast"),
-    (2, torch.float32, "broadcast"),
-    (1, torch.float32, "object_store"),
-], ids=lambda v: str(v).removeprefix("torch."))
+BF16_RUNS = [(devices, torch.bfloat16, transport) for devices in (1, 2)
+             for transport in ("shared_memory", "object_store", "broadcast")]
+FP32_RUNS = [(2, torch.float32, "shared_memory"), (1, torch.float32, "object_store"), (2, torch.float32, "broadcast")]
+
+
+@pytest.mark.parametrize("devices, dtype, transport", BF16_RUNS + FP32_RUNS,
+                         ids=lambda v: str(v).removeprefix("torch."))
 def test_every_step_the_replica_equals_a_full_sync(devices, dtype, transport, tiny_config, bpe_tokenizer,
                                                    gsm8k_prompts, ray_session, syncs):
     check = MatchesFullSync(dtype)
@@ -122,15 +122,15 @@ class CorruptingEngine(HFEngine):
                 self.model.model.norm.weight[0] += 1
 
 
-@pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
-def test_a_checksum_mismatch_is_counted_and_repaired(transport, tiny_config, bpe_tokenizer, gsm8k_prompts,
+@pytest.mark.parametrize("devices, transport", [(1, "shared_memory"), (1, "broadcast"), (2, "object_store")])
+def test_a_checksum_mismatch_is_counted_and_repaired(devices, transport, tiny_config, bpe_tokenizer, gsm8k_prompts,
                                                      ray_session, syncs):
     """Sessions: 1 the initial sync, 2 step 1's (then the drift), 3 step 2's: its checksums catch the
     drift, the bucket is sent again in full, and the replica equals the policy again."""
     dtype = torch.bfloat16
     check = MatchesFullSync(dtype, unchecked=(1,))  # the drift, until step 2's sync
     delta = DeltaSync(max_share=1.0)  # every bucket with a base travels as a delta
-    trainer = make_trainer(1, transport, CorruptingEngine(dtype, corrupt_at=2), 3, [check], delta=delta)
+    trainer = make_trainer(devices, transport, CorruptingEngine(dtype, corrupt_at=2), 3, [check], delta=delta)
     with trainer:
         trainer.fit(make_module(tiny_config, bpe_tokenizer, 2e-6), prompt_dataloader(gsm8k_prompts, batch_size=2))
         assert trainer.strategy.rollout_group.remote.engine_weight_version() == [3]
