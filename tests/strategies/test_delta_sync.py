@@ -13,7 +13,7 @@ from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.callbacks import Callback
 from rltrainer.rollout.hf import HFEngine
 from rltrainer.strategies import FSDP2Strategy
-from rltrainer.testing import length_reward
+from rltrainer.testing import DiscardingHFEngine, length_reward
 from rltrainer.weights import transports
 from rltrainer.weights.delta import DeltaSync
 
@@ -138,22 +138,10 @@ def test_a_checksum_mismatch_is_counted_and_repaired(devices, transport, tiny_co
     assert mismatches[0] == 0 and mismatches[1] >= 1 and mismatches[2] == 0, mismatches
 
 
-class DiscardingEngine(HFEngine):
-    """The ``hf`` engine with vLLM's ``sleep(level=2)``: its weights are gone (NaN here) and it says so."""
-
-    def sleep(self, level: int = 1) -> None:
-        super().sleep(1)
-        if level == 2:
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    p.fill_(float("nan"))
-            self.weights_discarded = True
-
-
 def test_a_woken_engine_and_a_new_engine_get_full_buckets_first(tiny_config, bpe_tokenizer, gsm8k_prompts,
                                                                 ray_session, syncs):
     dtype = torch.bfloat16
-    trainer = make_trainer(1, "shared_memory", DiscardingEngine(dtype=dtype), 2, [MatchesFullSync(dtype)])
+    trainer = make_trainer(1, "shared_memory", DiscardingHFEngine(dtype=dtype), 2, [MatchesFullSync(dtype)])
     with trainer:
         trainer.fit(make_module(tiny_config, bpe_tokenizer, 2e-6), prompt_dataloader(gsm8k_prompts, batch_size=2))
         strategy, engine = trainer.strategy, trainer.engine

@@ -93,6 +93,12 @@ def assert_bytes_equal(engine: LendingEngine, tensors: dict[str, torch.Tensor]) 
         assert torch.equal(held.view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
 
 
+def sides(tensors: dict[str, torch.Tensor], engine_type: type | None = None, settings: DeltaSync | None = None):
+    """A bucket of ``tensors``: its entries, the sender's encoder, a decoder and an engine."""
+    engine = (engine_type or LendingEngine)()
+    return entries_of(tensors), DeltaEncoder(settings or DeltaSync()), DeltaDecoder(), engine
+
+
 def sync(encoder: DeltaEncoder, decoder: DeltaDecoder, engine: LendingEngine, tensors: dict[str, torch.Tensor],
          entries: list[Entry]):
     encoder.begin_sync(())
@@ -113,8 +119,7 @@ DTYPE_CASES = {
 @pytest.mark.parametrize("case", list(DTYPE_CASES))
 def test_random_sparse_changes_round_trip_byte_equal_at_every_step(case, engine_type):
     tensors = make_tensors(DTYPE_CASES[case])
-    entries = entries_of(tensors)
-    encoder, decoder, engine = DeltaEncoder(DeltaSync()), DeltaDecoder(), engine_type()
+    entries, encoder, decoder, engine = sides(tensors, engine_type)
     generator = torch.Generator().manual_seed(1)
     first = sync(encoder, decoder, engine, tensors, entries)
     assert first.kind == "full" and first.nbytes == first.full_nbytes  # no base yet
@@ -141,8 +146,7 @@ def test_random_sparse_changes_round_trip_byte_equal_at_every_step(case, engine_
 def test_bytes_not_values_signed_zero_and_nan_payloads_travel():
     """The scan compares words, so a change that compares equal as a float still travels."""
     tensors = {"w": torch.zeros(64, dtype=torch.bfloat16), "v": torch.full((8,), float("nan"))}
-    entries = entries_of(tensors)
-    encoder, decoder, engine = DeltaEncoder(DeltaSync()), DeltaDecoder(), LendingEngine()
+    entries, encoder, decoder, engine = sides(tensors)
     sync(encoder, decoder, engine, tensors, entries)
     tensors["w"][3] = -0.0
     tensors["v"].view(torch.int32)[5] += 1  # another NaN
@@ -153,8 +157,7 @@ def test_bytes_not_values_signed_zero_and_nan_payloads_travel():
 
 def test_an_unchanged_bucket_is_an_empty_delta_and_a_mirror_engine_loads_nothing():
     tensors = make_tensors(DTYPE_CASES["bf16"])
-    entries = entries_of(tensors)
-    encoder, decoder, engine = DeltaEncoder(DeltaSync()), DeltaDecoder(), MirrorEngine()
+    entries, encoder, decoder, engine = sides(tensors, MirrorEngine)
     sync(encoder, decoder, engine, tensors, entries)
     encoding = sync(encoder, decoder, engine, tensors, entries)
     assert encoding.kind == "delta" and encoding.changed == 0 and encoding.nbytes == 0
@@ -172,7 +175,7 @@ def test_a_bucket_falls_back_to_full_above_max_share():
         encoder, decoder, engine = DeltaEncoder(DeltaSync(max_share=max_share)), DeltaDecoder(), LendingEngine()
         sync(encoder, decoder, engine, {"w": tensors["w"].clone()}, entries)
         changed = tensors["w"].clone()
-        changed.view(torch.int16)[:300] ^= 1  # 30 % of the words: values and indices are 3 bytes per 2-byte word, 90 % of the bytes
+        changed.view(torch.int16)[:300] ^= 1  # 30 % of the words; 3 bytes per 2-byte word (value, index): 90 %
         encoding = sync(encoder, decoder, engine, {"w": changed}, entries)
         assert encoding.kind == kind and encoding.changed == 300
         assert (encoding.nbytes == encoding.full_nbytes) == (kind == "full")
@@ -213,8 +216,7 @@ def test_fresh_names_and_forget_send_full_buckets():
 
 def test_checksum_every_k_syncs():
     tensors = make_tensors(DTYPE_CASES["bf16"])
-    entries = entries_of(tensors)
-    encoder, decoder, engine = DeltaEncoder(DeltaSync(checksum_every=2)), DeltaDecoder(), LendingEngine()
+    entries, encoder, decoder, engine = sides(tensors, None, DeltaSync(checksum_every=2))
     verified = [bool(sync(encoder, decoder, engine, tensors, entries).checksums) for _ in range(5)]
     assert verified == [True, False, True, False, True]
     never = DeltaEncoder(DeltaSync(checksum_every=0))
@@ -260,8 +262,7 @@ def test_checksum_changes_when_two_words_swap(pair):
 # -- a corrupted engine ---------------------------------------------------------------------------------
 def test_a_corrupted_lent_tensor_fails_the_check():
     tensors = make_tensors(DTYPE_CASES["bf16"])
-    entries = entries_of(tensors)
-    encoder, decoder, engine = DeltaEncoder(DeltaSync()), DeltaDecoder(), LendingEngine()
+    entries, encoder, decoder, engine = sides(tensors)
     sync(encoder, decoder, engine, tensors, entries)
     engine.weights["b"].view(-1)[7] += 1  # the engine's own weights drifted from what the sender holds
     tensors["a"].view(-1)[0] += 1
@@ -276,8 +277,7 @@ def test_a_corrupted_lent_tensor_fails_the_check():
 
 def test_a_corrupted_mirror_fails_the_check_and_a_delta_without_one_too():
     tensors = make_tensors(DTYPE_CASES["fp32"])
-    entries = entries_of(tensors)
-    encoder, decoder, engine = DeltaEncoder(DeltaSync()), DeltaDecoder(), MirrorEngine()
+    entries, encoder, decoder, engine = sides(tensors, MirrorEngine)
     sync(encoder, decoder, engine, tensors, entries)
     decoder.mirror["a"][11] ^= 1  # the copy the engine's loads are built from
     tensors["b"].view(-1)[0] += 1
@@ -289,128 +289,106 @@ def test_a_corrupted_mirror_fails_the_check_and_a_delta_without_one_too():
 
 
 # -- the gate: a mismatched sync keeps its version and requests wait for the repair ---------------------
+class GateCase:
+    """A lending engine behind a gate and its receiver, with the sender's encoder."""
+
+    def __init__(self) -> None:
+        self.tensors = make_tensors(DTYPE_CASES["bf16"])
+        self.entries = entries_of(self.tensors)
+        self.gate, self.engine, self.encoder = EngineGate(), LendingEngine(), DeltaEncoder(DeltaSync())
+        self.receiver = WeightReceiver(torch.device("cpu"), self.gate)
+
+    def coded(self) -> Bucket:
+        """The next sync's bucket, as the sender codes it."""
+        self.encoder.begin_sync(())
+        payload, encoding = self.encoder.encode(self.tensors, self.entries)
+        return Bucket(self.entries, payload.numpy(), encoding)
+
+    def full(self, checksums: tuple[int, ...] | None = None) -> Bucket:
+        """The bucket again in full from the base (a repair), with other ``checksums`` if given."""
+        payload, encoding = self.encoder.full(self.entries)
+        if checksums is not None:
+            encoding = dataclasses.replace(encoding, checksums=checksums)
+        return Bucket(self.entries, payload.numpy(), encoding)
+
+    def drift(self) -> None:
+        """The engine's weights drift from what the sender holds, and the policy moves."""
+        self.engine.weights["a"].view(-1)[0] += 1
+        self.tensors["b"].view(-1)[3] += 1
+
+    def request(self, min_version: int) -> tuple[threading.Thread, threading.Event, dict]:
+        """A request in a thread: ``entered`` once it holds the engine; ``seen``: the version and
+        weights it saw, or the error it raised."""
+        entered, seen = threading.Event(), {}
+
+        def run():
+            try:
+                with self.gate.use(self.engine, min_version):
+                    entered.set()
+                    seen["version"] = self.engine.weight_version
+                    seen["bytes"] = {name: t.clone() for name, t in self.engine.weights.items()}
+            except RuntimeError as exc:
+                seen["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread, entered, seen
+
+
 def test_a_mismatched_sync_keeps_the_version_and_requests_wait_for_the_repair():
-    tensors = make_tensors(DTYPE_CASES["bf16"])
-    entries = entries_of(tensors)
-    gate, engine, encoder = EngineGate(), LendingEngine(), DeltaEncoder(DeltaSync())
-    receiver = WeightReceiver(torch.device("cpu"), gate)
-
-    def bucket() -> Bucket:
-        encoder.begin_sync(())
-        payload, encoding = encoder.encode(tensors, entries)
-        return Bucket(entries, payload.numpy(), encoding)
-
-    stats = receiver.load(engine, bucket(), 1, 0, 1)
-    assert stats["mismatched"] == [] and engine.weight_version == 1
-    engine.weights["a"].view(-1)[0] += 1
-    tensors["b"].view(-1)[3] += 1
-    stats = receiver.load(engine, bucket(), 2, 0, 1)
+    case = GateCase()
+    stats = case.receiver.load(case.engine, case.coded(), 1, 0, 1)
+    assert stats["mismatched"] == [] and case.engine.weight_version == 1
+    case.drift()
+    stats = case.receiver.load(case.engine, case.coded(), 2, 0, 1)
     assert stats["mismatched"] == [0] and stats["delta_buckets"] == 1
-    assert engine.weight_version == 1  # not the sync's: the engine does not hold it
-
-    entered, done, seen = threading.Event(), threading.Event(), {}
-
-    def request():
-        with gate.use(engine, 2):
-            entered.set()
-            seen["version"] = engine.weight_version
-            seen["bytes"] = {name: t.clone() for name, t in engine.weights.items()}
-        done.set()
-
-    thread = threading.Thread(target=request, daemon=True)
-    thread.start()
+    assert case.engine.weight_version == 1  # not the sync's: the engine does not hold it
+    thread, entered, seen = case.request(2)
     assert not entered.wait(0.3)  # the sync waits for its repair
-    payload, encoding = encoder.full(entries)
-    assert receiver.repair(engine, [Bucket(entries, payload.numpy(), encoding)], 2)["tensors"] == len(entries)
-    assert done.wait(10)
+    assert case.receiver.repair(case.engine, [case.full()], 2)["tensors"] == len(case.entries)
     thread.join(10)
-    assert seen["version"] == 2 and engine.weight_version == 2
-    for name, tensor in tensors.items():
+    assert entered.is_set() and seen["version"] == 2 and case.engine.weight_version == 2
+    for name, tensor in case.tensors.items():
         assert torch.equal(seen["bytes"][name], tensor), name
 
 
 def test_a_request_waiting_when_the_sync_lands_applies_it_then_waits_for_the_repair():
     """The request applies the complete sync itself, finds the mismatch, and waits for the repair."""
-    tensors = make_tensors(DTYPE_CASES["bf16"])
-    entries = entries_of(tensors)
-    gate, engine, encoder = EngineGate(), LendingEngine(), DeltaEncoder(DeltaSync())
-    receiver = WeightReceiver(torch.device("cpu"), gate)
-    encoder.begin_sync(())
-    payload, encoding = encoder.encode(tensors, entries)
-    receiver.load(engine, Bucket(entries, payload.numpy(), encoding), 1, 0, 1)
-    engine.weights["b"].view(-1)[1] += 1
-    tensors["a"].view(-1)[2] += 1
-    encoder.begin_sync(())
-    payload, encoding = encoder.encode(tensors, entries)
-
-    entered, seen = threading.Event(), {}
-
-    def request():
-        with gate.use(engine, 2):  # waits for version 2 to arrive
-            entered.set()
-            seen["version"] = engine.weight_version
-
-    thread = threading.Thread(target=request, daemon=True)
-    thread.start()
-    stats = receiver.load(engine, Bucket(entries, payload.numpy(), encoding), 2, 0, 1)
-    assert stats["mismatched"] == [0] and engine.weight_version == 1
+    case = GateCase()
+    case.receiver.load(case.engine, case.coded(), 1, 0, 1)
+    case.drift()
+    coded = case.coded()
+    thread, entered, seen = case.request(2)  # waits for version 2 to arrive
+    stats = case.receiver.load(case.engine, coded, 2, 0, 1)
+    assert stats["mismatched"] == [0] and case.engine.weight_version == 1
     assert not entered.wait(0.3)
-    full, repair = encoder.full(entries)
-    receiver.repair(engine, [Bucket(entries, full.numpy(), repair)], 2)
-    assert entered.wait(10)
+    case.receiver.repair(case.engine, [case.full()], 2)
     thread.join(10)
-    assert seen["version"] == 2
-    assert_bytes_equal(engine, tensors)
+    assert entered.is_set() and seen["version"] == 2
+    assert_bytes_equal(case.engine, case.tensors)
 
 
 def test_a_repair_that_still_mismatches_stops_the_engine():
-    tensors = make_tensors(DTYPE_CASES["bf16"])
-    entries = entries_of(tensors)
-    gate, engine, encoder = EngineGate(), LendingEngine(), DeltaEncoder(DeltaSync())
-    receiver = WeightReceiver(torch.device("cpu"), gate)
-    encoder.begin_sync(())
-    payload, encoding = encoder.encode(tensors, entries)
-    receiver.load(engine, Bucket(entries, payload.numpy(), encoding), 1, 0, 1)
-    payload, encoding = encoder.full(entries)
-    wrong = Bucket(entries, payload.numpy(), dataclasses.replace(encoding, checksums=(1, 2)))
+    case = GateCase()
+    case.receiver.load(case.engine, case.coded(), 1, 0, 1)
     with pytest.raises(RuntimeError, match="still do not match"):
-        receiver.repair(engine, [wrong], 2)
+        case.receiver.repair(case.engine, [case.full(checksums=(1, 2))], 2)
     with pytest.raises(RuntimeError, match="Loading weight sync 2 into this engine failed"):
-        with gate.use(engine, -1):
+        with case.gate.use(case.engine, -1):
             pass
 
 
 def test_a_request_waiting_for_a_repair_that_fails_raises():
-    tensors = make_tensors(DTYPE_CASES["bf16"])
-    entries = entries_of(tensors)
-    gate, engine, encoder = EngineGate(), LendingEngine(), DeltaEncoder(DeltaSync())
-    receiver = WeightReceiver(torch.device("cpu"), gate)
-    for version in (1, 2):
-        if version == 2:
-            engine.weights["a"].view(-1)[0] += 1
-            tensors["b"].view(-1)[3] += 1
-        encoder.begin_sync(())
-        payload, encoding = encoder.encode(tensors, entries)
-        stats = receiver.load(engine, Bucket(entries, payload.numpy(), encoding), version, 0, 1)
-    assert stats["mismatched"] == [0]
-    outcome: dict = {}
-
-    def request():
-        try:
-            with gate.use(engine, 2):
-                outcome["ran"] = True
-        except RuntimeError as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=request, daemon=True)
-    thread.start()
-    payload, encoding = encoder.full(entries)
-    wrong = Bucket(entries, payload.numpy(), dataclasses.replace(encoding, checksums=(1, 2)))
+    case = GateCase()
+    case.receiver.load(case.engine, case.coded(), 1, 0, 1)
+    case.drift()
+    assert case.receiver.load(case.engine, case.coded(), 2, 0, 1)["mismatched"] == [0]
+    thread, entered, seen = case.request(2)
     with pytest.raises(RuntimeError, match="still do not match"):
-        receiver.repair(engine, [wrong], 2)
+        case.receiver.repair(case.engine, [case.full(checksums=(1, 2))], 2)
     thread.join(10)
     assert not thread.is_alive(), "the request still waits for a repair that failed"
-    assert "ran" not in outcome and "Loading weight sync 2 into this engine failed" in str(outcome["error"])
+    assert not entered.is_set() and "Loading weight sync 2 into this engine failed" in str(seen["error"])
 
 
 def test_an_engine_that_receives_broadcasts_itself_refuses_a_delta():
