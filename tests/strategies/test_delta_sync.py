@@ -6,6 +6,8 @@ woken replica that dropped its weights, a new replica and a resumed run get full
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -71,9 +73,10 @@ def make_module(config, tokenizer, lr: float):
                 kl_coef=0.0)
 
 
-def make_trainer(devices: int, transport: str, engine, steps: int, callbacks=(), delta=True, **kwargs) -> Trainer:
+def make_trainer(devices: int, transport: str, engine, steps: int, callbacks=(), delta=True, replicas: int = 1,
+                 **kwargs) -> Trainer:
     strategy = FSDP2Strategy(devices=devices, rollout_placement="split", micro_batch_size=4, bucket_bytes=16 << 10,
-                             weight_transport=transport, weight_sync_delta=delta)
+                             weight_transport=transport, weight_sync_delta=delta, rollout_replicas=replicas)
     return Trainer(strategy=strategy, rollout=engine, max_steps=steps, logger=False, enable_progress_bar=False, seed=3,
                    callbacks=list(callbacks), **kwargs)
 
@@ -108,34 +111,40 @@ def test_every_step_the_replica_equals_a_full_sync(devices, dtype, transport, ti
 
 class CorruptingEngine(HFEngine):
     """The ``hf`` engine; after its ``corrupt_at``-th weight update session one element of its final
-    norm drifts (as a faulty load or a stray write would)."""
+    norm drifts (as a faulty load or a stray write would), in the one replica that creates ``claim``."""
 
-    def __init__(self, dtype: torch.dtype, corrupt_at: int) -> None:
+    def __init__(self, dtype: torch.dtype, corrupt_at: int, claim: str) -> None:
         super().__init__(dtype=dtype)
-        self.corrupt_at, self.sessions = corrupt_at, 0
+        self.corrupt_at, self.claim, self.sessions = corrupt_at, claim, 0
 
     def finish_weight_update(self) -> None:
         super().finish_weight_update()
         self.sessions += 1
         if self.sessions == self.corrupt_at:
+            try:
+                os.close(os.open(self.claim, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return  # another replica drifts
             with torch.no_grad():
                 self.model.model.norm.weight[0] += 1
 
 
-@pytest.mark.parametrize("devices, transport", [(1, "shared_memory"), (1, "broadcast"), (2, "object_store")])
-def test_a_checksum_mismatch_is_counted_and_repaired(devices, transport, tiny_config, bpe_tokenizer, gsm8k_prompts,
-                                                     ray_session, syncs):
-    """Sessions: 1 the initial sync, 2 step 1's (then the drift), 3 step 2's: its checksums catch the
-    drift, the bucket is sent again in full, and the replica equals the policy again."""
+@pytest.mark.parametrize("devices, transport, replicas", [(1, "shared_memory", 1), (1, "broadcast", 2),
+                                                          (2, "object_store", 2)])
+def test_a_checksum_mismatch_is_counted_and_repaired(devices, transport, replicas, tiny_config, bpe_tokenizer,
+                                                     gsm8k_prompts, ray_session, syncs, tmp_path):
+    """Sessions: 1 the initial sync, 2 step 1's (then one replica drifts), 3 step 2's: its checksums
+    catch the drift in the one bucket that holds the norm, that bucket is sent again in full to that
+    replica, and every replica equals the policy again."""
     dtype = torch.bfloat16
     check = MatchesFullSync(dtype, unchecked=(1,))  # the drift, until step 2's sync
     delta = DeltaSync(max_share=1.0)  # every bucket with a base travels as a delta
-    trainer = make_trainer(devices, transport, CorruptingEngine(dtype, corrupt_at=2), 3, [check], delta=delta)
+    engine = CorruptingEngine(dtype, corrupt_at=2, claim=str(tmp_path / "drifted"))
+    trainer = make_trainer(devices, transport, engine, 3, [check], delta=delta, replicas=replicas)
     with trainer:
         trainer.fit(make_module(tiny_config, bpe_tokenizer, 2e-6), prompt_dataloader(gsm8k_prompts, batch_size=2))
-        assert trainer.strategy.rollout_group.remote.engine_weight_version() == [3]
-    mismatches = [m["sync/checksum_mismatches"] for m in check.metrics]
-    assert mismatches[0] == 0 and mismatches[1] >= 1 and mismatches[2] == 0, mismatches
+        assert trainer.strategy.rollout_group.remote.engine_weight_version() == [3] * replicas
+    assert [m["sync/checksum_mismatches"] for m in check.metrics] == [0, 1, 0]
 
 
 def test_a_woken_engine_and_a_new_engine_get_full_buckets_first(tiny_config, bpe_tokenizer, gsm8k_prompts,

@@ -286,6 +286,11 @@ def test_a_corrupted_mirror_fails_the_check_and_a_delta_without_one_too():
     assert encoding.kind == "delta"
     assert not decoder.apply(engine, payload, entries, encoding)
     assert not DeltaDecoder().apply(MirrorEngine(), payload, entries, encoding)  # a new replica holds nothing
+    full, repair = encoder.full(entries)  # the repair loads the bucket whole and refreshes the mirror
+    assert decoder.apply(engine, full, entries, repair)
+    assert_bytes_equal(engine, tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(decoder.mirror[name], tensor.reshape(-1).view(torch.int32)), name
 
 
 # -- the gate: a mismatched sync keeps its version and requests wait for the repair ---------------------
