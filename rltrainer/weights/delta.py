@@ -74,8 +74,8 @@ class DeltaSync:
 
 def checksum(tensor: torch.Tensor) -> int:
     """A 64-bit checksum of a tensor's bytes, the same on any device and thread count (integer sums,
-    exact modulo 2**64): the words' total and their sums weighted by row and by column, so a changed
-    word or two swapped words change it."""
+    exact modulo 2**64) of its 8-byte words: their total (any one changed word changes it) and their
+    sums weighted by row and by column of a ``[-1, 1024]`` view (two swapped words change those)."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     head = data.numel() // 8 * 8
     words = data[:head]
@@ -83,14 +83,13 @@ def checksum(tensor: torch.Tensor) -> int:
         words = words.clone()
     words = words.view(torch.int64)
     rows = words[:words.numel() // _CHECK_COLUMNS * _CHECK_COLUMNS].view(-1, _CHECK_COLUMNS)
-    parts = [int(words.sum()), data.numel()]
-    if rows.numel():
-        row_sums = rows.sum(1)
-        parts.append(int((row_sums * torch.arange(1, row_sums.numel() + 1, device=rows.device)).sum()))
-        col_sums = rows.sum(0)
-        parts.append(int((col_sums * torch.arange(1, _CHECK_COLUMNS + 1, device=rows.device)).sum()))
     tail = words[rows.numel():]
-    parts.append(int((tail * torch.arange(1, tail.numel() + 1, device=tail.device)).sum()))
+    parts = [data.numel(), int(tail.sum()), int((tail * torch.arange(1, tail.numel() + 1, device=tail.device)).sum())]
+    if rows.numel():  # two passes: row sums and column sums (numpy's column sums on CPU: 3x torch's)
+        row_sums = rows.sum(1)
+        col_sums = torch.from_numpy(rows.numpy().sum(0)) if rows.device.type == "cpu" else rows.sum(0)
+        parts += [int(row_sums.sum()), int((row_sums * torch.arange(1, row_sums.numel() + 1, device=rows.device)).sum()),
+                  int((col_sums * torch.arange(1, _CHECK_COLUMNS + 1, device=rows.device)).sum())]
     parts.extend(int(b) for b in data[head:].tolist())
     out = 0
     for part in parts:
