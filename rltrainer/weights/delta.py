@@ -166,6 +166,7 @@ class DeltaEncoder:
         self.settings = settings
         self.base: dict[str, torch.Tensor] = {}  # name -> flat words, in the engine's dtype
         self.syncs = 0
+        self._counted = 0
 
     @property
     def nbytes(self) -> int:
@@ -194,46 +195,54 @@ class DeltaEncoder:
         word = word_bytes(entries)
         full_nbytes = sum(math.prod(shape) * itemsize(getattr(torch, dtype)) for _, dtype, shape in entries)
         words = full_nbytes // word
-        index_dtype, index_bytes = (torch.int32, 4) if words < 2**31 else (torch.int64, 8)
-        known = all(name in self.base for name, _, _ in entries)
-        budget = self.settings.max_share * full_nbytes / (word + index_bytes)  # changed words a delta may carry
-        indices, values, counted, overflow = [], [], 0, not known
+        blocks = -(-words // BLOCK_WORDS)
+        budget = (self.settings.max_share * full_nbytes - 8 - 4 * blocks) / (word + 2)  # words a delta may carry
+        diff = self._diff(tensors, entries, word, budget)
+        device = next(iter(tensors.values())).device
+        if diff is not None:
+            indices, values = diff
+            payload, index_offset = pack_delta(indices, values, word, blocks, device)
+            kind, changed = "delta", int(indices.numel())
+        else:
+            payload, kind, index_offset = flatten_bucket(tensors, entries, device), "full", 0
+            changed = self._counted
+        encode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        sums = tuple(checksum(self.base[name]) for name, _, _ in entries) if self.verifies else ()
+        return payload, Encoding(kind, int(payload.numel()), full_nbytes, word, words, changed, index_offset, sums,
+                                 encode_s, time.perf_counter() - start)
+
+    def _diff(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int,
+              budget: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Move the base to ``tensors``; the bucket's changed words ``(indices [int64, ascending],
+        values)``, or ``None`` if it goes in full (a name with no base, or more than ``budget``
+        changed: ``self._counted`` is then how many did, all of them for a name with no base)."""
+        indices, values, counted, full = [], [], 0, False
         for (name, _, _), offset in zip(entries, _word_offsets(entries, word)):
             new = as_words(tensors[name], word)
             old = self.base.get(name)
             if old is None or old.dtype != new.dtype or old.numel() != new.numel():
                 self.base[name] = new.clone()
+                counted, full = counted + new.numel(), True
                 continue
-            changed = None if overflow else changed_words(new, old, limit=budget - counted)
-            if changed is None:  # too many for a delta: the bucket goes in full; count them for the metrics
-                overflow = True
-                counted += count_changed(new, old)
+            changed = None if full else changed_words(new, old, limit=budget - counted)
+            if changed is None:  # too many for a delta: the bucket goes in full (counted for the metrics)
+                counted, full = counted + count_changed(new, old), True
                 old.copy_(new)
             elif changed.numel():
                 moved = _take(new, changed)
                 _put(old, changed, moved)
                 counted += changed.numel()
-                indices.append(changed.add_(offset).to(index_dtype))
+                indices.append(changed.add_(offset))
                 values.append(moved)
-        changed = counted if known else words
-        value_bytes = changed * word
-        index_offset = -(-value_bytes // 8) * 8
-        delta_nbytes = index_offset + changed * index_bytes
-        if not overflow and delta_nbytes <= self.settings.max_share * full_nbytes:
-            device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-            payload = torch.zeros(delta_nbytes, dtype=torch.uint8, device=device)
-            if changed:
-                payload[:value_bytes].view(WORD_DTYPES[word]).copy_(torch.cat(values))
-                payload[index_offset:].view(index_dtype).copy_(torch.cat(indices))
-            kind = "delta"
-        else:
-            device = next(iter(tensors.values())).device
-            payload, kind, index_offset = flatten_bucket(tensors, entries, device), "full", 0
-        encode_s = time.perf_counter() - start
-        start = time.perf_counter()
-        sums = tuple(checksum(self.base[name]) for name, _, _ in entries) if self.verifies else ()
-        return payload, Encoding(kind, int(payload.numel()), full_nbytes, word, words, changed, index_bytes,
-                                 index_offset, sums, encode_s, time.perf_counter() - start)
+        self._counted = counted
+        if full:
+            return None
+        device = next(iter(tensors.values())).device
+        if not indices:
+            return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=WORD_DTYPES[word],
+                                                                                  device=device)
+        return torch.cat(indices), torch.cat(values)
 
     def full(self, entries: Sequence[Entry]) -> tuple[torch.Tensor, Encoding]:
         """A bucket in full from the base (to repair an engine whose checksum did not match)."""
@@ -246,13 +255,35 @@ class DeltaEncoder:
                                  int(payload.numel()) // word, 0, checksums=sums)
 
 
+BLOCK_WORDS = 1 << 16  # a delta's indices: a 16-bit offset in each 65,536-word block, and a count per block
+
+
+def pack_delta(indices: torch.Tensor, values: torch.Tensor, word: int, blocks: int,
+               device: torch.device) -> tuple[torch.Tensor, int]:
+    """A delta's payload: the values, then (at the returned offset, 8-byte aligned) an int32 count of
+    changed words per ``BLOCK_WORDS``-word block of the bucket, then each one's 16-bit offset in its
+    block: 2 bytes an index instead of 4 or 8."""
+    value_bytes = values.numel() * word
+    index_offset = -(-value_bytes // 8) * 8
+    payload = torch.zeros(index_offset + 4 * blocks + 2 * indices.numel(), dtype=torch.uint8, device=device)
+    payload[:value_bytes].view(WORD_DTYPES[word]).copy_(values)
+    counts = torch.bincount(indices // BLOCK_WORDS, minlength=blocks).to(torch.int32)
+    payload[index_offset:index_offset + 4 * blocks].view(torch.int32).copy_(counts)
+    local = indices % BLOCK_WORDS
+    local = torch.where(local >= 1 << 15, local - BLOCK_WORDS, local).to(torch.int16)  # as uint16 bits
+    payload[index_offset + 4 * blocks:].view(torch.int16).copy_(local)
+    return payload, index_offset
+
+
 def split_delta(payload: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.Tensor]:
-    """A delta payload's ``(indices, values)``, as views."""
-    count, word = encoding.changed, encoding.word
+    """A delta payload's ``(indices [int64, ascending], values)`` (see :func:`pack_delta`)."""
+    count, word, start = encoding.changed, encoding.word, encoding.index_offset
     values = payload[:count * word].view(WORD_DTYPES[word])
-    index_dtype = torch.int32 if encoding.index_bytes == 4 else torch.int64
-    indices = payload[encoding.index_offset:encoding.index_offset + count * encoding.index_bytes].view(index_dtype)
-    return indices, values
+    blocks = -(-encoding.words // BLOCK_WORDS)
+    counts = payload[start:start + 4 * blocks].view(torch.int32).to(torch.int64)
+    local = payload[start + 4 * blocks:start + 4 * blocks + 2 * count].view(torch.int16).to(torch.int64) % BLOCK_WORDS
+    bases = torch.repeat_interleave(torch.arange(blocks, device=payload.device) * BLOCK_WORDS, counts)
+    return bases + local, values
 
 
 class DeltaDecoder:
