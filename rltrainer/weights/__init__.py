@@ -11,19 +11,23 @@ rollout engines. It imports nothing else of rltrainer; ``rollout``, ``controller
   shared memory, each with ``start(version) -> SyncHandle`` and ``SyncHandle.wait() -> stats``.
 - :mod:`~rltrainer.weights.sender` / :mod:`~rltrainer.weights.receiver`: the training ranks' and
   the rollout processes' sides.
+- :mod:`~rltrainer.weights.delta`: delta sync (``weight_sync_delta``): only the words that changed
+  since the engines' copy, verified by checksums, with a fall back to full buckets.
 - :mod:`~rltrainer.weights.staging`: a rollout process's staged syncs, received beside its
   requests and applied between two of them.
 - :mod:`~rltrainer.weights.group` / :mod:`~rltrainer.weights.shm`: the broadcast process group and
   the shared-memory buffers.
 """
 
+from rltrainer.weights.delta import DeltaSync
 from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
                                           InProcessTransport, ObjectStoreTransport, SharedMemoryTransport, SyncHandle,
                                           WeightTransport, resolve_transport)
 from rltrainer.weights.versions import ParamVersions, WeightVersions, stepped_parameter_names
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Bucket, Entry, bucket_by_bytes, bucketed, plan_buckets
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "WEIGHT_TRANSPORTS", "BroadcastTransport", "Bucket", "ColocatedTransport", "Entry",
+__all__ = ["DEFAULT_BUCKET_BYTES", "WEIGHT_TRANSPORTS", "BroadcastTransport", "Bucket", "ColocatedTransport", "DeltaSync",
+           "Entry",
            "InProcessTransport", "ObjectStoreTransport", "ParamVersions", "SharedMemoryTransport", "SyncHandle",
            "WeightTransport", "WeightVersions", "bucket_by_bytes", "bucketed", "plan_buckets", "resolve_transport",
            "stepped_parameter_names"]

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rltrainer.weights.wire import Encoding, Entry, bucket_views, entry_offsets, flatten_bucket, itemsize
@@ -73,8 +74,8 @@ class DeltaSync:
 
 def checksum(tensor: torch.Tensor) -> int:
     """A 64-bit checksum of a tensor's bytes, the same on any device and thread count (integer sums,
-    exact modulo 2**64): the words' total and their sums weighted by row and by column, so a changed
-    word or two swapped words change it."""
+    exact modulo 2**64) of its 8-byte words: their total (any one changed word changes it) and their
+    sums weighted by row and by column of a ``[-1, 1024]`` view (two swapped words change those)."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     head = data.numel() // 8 * 8
     words = data[:head]
@@ -82,14 +83,13 @@ def checksum(tensor: torch.Tensor) -> int:
         words = words.clone()
     words = words.view(torch.int64)
     rows = words[:words.numel() // _CHECK_COLUMNS * _CHECK_COLUMNS].view(-1, _CHECK_COLUMNS)
-    parts = [int(words.sum()), data.numel()]
-    if rows.numel():
-        row_sums = rows.sum(1)
-        parts.append(int((row_sums * torch.arange(1, row_sums.numel() + 1, device=rows.device)).sum()))
-        col_sums = rows.sum(0)
-        parts.append(int((col_sums * torch.arange(1, _CHECK_COLUMNS + 1, device=rows.device)).sum()))
     tail = words[rows.numel():]
-    parts.append(int((tail * torch.arange(1, tail.numel() + 1, device=tail.device)).sum()))
+    parts = [data.numel(), int(tail.sum()), int((tail * torch.arange(1, tail.numel() + 1, device=tail.device)).sum())]
+    if rows.numel():  # two passes: row sums and column sums (numpy's column sums on CPU: 3x torch's)
+        row_sums = rows.sum(1)
+        col_sums = torch.from_numpy(rows.numpy().sum(0)) if rows.device.type == "cpu" else rows.sum(0)
+        parts += [int(row_sums.sum()), int((row_sums * torch.arange(1, row_sums.numel() + 1, device=rows.device)).sum()),
+                  int((col_sums * torch.arange(1, _CHECK_COLUMNS + 1, device=rows.device)).sum())]
     parts.extend(int(b) for b in data[head:].tolist())
     out = 0
     for part in parts:
@@ -108,6 +108,53 @@ def as_words(tensor: torch.Tensor, word: int) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).view(WORD_DTYPES[word])
 
 
+def _take(words: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``words[indices]`` (numpy's on CPU: several times faster than torch's indexing there)."""
+    if words.device.type == "cpu":
+        return torch.from_numpy(words.numpy()[indices.numpy()])
+    return words[indices]
+
+
+def _put(words: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``words[indices] = values``, in place."""
+    if words.device.type == "cpu":
+        words.numpy()[indices.numpy()] = values.numpy()
+    else:
+        words[indices] = values
+
+
+_SCAN_WORDS = 1 << 21  # a CPU scan compares this many words at a time (cache-sized)
+
+
+def changed_words(new: torch.Tensor, old: torch.Tensor, limit: float = math.inf) -> torch.Tensor | None:
+    """The indices (int64, ascending) of the words where ``new`` differs from ``old`` (flat word views
+    of one tensor); ``None`` as soon as more than ``limit`` differ (the caller sends in full). On CPU
+    it compares cache-sized chunks with numpy (torch's ``ne`` and ``nonzero`` cost several times more
+    there): about 3-4x a memcpy of the same bytes, measured in ``bench_delta_sync.py``."""
+    if new.device.type != "cpu":
+        changed = torch.ne(new, old).nonzero().view(-1)
+        return None if changed.numel() > limit else changed
+    a, b = new.numpy(), old.numpy()
+    parts, count = [], 0
+    for start in range(0, a.size, _SCAN_WORDS):
+        part = np.flatnonzero(np.not_equal(a[start:start + _SCAN_WORDS], b[start:start + _SCAN_WORDS]))
+        if part.size:
+            count += part.size
+            if count > limit:
+                return None
+            parts.append(part + start)
+    return torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def count_changed(new: torch.Tensor, old: torch.Tensor) -> int:
+    """How many words differ (for the metrics of a bucket sent in full)."""
+    if new.device.type != "cpu":
+        return int(torch.ne(new, old).sum())
+    a, b = new.numpy(), old.numpy()
+    return sum(int(np.count_nonzero(np.not_equal(a[s:s + _SCAN_WORDS], b[s:s + _SCAN_WORDS])))
+               for s in range(0, a.size, _SCAN_WORDS))
+
+
 def _word_offsets(entries: Sequence[Entry], word: int) -> list[int]:
     return [offset // word for offset in entry_offsets(entries)]
 
@@ -119,6 +166,7 @@ class DeltaEncoder:
         self.settings = settings
         self.base: dict[str, torch.Tensor] = {}  # name -> flat words, in the engine's dtype
         self.syncs = 0
+        self._counted = 0
 
     @property
     def nbytes(self) -> int:
@@ -147,40 +195,54 @@ class DeltaEncoder:
         word = word_bytes(entries)
         full_nbytes = sum(math.prod(shape) * itemsize(getattr(torch, dtype)) for _, dtype, shape in entries)
         words = full_nbytes // word
-        index_dtype, index_bytes = (torch.int32, 4) if words < 2**31 else (torch.int64, 8)
-        known = all(name in self.base for name, _, _ in entries)
-        indices, values = [], []
+        blocks = -(-words // BLOCK_WORDS)
+        budget = (self.settings.max_share * full_nbytes - 8 - 4 * blocks) / (word + 2)  # words a delta may carry
+        diff = self._diff(tensors, entries, word, budget)
+        device = next(iter(tensors.values())).device
+        if diff is not None:
+            indices, values = diff
+            payload, index_offset = pack_delta(indices, values, word, blocks, device)
+            kind, changed = "delta", int(indices.numel())
+        else:
+            payload, kind, index_offset = flatten_bucket(tensors, entries, device), "full", 0
+            changed = self._counted
+        encode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        sums = tuple(checksum(self.base[name]) for name, _, _ in entries) if self.verifies else ()
+        return payload, Encoding(kind, int(payload.numel()), full_nbytes, word, words, changed, index_offset, sums,
+                                 encode_s, time.perf_counter() - start)
+
+    def _diff(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int,
+              budget: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Move the base to ``tensors``; the bucket's changed words ``(indices [int64, ascending],
+        values)``, or ``None`` if it goes in full (a name with no base, or more than ``budget``
+        changed: ``self._counted`` is then how many did, all of them for a name with no base)."""
+        indices, values, counted, full = [], [], 0, False
         for (name, _, _), offset in zip(entries, _word_offsets(entries, word)):
             new = as_words(tensors[name], word)
             old = self.base.get(name)
             if old is None or old.dtype != new.dtype or old.numel() != new.numel():
                 self.base[name] = new.clone()
+                counted, full = counted + new.numel(), True
                 continue
-            changed = torch.ne(new, old).nonzero().view(-1)
-            if changed.numel():
-                moved = new[changed]
-                old[changed] = moved
-                indices.append(changed.add_(offset).to(index_dtype))
+            changed = None if full else changed_words(new, old, limit=budget - counted)
+            if changed is None:  # too many for a delta: the bucket goes in full (counted for the metrics)
+                counted, full = counted + count_changed(new, old), True
+                old.copy_(new)
+            elif changed.numel():
+                moved = _take(new, changed)
+                _put(old, changed, moved)
+                counted += changed.numel()
+                indices.append(changed.add_(offset))
                 values.append(moved)
-        changed_words = sum(i.numel() for i in indices) if known else words
-        value_bytes = changed_words * word
-        index_offset = -(-value_bytes // 8) * 8
-        delta_nbytes = index_offset + changed_words * index_bytes
-        if known and delta_nbytes <= self.settings.max_share * full_nbytes:
-            device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-            payload = torch.zeros(delta_nbytes, dtype=torch.uint8, device=device)
-            if changed_words:
-                payload[:value_bytes].view(WORD_DTYPES[word]).copy_(torch.cat(values))
-                payload[index_offset:].view(index_dtype).copy_(torch.cat(indices))
-            kind = "delta"
-        else:
-            device = next(iter(tensors.values())).device
-            payload, kind, index_offset = flatten_bucket(tensors, entries, device), "full", 0
-        encode_s = time.perf_counter() - start
-        start = time.perf_counter()
-        sums = tuple(checksum(self.base[name]) for name, _, _ in entries) if self.verifies else ()
-        return payload, Encoding(kind, int(payload.numel()), full_nbytes, word, words, changed_words, index_bytes,
-                                 index_offset, sums, encode_s, time.perf_counter() - start)
+        self._counted = counted
+        if full:
+            return None
+        device = next(iter(tensors.values())).device
+        if not indices:
+            return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=WORD_DTYPES[word],
+                                                                                  device=device)
+        return torch.cat(indices), torch.cat(values)
 
     def full(self, entries: Sequence[Entry]) -> tuple[torch.Tensor, Encoding]:
         """A bucket in full from the base (to repair an engine whose checksum did not match)."""
@@ -193,13 +255,35 @@ class DeltaEncoder:
                                  int(payload.numel()) // word, 0, checksums=sums)
 
 
+BLOCK_WORDS = 1 << 16  # a delta's indices: a 16-bit offset in each 65,536-word block, and a count per block
+
+
+def pack_delta(indices: torch.Tensor, values: torch.Tensor, word: int, blocks: int,
+               device: torch.device) -> tuple[torch.Tensor, int]:
+    """A delta's payload: the values, then (at the returned offset, 8-byte aligned) an int32 count of
+    changed words per ``BLOCK_WORDS``-word block of the bucket, then each one's 16-bit offset in its
+    block: 2 bytes an index instead of 4 or 8."""
+    value_bytes = values.numel() * word
+    index_offset = -(-value_bytes // 8) * 8
+    payload = torch.zeros(index_offset + 4 * blocks + 2 * indices.numel(), dtype=torch.uint8, device=device)
+    payload[:value_bytes].view(WORD_DTYPES[word]).copy_(values)
+    counts = torch.bincount(indices // BLOCK_WORDS, minlength=blocks).to(torch.int32)
+    payload[index_offset:index_offset + 4 * blocks].view(torch.int32).copy_(counts)
+    local = indices % BLOCK_WORDS
+    local = torch.where(local >= 1 << 15, local - BLOCK_WORDS, local).to(torch.int16)  # as uint16 bits
+    payload[index_offset + 4 * blocks:].view(torch.int16).copy_(local)
+    return payload, index_offset
+
+
 def split_delta(payload: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.Tensor]:
-    """A delta payload's ``(indices, values)``, as views."""
-    count, word = encoding.changed, encoding.word
+    """A delta payload's ``(indices [int64, ascending], values)`` (see :func:`pack_delta`)."""
+    count, word, start = encoding.changed, encoding.word, encoding.index_offset
     values = payload[:count * word].view(WORD_DTYPES[word])
-    index_dtype = torch.int32 if encoding.index_bytes == 4 else torch.int64
-    indices = payload[encoding.index_offset:encoding.index_offset + count * encoding.index_bytes].view(index_dtype)
-    return indices, values
+    blocks = -(-encoding.words // BLOCK_WORDS)
+    counts = payload[start:start + 4 * blocks].view(torch.int32).to(torch.int64)
+    local = payload[start + 4 * blocks:start + 4 * blocks + 2 * count].view(torch.int16).to(torch.int64) % BLOCK_WORDS
+    bases = torch.repeat_interleave(torch.arange(blocks, device=payload.device) * BLOCK_WORDS, counts)
+    return bases + local, values
 
 
 class DeltaDecoder:
@@ -248,7 +332,7 @@ class DeltaDecoder:
             with torch.no_grad():
                 for (name, _, _), start, lo, hi in zip(entries, starts, bounds, bounds[1:]):
                     if hi > lo:
-                        as_words(targets[name], word)[indices[lo:hi] - start] = values[lo:hi]
+                        _put(as_words(targets[name], word), indices[lo:hi] - start, values[lo:hi])
             if own is None and encoding.changed:  # the whole bucket: an engine may rebuild a fused layer from all of it
                 engine.update_weights([(name, self.mirror[name].view(torch.uint8).view(getattr(torch, dtype)).view(shape))
                                        for name, dtype, shape in entries])

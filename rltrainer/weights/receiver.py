@@ -63,6 +63,7 @@ class WeightReceiver:
             self.gate.commit(engine, staged)
             if encoding is not None:
                 stats["mismatched"] = list(staged.mismatched)
+                stats["apply_s"] = staged.apply_s
         return stats
 
     def repair(self, engine: Any, buckets: Sequence[Bucket], version: int) -> Stats:

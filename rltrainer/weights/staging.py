@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ class StagedSync:
     applied: bool = False
     error: BaseException | None = None
     mismatched: list[int] = field(default_factory=list)
+    apply_s: float = 0.0  # delta sync: the engine side's apply and checksums, in seconds
 
     @property
     def complete(self) -> bool:
@@ -199,6 +201,7 @@ class EngineGate:
         """Load a complete staged sync (the caller holds the engine): one update session, buckets in
         order, then the version."""
         mismatched = []
+        start = time.perf_counter()
         try:
             if staged.buckets:
                 engine.start_weight_update()
@@ -219,6 +222,7 @@ class EngineGate:
             raise
         with self._cond:
             staged.applied, staged.mismatched, self._failed = True, mismatched, None
+            staged.apply_s = time.perf_counter() - start
             self._repairing = bool(mismatched)
 
     def _release(self) -> None:

@@ -145,7 +145,8 @@ class Encoding:
 
     ``kind="full"``: the payload is the bucket's bytes (wire layout). ``kind="delta"``: the payload is
     the ``changed`` words (``word`` bytes each) of the bucket's bytes that differ from what the engines
-    hold, then their indices (``index_bytes`` each, at ``index_offset``), ascending. ``checksums``:
+    hold, then, from ``index_offset``, where they are (a count per 65,536-word block and a 16-bit
+    offset each, :func:`rltrainer.weights.delta.pack_delta`). ``checksums``:
     one per entry, of the entry's bytes after the update (:func:`~rltrainer.weights.delta.checksum`;
     empty: not verified this sync)."""
 
@@ -154,8 +155,7 @@ class Encoding:
     full_nbytes: int  # the bucket's bytes
     word: int
     words: int  # the bucket's bytes in words
-    changed: int  # words that differ from the engines' copy (words: unknown, the first sync)
-    index_bytes: int = 4
+    changed: int  # words that differ from the engines' copy (all of them for a name with no copy yet)
     index_offset: int = 0
     checksums: tuple[int, ...] = ()
     encode_s: float = 0.0  # the sender's diff scan and encoding

@@ -100,7 +100,8 @@ def test_threads_come_from_the_marks_where_the_worker_class_has_that_group():
     assert method_threads(Echo) == {"first": "side"}
     receiving = method_threads(Worker)
     assert set(receiving) == {"load_bucket", "commit_weights", "take_weights_discarded", "weight_group_ranks",
-                              "join_weight_group", "receive_bucket", "open_weight_slots", "load_slot"}
+                              "join_weight_group", "receive_bucket", "open_weight_slots", "load_slot",
+                              "repair_weights"}
     assert set(receiving.values()) == {WEIGHTS_GROUP}
     assert method_threads(InOrderWorker) == {} and method_threads(TrainingWorker) == {}  # one thread, in order
 
@@ -111,10 +112,11 @@ def test_the_weight_protocol_waits_as_send_weights_and_receive_weights():
     assert set(sending) == {
         "plan_weights", "weight_entries", "export_bucket", "finish_weights", "load_local_weights", "host_weight_group",
         "broadcast_bucket", "leave_weight_group", "weight_slot_bytes", "create_weight_slots", "share_weight_slots",
-        "unlink_weight_slots", "write_slot", "close_weight_slots"}
+        "unlink_weight_slots", "write_slot", "close_weight_slots", "configure_weight_delta", "encode_bucket",
+        "base_buckets"}
     assert {n for n, s in sending.items() if s.dispatch == RANK_ZERO} == {
         "weight_entries", "host_weight_group", "leave_weight_group", "weight_slot_bytes", "create_weight_slots",
-        "unlink_weight_slots"}
+        "unlink_weight_slots", "base_buckets"}
     receiving = {n for n, s in remote_methods(Worker).items() if s.stage == "receive_weights"}
     assert receiving == set(method_threads(Worker))  # all of them in the weights thread, and only they
 

@@ -11,6 +11,7 @@ import torch
 
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.rollout.hf import HFEngine
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch
 
@@ -165,24 +166,34 @@ def llama_config(vocab_size):
 
 
 @pytest.mark.parametrize("tp,pp,arch,placement", [(2, 1, "qwen2", "colocated"), (1, 2, "qwen2", "colocated"),
-                                                  (1, 2, "llama", "colocated"), (1, 2, "qwen2", "split")],
-                         ids=["tp2-qwen2-tied", "pp2-qwen2-tied", "pp2-llama-untied", "pp2-split-broadcast"])
+                                                  (1, 2, "llama", "colocated"), (1, 2, "qwen2", "split"),
+                                                  (1, 2, "qwen2", "split-delta")],
+                         ids=["tp2-qwen2-tied", "pp2-qwen2-tied", "pp2-llama-untied", "pp2-split-broadcast",
+                              "pp2-split-broadcast-delta"])
 def test_fit_syncs_engines_exactly(tp, pp, arch, placement, config, bpe_tokenizer, gsm8k_prompts, ray_session):
     """A frozen embedding is skipped exactly; everything else reaches every engine bit-exactly in
-    several buckets, from whichever pipeline stage holds it (split: broadcast from trainer rank 0)."""
+    several buckets, from whichever pipeline stage holds it (split: broadcast from trainer rank 0;
+    split-delta: with ``weight_sync_delta``, whose bf16 engine gets deltas after the first steps)."""
+    delta = placement == "split-delta"
+    placement = placement.removesuffix("-delta")
     if arch == "llama":
         config = llama_config(len(bpe_tokenizer))
     module = FrozenEmbeddingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8,
-                                 lr=1e-3, kl_coef=0.05)
+                                 lr=1e-5 if delta else 1e-3, kl_coef=0.05)  # delta: small steps leave most bf16 words
     strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                bucket_bytes=32 << 10, rollout_placement=placement, weight_transport="broadcast")
-    with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=1) as trainer:
+                                bucket_bytes=32 << 10, rollout_placement=placement, weight_transport="broadcast",
+                                weight_sync_delta=delta)
+    engine = HFEngine(dtype=torch.bfloat16) if delta else None
+    with Trainer(strategy=strategy, rollout=engine or "hf", max_steps=4 if delta else 2, logger=False,
+                 enable_progress_bar=False, seed=1) as trainer:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         m = trainer.callback_metrics
         assert m["sync/skipped"] == 1 and m["sync/tensors"] == len(strategy.weight_names()) - 1  # the embedding
         assert m["sync/buckets"] > 1
         assert ("lm_head.weight" in strategy.weight_names()) == (arch == "llama")
-        full = dict(strategy.export_weights())
+        if delta:
+            assert m["sync/delta_buckets"] > 0 and m["sync/wire_share"] < 1 and m["sync/checksum_mismatches"] == 0
+        full = {n: t.to(torch.bfloat16) if delta else t for n, t in strategy.export_weights()}
         engines = strategy.rollout_group if placement == "split" else strategy.group
         for replica in engines.execute_all("engine_weights"):
             for name, tensor in full.items():
