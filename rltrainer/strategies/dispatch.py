@@ -148,6 +148,10 @@ class WorkerGroupStrategy(Strategy):
         """Colocated: one replica in every training process. Split: ``rollout_replicas`` Ray
         processes of their own (in their own placement group), fed by the transport
         ``weight_transport`` resolves to (:meth:`_split_transport`)."""
+        if self.weight_sync_delta is not None and self.rollout_placement == "split" and engine.native_weight_broadcast:
+            raise ValueError(f"weight_sync_delta is on, but {type(engine).__name__} receives weight broadcasts itself "
+                             "(native_weight_broadcast) and cannot apply a delta; use weight_sync_delta=False with "
+                             "it, or an engine that loads through update_weights (hf, vllm)")
         group = self._require_group()
         k = engine.ranks_per_replica
         runtime_env = engine.runtime_env  # another Python environment, if the engine has one

@@ -7,6 +7,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rltrainer.modules.grpo import GRPO
 from rltrainer.rollout.hf import HFEngine
 
@@ -134,6 +136,20 @@ class FrozenEmbeddingGRPO(GRPO):
     def configure_model(self) -> None:
         super().configure_model()
         self.policy.get_input_embeddings().weight.requires_grad_(False)
+
+
+class DiscardingHFEngine(HFEngine):
+    """The ``hf`` engine with vLLM's ``sleep(level=2)``: only buffers are saved, the weights'
+    memory is released without a copy (vllm/v1/worker/gpu_worker.py:301-320; vllm/entrypoints/llm.py:853);
+    here they become NaN, and the engine sets ``weights_discarded``."""
+
+    def sleep(self, level: int = 1) -> None:
+        super().sleep(1)
+        if level == 2:
+            with torch.no_grad():
+                for p in self._require_model().parameters():
+                    p.fill_(float("nan"))
+            self.weights_discarded = True
 
 
 def _slow_engine_class() -> type:

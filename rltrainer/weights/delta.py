@@ -304,11 +304,14 @@ class DeltaDecoder:
         """Load one bucket into ``engine`` (inside its update session); whether its checksums match
         (True when it carries none)."""
         word = encoding.word
-        own = _lent(engine, entries)
         if encoding.kind == "full":
             views = bucket_views(payload, entries)
             engine.update_weights(views)
-            if own is None:
+            own = _lent(engine, entries)  # after the load: an engine may hold a name only once loaded
+            if own is not None:
+                for name in own:
+                    self.mirror.pop(name, None)
+            else:
                 for name, tensor in views:
                     words = as_words(tensor, word)
                     kept = self.mirror.get(name)
@@ -317,6 +320,7 @@ class DeltaDecoder:
                     else:
                         self.mirror[name] = words.clone()
         else:
+            own = _lent(engine, entries)
             targets = own if own is not None else {n: self.mirror.get(n) for n, _, _ in entries}
             if any(t is None for t in targets.values()):
                 return False  # nothing to apply the delta to (a new replica): repaired in full

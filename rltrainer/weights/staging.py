@@ -185,7 +185,7 @@ class EngineGate:
         with self._cond:
             if failure is not None:
                 self._failed = failure
-            if repaired:
+            if repaired or failure is not None:  # a failed repair: waiting requests raise, not wait on
                 self._repairing = False
         self._release()
 

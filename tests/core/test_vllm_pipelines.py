@@ -6,7 +6,8 @@ The engine is exact here (fp32 on both sides), so the trainer can tell whether t
 weights: under ``sync`` every step's rows come from the weights being trained, and the trainer's
 log-probs of them equal the engine's (``rollout_corr/kl`` ~ 0, the k1 estimate over the step's
 tokens); after ``fit`` the engine's greedy tokens and log-probs are the final policy's, whatever the
-pipeline.
+pipeline. With ``weight_sync_delta`` (a bf16 engine) vLLM's own parameters are the policy's, bit for
+bit, after every step's sync.
 """
 
 from __future__ import annotations
@@ -117,5 +118,62 @@ def test_a_lora_policy_syncs_its_adapter_into_vllm(bpe_tokenizer, gsm8k_prompts,
         ids = torch.tensor([prompts[0]])
         assert not torch.allclose(merged(ids).logits, base(ids).logits, atol=1e-3)  # the adapter moved
         assert_engine_is(trainer.engine, merged, prompts)
+    finally:
+        trainer.teardown()
+
+
+def vllm_layout(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """What vLLM holds under its parameter ``name``, built from HF-named ``weights``: fused ``qkv_proj``
+    and ``gate_up_proj`` are their parts end to end, and the CPU build's LM head is the tied embedding."""
+    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if f".{fused}." in name:
+            return torch.cat([weights[name.replace(fused, part)] for part in parts])
+    if name == "lm_head.weight" and name not in weights:
+        return weights["model.embed_tokens.weight"]
+    return weights[name]
+
+
+class VLLMHoldsThePolicy(Callback):
+    """After every step's sync: vLLM's own parameters are the policy's cast to the engine's dtype, bit
+    for bit (what a full sync loads), read from the engine, not from the receiver's mirror."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.metrics: list[dict[str, float]] = []
+
+    def on_step_end(self, trainer, module, metrics):
+        self.metrics.append(dict(metrics))
+        policy = {name: tensor.to(self.dtype) for name, tensor in trainer.strategy.export_weights()}
+        for held in trainer.strategy.rollout_group.remote.engine_weights():
+            assert held, "the engine lent no parameters"
+            bad = []
+            for name, tensor in held.items():
+                expected = vllm_layout(policy, name)
+                rows = tensor[:expected.shape[0]]  # vLLM pads the vocabulary
+                if rows.dtype != expected.dtype or rows.shape != expected.shape or not torch.equal(rows, expected):
+                    bad.append(name)
+            assert not bad, f"after step {trainer.global_step}: vLLM differs from a full sync in {bad}"
+
+
+def test_delta_sync_into_real_vllm(bpe_tokenizer, gsm8k_prompts, vllm_python, ray_session):
+    """``weight_sync_delta=True`` with a bf16 vLLM replica (split placement): vLLM keeps no HF-named
+    tensors, so the receiver keeps a mirror, applies each delta to it and loads the touched buckets
+    through ``update_weights``; after every step vLLM holds exactly what a full sync would load."""
+    from rltrainer.testing.vllm_probe import InspectableVLLMEngine
+
+    dtype = torch.bfloat16
+    config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+    module = GRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6, lr=2e-6)
+    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4, bucket_bytes=64 << 10,
+                             weight_sync_delta=True)
+    check = VLLMHoldsThePolicy(dtype)
+    trainer = Trainer(strategy=strategy, rollout=InspectableVLLMEngine(dtype=dtype, python=vllm_python), logger=False,
+                      enable_progress_bar=False, max_steps=STEPS, callbacks=[check], seed=3)
+    try:
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=B))
+        assert len(check.metrics) == STEPS
+        assert all(m["sync/checksum_mismatches"] == 0 for m in check.metrics)
+        assert sum(m["sync/delta_buckets"] for m in check.metrics) > 0  # most bf16 words kept their bytes
+        assert min(m["sync/wire_share"] for m in check.metrics) < 1
     finally:
         trainer.teardown()

@@ -12,7 +12,7 @@ from rltrainer.rollout import SamplingParams
 from rltrainer.rollout.hf import HFEngine
 from rltrainer.rollout.sglang import SGLangEngine
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
-from rltrainer.testing import FrozenEmbeddingGRPO, length_reward
+from rltrainer.testing import DiscardingHFEngine, FrozenEmbeddingGRPO, length_reward
 
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]  # sglang/srt/constants.py:6-10
 
@@ -167,19 +167,6 @@ def test_after_a_sleep_that_discards_weights_the_next_sync_sends_every_weight(sg
     for name, p in module.policy.named_parameters():
         torch.testing.assert_close(engine.engine.weights[name], p.detach().to(torch.bfloat16), rtol=0, atol=0)
     assert strategy.sync_weights(engine, 3)["tensors"] == 0  # and back to sending what changed
-
-
-class DiscardingHFEngine(HFEngine):
-    """The ``hf`` engine with vLLM's ``sleep(level=2)``: only buffers are saved, the weights'
-    memory is released without a copy (vllm/v1/worker/gpu_worker.py:301-320; vllm/entrypoints/llm.py:853)."""
-
-    def sleep(self, level: int = 1) -> None:
-        super().sleep(1)
-        if level == 2:
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    p.fill_(float("nan"))
-            self.weights_discarded = True
 
 
 def test_colocated_replicas_that_discarded_weights_get_every_weight(tiny_config, bpe_tokenizer):

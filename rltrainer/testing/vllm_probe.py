@@ -1,0 +1,46 @@
+"""A vLLM engine whose weights a test can read: ``Worker.engine_weights`` reads an engine's ``.model``,
+which vLLM does not have; :class:`InspectableVLLMEngine` lends one that copies vLLM's own parameters
+(vLLM's names and fused layout: ``qkv_proj``, ``gate_up_proj``, a padded vocabulary) through
+``LLM.apply_model``. The CPU build packs a linear layer's weight for oneDNN and leaves the parameter
+empty; its weight is then read back as the layer computes with it, from the product with an identity
+matrix (exact: one non-zero product per output). For tests: a copy of the whole model per call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rltrainer.rollout.vllm import VLLMEngine
+
+
+def vllm_parameters(model: Any) -> dict[str, torch.Tensor]:
+    """CPU copies of a vLLM model's parameters (run in vLLM's worker by ``LLM.apply_model``)."""
+    out = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    for prefix, module in model.named_modules():
+        weight, method = getattr(module, "weight", None), getattr(module, "quant_method", None)
+        inputs = getattr(module, "input_size_per_partition", None)
+        if weight is None or method is None or inputs is None or weight.numel():
+            continue
+        eye = torch.eye(inputs, dtype=getattr(module, "params_dtype", weight.dtype), device=weight.device)
+        with torch.no_grad():
+            out[f"{prefix}.weight"] = method.apply(module, eye, None).t().contiguous().cpu()  # [out, in]
+    return out
+
+
+class _Parameters:
+    def __init__(self, parameters: dict[str, torch.Tensor]) -> None:
+        self._parameters = parameters
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._parameters.items())
+
+
+class InspectableVLLMEngine(VLLMEngine):
+    """``VLLMEngine`` with a ``.model`` whose ``named_parameters()`` are copies of what vLLM holds."""
+
+    @property
+    def model(self) -> _Parameters | None:
+        llm = getattr(self, "llm", None)
+        return None if llm is None else _Parameters(llm.apply_model(vllm_parameters)[0])

@@ -1,0 +1,463 @@
+"""Delta weight sync without Ray (``rltrainer.weights.delta``): a delta applied to an engine (one that
+lends its tensors, one the decoder keeps a mirror for) leaves it byte-equal to the sender's tensors
+after every step of random sparse changes, for bf16, fp32 and a bucket mixing dtypes; each bucket
+falls back to full bytes by itself; the checksum sees one changed word and two swapped ones; a
+corrupted engine fails the check, and the gate keeps requests off it until the repair has loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from rltrainer.weights.delta import BLOCK_WORDS, DeltaDecoder, DeltaEncoder, DeltaSync, checksum
+from rltrainer.weights.receiver import WeightReceiver
+from rltrainer.weights.staging import EngineGate
+from rltrainer.weights.wire import Bucket, Entry, bucket_entries
+
+
+class LendingEngine:
+    """Holds its weights whole under their names and lends them (as ``HFEngine.weight_tensors``):
+    a delta is written into them in place."""
+
+    native_weight_broadcast = False
+
+    def __init__(self) -> None:
+        self.weight_version = -1
+        self.weights: dict[str, torch.Tensor] = {}
+        self.updates: list[list[str]] = []
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, weights) -> dict[str, float]:
+        weights = list(weights)
+        self.updates.append([name for name, _ in weights])
+        for name, tensor in weights:
+            if name in self.weights:
+                self.weights[name].copy_(tensor)
+            else:
+                self.weights[name] = tensor.clone()
+        return {}
+
+    def weight_tensors(self, names):
+        if not all(name in self.weights for name in names):
+            return None
+        return {name: self.weights[name] for name in names}
+
+
+class MirrorEngine(LendingEngine):
+    """Lends nothing (as vLLM, whose layers are fused and sharded): the decoder keeps a mirror and
+    loads each touched tensor through ``update_weights``."""
+
+    weight_tensors = None
+
+
+def make_tensors(dtypes: dict[str, torch.dtype], seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (name, dtype) in enumerate(dtypes.items()):
+        shape = (37 + 11 * i, 5 + i)  # odd sizes: entries start at odd word offsets
+        if dtype.is_floating_point:
+            out[name] = torch.randn(shape, generator=generator).to(dtype)
+        else:
+            out[name] = torch.randint(0, 100, shape, generator=generator, dtype=dtype)
+    return out
+
+
+def entries_of(tensors: dict[str, torch.Tensor]) -> list[Entry]:
+    return bucket_entries((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+
+
+def perturb(tensors: dict[str, torch.Tensor], share: float, generator: torch.Generator) -> None:
+    """Change about ``share`` of the elements of every tensor (some may keep their bytes)."""
+    for tensor in tensors.values():
+        flat = tensor.view(-1)
+        picked = torch.rand(flat.numel(), generator=generator) < share
+        if tensor.dtype.is_floating_point:
+            step = torch.randn(int(picked.sum()), generator=generator).to(tensor.dtype)
+            flat[picked] = flat[picked] + step
+        else:
+            flat[picked] = torch.randint(0, 100, (int(picked.sum()),), generator=generator, dtype=tensor.dtype)
+
+
+def assert_bytes_equal(engine: LendingEngine, tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        held = engine.weights[name]
+        assert held.dtype == tensor.dtype and held.shape == tensor.shape, name
+        assert torch.equal(held.view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+def sides(tensors: dict[str, torch.Tensor], engine_type: type | None = None, settings: DeltaSync | None = None):
+    """A bucket of ``tensors``: its entries, the sender's encoder, a decoder and an engine."""
+    engine = (engine_type or LendingEngine)()
+    return entries_of(tensors), DeltaEncoder(settings or DeltaSync()), DeltaDecoder(), engine
+
+
+def sync(encoder: DeltaEncoder, decoder: DeltaDecoder, engine: LendingEngine, tensors: dict[str, torch.Tensor],
+         entries: list[Entry]):
+    encoder.begin_sync(())
+    payload, encoding = encoder.encode(tensors, entries)
+    assert payload.dtype == torch.uint8 and payload.numel() == encoding.nbytes
+    assert decoder.apply(engine, payload, entries, encoding)
+    return encoding
+
+
+DTYPE_CASES = {
+    "bf16": {"a": torch.bfloat16, "b": torch.bfloat16},
+    "fp32": {"a": torch.float32, "b": torch.float32},
+    "mixed": {"f32": torch.float32, "bf16": torch.bfloat16, "u8": torch.uint8, "f16": torch.float16},
+}
+
+
+@pytest.mark.parametrize("engine_type", [LendingEngine, MirrorEngine])
+@pytest.mark.parametrize("case", list(DTYPE_CASES))
+def test_random_sparse_changes_round_trip_byte_equal_at_every_step(case, engine_type):
+    tensors = make_tensors(DTYPE_CASES[case])
+    entries, encoder, decoder, engine = sides(tensors, engine_type)
+    generator = torch.Generator().manual_seed(1)
+    first = sync(encoder, decoder, engine, tensors, entries)
+    assert first.kind == "full" and first.nbytes == first.full_nbytes  # no base yet
+    assert_bytes_equal(engine, tensors)
+    word = 1 if case == "mixed" else tensors["a"].element_size()
+    kinds = []
+    for share in (0.01, 0.05, 0.0, 0.02, 0.9, 0.01):
+        perturb(tensors, share, generator)
+        encoding = sync(encoder, decoder, engine, tensors, entries)
+        kinds.append(encoding.kind)
+        assert encoding.word == word and encoding.words == encoding.full_nbytes // word
+        if encoding.kind == "delta":
+            assert encoding.nbytes < encoding.full_nbytes * 0.5
+        assert_bytes_equal(engine, tensors)
+        assert len(encoding.checksums) == len(entries)
+    assert kinds == ["delta", "delta", "delta", "delta", "full", "delta"]
+    if engine_type is MirrorEngine:  # the mirror is one engine-dtype copy
+        assert decoder.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    else:
+        assert decoder.nbytes == 0
+    assert encoder.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("engine_type", [LendingEngine, MirrorEngine])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
+def test_a_bucket_of_several_index_blocks_round_trips(dtype, engine_type):
+    """Indices travel as 16-bit offsets within 65,536-word blocks: changes on both sides of each
+    block's edges and of the offsets' sign bit, in a bucket of two tensors spanning four blocks."""
+    generator = torch.Generator().manual_seed(3)
+    tensors = {"big": torch.randint(0, 100, (3 * BLOCK_WORDS + 123,), generator=generator).to(dtype),
+               "small": torch.randint(0, 100, (70_001,), generator=generator).to(dtype)}
+    entries, encoder, decoder, engine = sides(tensors, engine_type)
+    sync(encoder, decoder, engine, tensors, entries)
+    edges = [0, 1, (1 << 15) - 1, 1 << 15, BLOCK_WORDS - 1, BLOCK_WORDS, BLOCK_WORDS + (1 << 15),
+             2 * BLOCK_WORDS - 1, 3 * BLOCK_WORDS, 3 * BLOCK_WORDS + 122]
+    for step in range(3):
+        flat = tensors["big"].view(-1)
+        picked = torch.unique(torch.cat([torch.tensor(edges[step::2] if step < 2 else edges),
+                                         torch.randint(0, flat.numel(), (500,), generator=generator)]))
+        flat.view(torch.uint8 if dtype == torch.uint8 else torch.int16)[picked] ^= 1
+        tensors["small"].view(-1)[torch.randint(0, 70_001, (50,), generator=generator)] += 1
+        encoding = sync(encoder, decoder, engine, tensors, entries)
+        assert encoding.kind == "delta" and encoding.words > 4 * BLOCK_WORDS
+        assert_bytes_equal(engine, tensors)
+
+
+def test_bytes_not_values_signed_zero_and_nan_payloads_travel():
+    """The scan compares words, so a change that compares equal as a float still travels."""
+    tensors = {"w": torch.zeros(64, dtype=torch.bfloat16), "v": torch.full((8,), float("nan"))}
+    entries, encoder, decoder, engine = sides(tensors)
+    sync(encoder, decoder, engine, tensors, entries)
+    tensors["w"][3] = -0.0
+    tensors["v"].view(torch.int32)[5] += 1  # another NaN
+    encoding = sync(encoder, decoder, engine, tensors, entries)
+    assert encoding.kind == "delta" and encoding.changed == 2  # 2-byte words: -0.0, and the low half of the NaN
+    assert_bytes_equal(engine, tensors)
+
+
+def test_an_unchanged_bucket_is_an_empty_delta_and_a_mirror_engine_loads_nothing():
+    tensors = make_tensors(DTYPE_CASES["bf16"])
+    entries, encoder, decoder, engine = sides(tensors, MirrorEngine)
+    sync(encoder, decoder, engine, tensors, entries)
+    encoding = sync(encoder, decoder, engine, tensors, entries)
+    assert encoding.kind == "delta" and encoding.changed == 0 and encoding.nbytes <= 8  # a count per block, no value
+    assert engine.updates == [["a", "b"]]  # the first (full) sync only
+    tensors["b"].view(-1)[0] += 1
+    sync(encoder, decoder, engine, tensors, entries)
+    assert engine.updates[-1] == ["a", "b"]  # a touched bucket is loaded whole (vLLM rebuilds fused layers)
+    assert_bytes_equal(engine, tensors)
+
+
+def test_a_bucket_falls_back_to_full_above_max_share():
+    tensors = {"w": torch.arange(1000, dtype=torch.float32).to(torch.bfloat16)}
+    entries = entries_of(tensors)
+    for max_share, kind in ((0.5, "full"), (1.0, "delta")):
+        encoder, decoder, engine = DeltaEncoder(DeltaSync(max_share=max_share)), DeltaDecoder(), LendingEngine()
+        sync(encoder, decoder, engine, {"w": tensors["w"].clone()}, entries)
+        changed = tensors["w"].clone()
+        changed.view(torch.int16)[:300] ^= 1  # 30 % of the words; 3 bytes per 2-byte word (value, index): 90 %
+        encoding = sync(encoder, decoder, engine, {"w": changed}, entries)
+        assert encoding.kind == kind and encoding.changed == 300
+        assert (encoding.nbytes == encoding.full_nbytes) == (kind == "full")
+        assert_bytes_equal(engine, {"w": changed})
+
+
+def test_a_name_without_a_base_sends_its_bucket_in_full():
+    tensors = make_tensors(DTYPE_CASES["bf16"])
+    encoder, decoder, engine = DeltaEncoder(DeltaSync()), DeltaDecoder(), LendingEngine()
+    sync(encoder, decoder, engine, {"a": tensors["a"]}, entries_of({"a": tensors["a"]}))
+    both = sync(encoder, decoder, engine, tensors, entries_of(tensors))  # "b" is new: the bucket goes whole
+    assert both.kind == "full"
+    assert sync(encoder, decoder, engine, tensors, entries_of(tensors)).kind == "delta"  # now both have a base
+
+
+def test_fresh_names_and_forget_send_full_buckets():
+    tensors = make_tensors(DTYPE_CASES["bf16"])
+    bucket_a, bucket_b = entries_of({"a": tensors["a"]}), entries_of({"b": tensors["b"]})
+    encoder, decoder, engine = DeltaEncoder(DeltaSync()), DeltaDecoder(), LendingEngine()
+
+    def kinds(fresh=()):
+        encoder.begin_sync(fresh)
+        out = []
+        for entries in (bucket_a, bucket_b):
+            payload, encoding = encoder.encode(tensors, entries)
+            assert decoder.apply(engine, payload, entries, encoding)
+            out.append(encoding.kind)
+        return out
+
+    assert kinds() == ["full", "full"]
+    assert kinds() == ["delta", "delta"]
+    assert kinds(fresh=["b"]) == ["delta", "full"]  # e.g. never synced, or a woken engine's dropped weights
+    encoder.forget()
+    assert encoder.nbytes == 0
+    assert kinds() == ["full", "full"]
+    assert_bytes_equal(engine, tensors)
+
+
+def test_checksum_every_k_syncs():
+    tensors = make_tensors(DTYPE_CASES["bf16"])
+    entries, encoder, decoder, engine = sides(tensors, None, DeltaSync(checksum_every=2))
+    verified = [bool(sync(encoder, decoder, engine, tensors, entries).checksums) for _ in range(5)]
+    assert verified == [True, False, True, False, True]
+    never = DeltaEncoder(DeltaSync(checksum_every=0))
+    never.begin_sync(())
+    assert never.encode(tensors, entries)[1].checksums == ()
+
+
+# -- the checksum --------------------------------------------------------------------------------------
+def test_checksum_of_equal_bytes_on_a_misaligned_view():
+    generator = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (3 * 8 * 1024 + 13,), generator=generator, dtype=torch.uint8)  # rows and a tail
+    view = raw[1:]  # not 8-byte aligned
+    assert view.data_ptr() % 8
+    assert checksum(view) == checksum(view.clone())
+    values = torch.randn(5000, generator=generator).to(torch.bfloat16)
+    assert values[1:].data_ptr() % 8
+    assert checksum(values[1:]) == checksum(values[1:].clone()) == checksum(values[1:].view(torch.int16))
+    assert checksum(values[:-1]) != checksum(values[1:])
+
+
+@pytest.mark.parametrize("where", ["rows", "tail", "last_byte"])
+def test_checksum_changes_with_one_word(where):
+    raw = torch.randint(0, 256, (2 * 8 * 1024 + 8 * 7 + 3,), generator=torch.Generator().manual_seed(1),
+                        dtype=torch.uint8)
+    position = {"rows": 8 * 1500 + 3, "tail": 2 * 8 * 1024 + 8 * 4 + 1, "last_byte": raw.numel() - 1}[where]
+    changed = raw.clone()
+    changed[position] ^= 1
+    assert checksum(changed) != checksum(raw)
+
+
+@pytest.mark.parametrize("pair", [(3, 900), (5, 1024 + 5), (10, 1024 + 700), (2048 + 1, 2048 + 3), (7, 2048 + 2)],
+                         ids=["same-row", "same-column", "other-row-and-column", "tail", "rows-and-tail"])
+def test_checksum_changes_when_two_words_swap(pair):
+    words = torch.randint(-2**62, 2**62, (2048 + 6,), generator=torch.Generator().manual_seed(2), dtype=torch.int64)
+    i, j = pair
+    swapped = words.clone()
+    swapped[i], swapped[j] = words[j], words[i]
+    assert not torch.equal(swapped, words)
+    assert checksum(swapped) != checksum(words)
+    assert checksum(swapped.view(torch.bfloat16)) != checksum(words.view(torch.bfloat16))
+
+
+# -- a corrupted engine ---------------------------------------------------------------------------------
+def test_a_corrupted_lent_tensor_fails_the_check():
+    tensors = make_tensors(DTYPE_CASES["bf16"])
+    entries, encoder, decoder, engine = sides(tensors)
+    sync(encoder, decoder, engine, tensors, entries)
+    engine.weights["b"].view(-1)[7] += 1  # the engine's own weights drifted from what the sender holds
+    tensors["a"].view(-1)[0] += 1
+    encoder.begin_sync(())
+    payload, encoding = encoder.encode(tensors, entries)
+    assert encoding.kind == "delta"
+    assert not decoder.apply(engine, payload, entries, encoding)
+    full, repair = encoder.full(entries)  # the repair: the bucket again in full from the base
+    assert decoder.apply(engine, full, entries, repair)
+    assert_bytes_equal(engine, tensors)
+
+
+def test_a_corrupted_mirror_fails_the_check_and_a_delta_without_one_too():
+    tensors = make_tensors(DTYPE_CASES["fp32"])
+    entries, encoder, decoder, engine = sides(tensors, MirrorEngine)
+    sync(encoder, decoder, engine, tensors, entries)
+    decoder.mirror["a"][11] ^= 1  # the copy the engine's loads are built from
+    tensors["b"].view(-1)[0] += 1
+    encoder.begin_sync(())
+    payload, encoding = encoder.encode(tensors, entries)
+    assert encoding.kind == "delta"
+    assert not decoder.apply(engine, payload, entries, encoding)
+    assert not DeltaDecoder().apply(MirrorEngine(), payload, entries, encoding)  # a new replica holds nothing
+    full, repair = encoder.full(entries)  # the repair loads the bucket whole and refreshes the mirror
+    assert decoder.apply(engine, full, entries, repair)
+    assert_bytes_equal(engine, tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(decoder.mirror[name], tensor.reshape(-1).view(torch.int32)), name
+
+
+# -- the gate: a mismatched sync keeps its version and requests wait for the repair ---------------------
+class GateCase:
+    """A lending engine behind a gate and its receiver, with the sender's encoder."""
+
+    def __init__(self) -> None:
+        self.tensors = make_tensors(DTYPE_CASES["bf16"])
+        self.entries = entries_of(self.tensors)
+        self.gate, self.engine, self.encoder = EngineGate(), LendingEngine(), DeltaEncoder(DeltaSync())
+        self.receiver = WeightReceiver(torch.device("cpu"), self.gate)
+
+    def coded(self) -> Bucket:
+        """The next sync's bucket, as the sender codes it."""
+        self.encoder.begin_sync(())
+        payload, encoding = self.encoder.encode(self.tensors, self.entries)
+        return Bucket(self.entries, payload.numpy(), encoding)
+
+    def full(self, checksums: tuple[int, ...] | None = None) -> Bucket:
+        """The bucket again in full from the base (a repair), with other ``checksums`` if given."""
+        payload, encoding = self.encoder.full(self.entries)
+        if checksums is not None:
+            encoding = dataclasses.replace(encoding, checksums=checksums)
+        return Bucket(self.entries, payload.numpy(), encoding)
+
+    def drift(self) -> None:
+        """The engine's weights drift from what the sender holds, and the policy moves."""
+        self.engine.weights["a"].view(-1)[0] += 1
+        self.tensors["b"].view(-1)[3] += 1
+
+    def request(self, min_version: int) -> tuple[threading.Thread, threading.Event, dict]:
+        """A request in a thread: ``entered`` once it holds the engine; ``seen``: the version and
+        weights it saw, or the error it raised."""
+        entered, seen = threading.Event(), {}
+
+        def run():
+            try:
+                with self.gate.use(self.engine, min_version):
+                    entered.set()
+                    seen["version"] = self.engine.weight_version
+                    seen["bytes"] = {name: t.clone() for name, t in self.engine.weights.items()}
+            except RuntimeError as exc:
+                seen["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread, entered, seen
+
+
+def test_a_mismatched_sync_keeps_the_version_and_requests_wait_for_the_repair():
+    case = GateCase()
+    stats = case.receiver.load(case.engine, case.coded(), 1, 0, 1)
+    assert stats["mismatched"] == [] and case.engine.weight_version == 1
+    case.drift()
+    stats = case.receiver.load(case.engine, case.coded(), 2, 0, 1)
+    assert stats["mismatched"] == [0] and stats["delta_buckets"] == 1
+    assert case.engine.weight_version == 1  # not the sync's: the engine does not hold it
+    thread, entered, seen = case.request(2)
+    assert not entered.wait(0.3)  # the sync waits for its repair
+    assert case.receiver.repair(case.engine, [case.full()], 2)["tensors"] == len(case.entries)
+    thread.join(10)
+    assert entered.is_set() and seen["version"] == 2 and case.engine.weight_version == 2
+    for name, tensor in case.tensors.items():
+        assert torch.equal(seen["bytes"][name], tensor), name
+
+
+def test_a_request_waiting_when_the_sync_lands_applies_it_then_waits_for_the_repair():
+    """The request applies the complete sync itself, finds the mismatch, and waits for the repair."""
+    case = GateCase()
+    case.receiver.load(case.engine, case.coded(), 1, 0, 1)
+    case.drift()
+    coded = case.coded()
+    thread, entered, seen = case.request(2)  # waits for version 2 to arrive
+    stats = case.receiver.load(case.engine, coded, 2, 0, 1)
+    assert stats["mismatched"] == [0] and case.engine.weight_version == 1
+    assert not entered.wait(0.3)
+    case.receiver.repair(case.engine, [case.full()], 2)
+    thread.join(10)
+    assert entered.is_set() and seen["version"] == 2
+    assert_bytes_equal(case.engine, case.tensors)
+
+
+def test_a_repair_that_still_mismatches_stops_the_engine():
+    case = GateCase()
+    case.receiver.load(case.engine, case.coded(), 1, 0, 1)
+    with pytest.raises(RuntimeError, match="still do not match"):
+        case.receiver.repair(case.engine, [case.full(checksums=(1, 2))], 2)
+    with pytest.raises(RuntimeError, match="Loading weight sync 2 into this engine failed"):
+        with case.gate.use(case.engine, -1):
+            pass
+
+
+def test_a_request_waiting_for_a_repair_that_fails_raises():
+    case = GateCase()
+    case.receiver.load(case.engine, case.coded(), 1, 0, 1)
+    case.drift()
+    assert case.receiver.load(case.engine, case.coded(), 2, 0, 1)["mismatched"] == [0]
+    thread, entered, seen = case.request(2)
+    with pytest.raises(RuntimeError, match="still do not match"):
+        case.receiver.repair(case.engine, [case.full(checksums=(1, 2))], 2)
+    thread.join(10)
+    assert not thread.is_alive(), "the request still waits for a repair that failed"
+    assert not entered.is_set() and "Loading weight sync 2 into this engine failed" in str(seen["error"])
+
+
+def test_an_engine_that_receives_broadcasts_itself_refuses_a_delta():
+    class Native(LendingEngine):
+        native_weight_broadcast = True
+
+    tensors = make_tensors(DTYPE_CASES["bf16"])
+    entries = entries_of(tensors)
+    encoder = DeltaEncoder(DeltaSync())
+    encoder.begin_sync(())
+    encoder.encode(tensors, entries)
+    encoder.begin_sync(())
+    payload, encoding = encoder.encode(tensors, entries)
+    assert encoding.kind == "delta"
+    receiver = WeightReceiver(torch.device("cpu"), EngineGate())
+    with pytest.raises(RuntimeError, match="Native receives broadcast buckets itself.*weight_sync_delta=False"):
+        receiver.load(Native(), Bucket(entries, payload.numpy(), encoding), 1, 0, 1)
+
+
+# -- settings --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [({"max_share": 0}, "max_share=0"), ({"max_share": 1.5}, "max_share=1.5"),
+                                           ({"max_share": -0.1}, r"\(0, 1\]"),
+                                           ({"checksum_every": -1}, "checksum_every=-1"),
+                                           ({"checksum_every": 2.5}, "an int >= 0")])
+def test_delta_sync_settings_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeltaSync(**kwargs)
+
+
+def test_weight_sync_delta_values():
+    assert DeltaSync.resolve(True) == DeltaSync() and DeltaSync.resolve(False) is None
+    assert DeltaSync.resolve(None) is None
+    settings = DeltaSync(max_share=0.25, checksum_every=4)
+    assert DeltaSync.resolve(settings) is settings
+    with pytest.raises(TypeError, match=r"weight_sync_delta='yes'; pass True, False or DeltaSync"):
+        DeltaSync.resolve("yes")
+
+
+def test_a_strategy_checks_weight_sync_delta():
+    from rltrainer.strategies import FSDP2Strategy
+
+    assert FSDP2Strategy(devices=1, weight_sync_delta=True).weight_sync_delta == DeltaSync()
+    with pytest.raises(TypeError, match="weight_sync_delta='yes'"):
+        FSDP2Strategy(devices=1, weight_sync_delta="yes")
