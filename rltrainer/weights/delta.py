@@ -6,7 +6,9 @@ fp32 master weights move by less than one bf16 ulp. With ``weight_sync_delta`` o
 name in the engine's dtype (:class:`DeltaEncoder`, "the base"), and codes each bucket as:
 
 - a **delta**: the words (2 bytes for bf16, 4 for fp32) of the bucket's bytes that differ from the
-  base, then their indices (int32), when that is at most ``max_share`` of the bucket's bytes;
+  base, each as its step from the base (an int8; its value if the step is larger) and its place (a
+  16-bit offset in its 65,536-word block): 3 bytes a changed word (:func:`pack_delta`), when that
+  is at most ``max_share`` of the bucket's bytes;
 - else the **full** bucket (early steps, a high learning rate, fp32 engines), decided per bucket
   from the measured share of changed words.
 
@@ -45,7 +47,7 @@ class DeltaSync:
     """``weight_sync_delta=DeltaSync(...)`` (``True``: these defaults).
 
     Args:
-        max_share: a bucket travels as a delta when its payload (values and indices) is at most this
+        max_share: a bucket travels as a delta when its payload (steps and offsets) is at most this
             share of its full bytes (0 < max_share <= 1); else in full.
         checksum_every: verify the engines' weights against the sender's every this many syncs
             (1: every sync; 0: never).
@@ -196,28 +198,29 @@ class DeltaEncoder:
         full_nbytes = sum(math.prod(shape) * itemsize(getattr(torch, dtype)) for _, dtype, shape in entries)
         words = full_nbytes // word
         blocks = -(-words // BLOCK_WORDS)
-        budget = (self.settings.max_share * full_nbytes - 8 - 4 * blocks) / (word + 2)  # words a delta may carry
+        budget = (self.settings.max_share * full_nbytes - 16 - 4 * blocks) / 3  # words a delta may carry (3 bytes each)
         diff = self._diff(tensors, entries, word, budget)
         device = next(iter(tensors.values())).device
+        escapes = 0
         if diff is not None:
-            indices, values = diff
-            payload, index_offset = pack_delta(indices, values, word, blocks, device)
-            kind, changed = "delta", int(indices.numel())
-        else:
-            payload, kind, index_offset = flatten_bucket(tensors, entries, device), "full", 0
-            changed = self._counted
+            payload, escapes = pack_delta(*diff, word, blocks, device)
+            kind, changed = "delta", int(diff[0].numel())
+        if diff is None or payload.numel() > self.settings.max_share * full_nbytes:  # (many escapes: rare)
+            payload, kind, escapes = flatten_bucket(tensors, entries, device), "full", 0
+            changed = self._counted if diff is None else changed
         encode_s = time.perf_counter() - start
         start = time.perf_counter()
         sums = tuple(checksum(self.base[name]) for name, _, _ in entries) if self.verifies else ()
-        return payload, Encoding(kind, int(payload.numel()), full_nbytes, word, words, changed, index_offset, sums,
+        return payload, Encoding(kind, int(payload.numel()), full_nbytes, word, words, changed, escapes, sums,
                                  encode_s, time.perf_counter() - start)
 
     def _diff(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int,
-              budget: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+              budget: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Move the base to ``tensors``; the bucket's changed words ``(indices [int64, ascending],
-        values)``, or ``None`` if it goes in full (a name with no base, or more than ``budget``
+        values, steps [int64: new - old as integers, or a value past int8 where that is not defined])``,
+        or ``None`` if it goes in full (a name with no base, or more than ``budget``
         changed: ``self._counted`` is then how many did, all of them for a name with no base)."""
-        indices, values, counted, full = [], [], 0, False
+        indices, values, steps, counted, full = [], [], [], 0, False
         for (name, _, _), offset in zip(entries, _word_offsets(entries, word)):
             new = as_words(tensors[name], word)
             old = self.base.get(name)
@@ -231,6 +234,7 @@ class DeltaEncoder:
                 old.copy_(new)
             elif changed.numel():
                 moved = _take(new, changed)
+                steps.append(_steps(moved, _take(old, changed)))
                 _put(old, changed, moved)
                 counted += changed.numel()
                 indices.append(changed.add_(offset))
@@ -240,9 +244,9 @@ class DeltaEncoder:
             return None
         device = next(iter(tensors.values())).device
         if not indices:
-            return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=WORD_DTYPES[word],
-                                                                                  device=device)
-        return torch.cat(indices), torch.cat(values)
+            none = torch.empty(0, dtype=torch.int64, device=device)
+            return none, torch.empty(0, dtype=WORD_DTYPES[word], device=device), none
+        return torch.cat(indices), torch.cat(values), torch.cat(steps)
 
     def full(self, entries: Sequence[Entry]) -> tuple[torch.Tensor, Encoding]:
         """A bucket in full from the base (to repair an engine whose checksum did not match)."""
@@ -258,32 +262,69 @@ class DeltaEncoder:
 BLOCK_WORDS = 1 << 16  # a delta's indices: a 16-bit offset in each 65,536-word block, and a count per block
 
 
-def pack_delta(indices: torch.Tensor, values: torch.Tensor, word: int, blocks: int,
+def _align(offset: int) -> int:
+    return -(-offset // 8) * 8
+
+
+def delta_layout(changed: int, word: int, words: int, escapes: int) -> tuple[int, int, int, int, int]:
+    """Where a delta payload's parts start (bytes): its int32 count of changed words per block, their
+    16-bit offsets, the escapes' int32 positions and their values; and its total size. The int8 steps
+    come first, at 0."""
+    counts = _align(changed)
+    offsets = counts + 4 * -(-words // BLOCK_WORDS)
+    positions = _align(offsets + 2 * changed)
+    values = _align(positions + 4 * escapes)
+    return counts, offsets, positions, values, values + word * escapes
+
+
+def _steps(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new - old`` of changed words as integers (int64), where a small step is exact: a bf16 value
+    that moved by a few ulps moves by as much in its bit pattern."""
+    if new.element_size() == 8:
+        return torch.full_like(new, 1 << 8, dtype=torch.int64)  # no int8 steps for 8-byte words
+    return new.to(torch.int64) - old.to(torch.int64)
+
+
+def pack_delta(indices: torch.Tensor, values: torch.Tensor, steps: torch.Tensor, word: int, blocks: int,
                device: torch.device) -> tuple[torch.Tensor, int]:
-    """A delta's payload: the values, then (at the returned offset, 8-byte aligned) an int32 count of
-    changed words per ``BLOCK_WORDS``-word block of the bucket, then each one's 16-bit offset in its
-    block: 2 bytes an index instead of 4 or 8."""
-    value_bytes = values.numel() * word
-    index_offset = -(-value_bytes // 8) * 8
-    payload = torch.zeros(index_offset + 4 * blocks + 2 * indices.numel(), dtype=torch.uint8, device=device)
-    payload[:value_bytes].view(WORD_DTYPES[word]).copy_(values)
+    """A delta's payload (:func:`delta_layout`): each changed word's step from the engines' copy as
+    an int8 (bf16 weights move by an ulp or two: 1 byte instead of 2), its place (an int32 count per
+    ``BLOCK_WORDS``-word block and a 16-bit offset in its block: 2 bytes instead of 4 or 8), and the
+    values of the few whose step does not fit an int8 ("escapes", by position). 3 bytes a changed
+    weight; returns the payload and its number of escapes."""
+    small = (steps >= -128) & (steps <= 127)
+    escaped = (~small).nonzero().view(-1)
+    changed, escapes = indices.numel(), escaped.numel()
+    counts_at, offsets_at, positions_at, values_at, total = delta_layout(changed, word, blocks * BLOCK_WORDS, escapes)
+    payload = torch.zeros(total, dtype=torch.uint8, device=device)
+    payload[:changed].view(torch.int8).copy_(torch.where(small, steps, 0).to(torch.int8))
     counts = torch.bincount(indices // BLOCK_WORDS, minlength=blocks).to(torch.int32)
-    payload[index_offset:index_offset + 4 * blocks].view(torch.int32).copy_(counts)
+    payload[counts_at:offsets_at].view(torch.int32).copy_(counts)
     local = indices % BLOCK_WORDS
     local = torch.where(local >= 1 << 15, local - BLOCK_WORDS, local).to(torch.int16)  # as uint16 bits
-    payload[index_offset + 4 * blocks:].view(torch.int16).copy_(local)
-    return payload, index_offset
+    payload[offsets_at:offsets_at + 2 * changed].view(torch.int16).copy_(local)
+    payload[positions_at:positions_at + 4 * escapes].view(torch.int32).copy_(escaped.to(torch.int32))
+    payload[values_at:].view(WORD_DTYPES[word]).copy_(values[escaped])
+    return payload, escapes
 
 
-def split_delta(payload: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.Tensor]:
-    """A delta payload's ``(indices [int64, ascending], values)`` (see :func:`pack_delta`)."""
-    count, word, start = encoding.changed, encoding.word, encoding.index_offset
-    values = payload[:count * word].view(WORD_DTYPES[word])
+def split_delta(payload: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """A delta payload's ``(indices [int64, ascending], steps [int8], escape positions [int64],
+    escape values)`` (see :func:`pack_delta`)."""
+    count, word, escapes = encoding.changed, encoding.word, encoding.escapes
+    counts_at, offsets_at, positions_at, values_at, _ = delta_layout(count, word, encoding.words, escapes)
     blocks = -(-encoding.words // BLOCK_WORDS)
-    counts = payload[start:start + 4 * blocks].view(torch.int32).to(torch.int64)
-    local = payload[start + 4 * blocks:start + 4 * blocks + 2 * count].view(torch.int16).to(torch.int64) % BLOCK_WORDS
+    counts = payload[counts_at:offsets_at].view(torch.int32).to(torch.int64)
+    local = payload[offsets_at:offsets_at + 2 * count].view(torch.int16).to(torch.int64) % BLOCK_WORDS
     bases = torch.repeat_interleave(torch.arange(blocks, device=payload.device) * BLOCK_WORDS, counts)
-    return bases + local, values
+    positions = payload[positions_at:positions_at + 4 * escapes].view(torch.int32).to(torch.int64)
+    return bases + local, payload[:count].view(torch.int8), positions, payload[values_at:].view(WORD_DTYPES[word])
+
+
+def _stepped(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``old + steps`` in ``old``'s integer dtype (the steps were taken exactly, so nothing wraps)."""
+    return (old.to(torch.int64) + steps.to(torch.int64)).to(old.dtype)
 
 
 class DeltaDecoder:
@@ -324,15 +365,19 @@ class DeltaDecoder:
             targets = own if own is not None else {n: self.mirror.get(n) for n, _, _ in entries}
             if any(t is None for t in targets.values()):
                 return False  # nothing to apply the delta to (a new replica): repaired in full
-            indices, values = split_delta(payload, encoding)
             device = next(iter(targets.values())).device
-            indices, values = indices.to(device, torch.int64), values.to(device)
+            indices, steps, positions, escaped = (t.to(device) for t in split_delta(payload, encoding))
             starts = _word_offsets(entries, word)
             bounds = torch.searchsorted(indices, torch.tensor(starts + [encoding.words], device=device)).tolist()
             with torch.no_grad():
                 for (name, _, _), start, lo, hi in zip(entries, starts, bounds, bounds[1:]):
                     if hi > lo:
-                        _put(as_words(targets[name], word), indices[lo:hi] - start, values[lo:hi])
+                        words = as_words(targets[name], word)
+                        places = indices[lo:hi] - start
+                        values = _stepped(_take(words, places), steps[lo:hi])
+                        first, last = torch.searchsorted(positions, torch.tensor([lo, hi], device=device)).tolist()
+                        values[positions[first:last] - lo] = escaped[first:last]
+                        _put(words, places, values)
             if own is None and encoding.changed:  # the whole bucket: an engine may rebuild a fused layer from all of it
                 engine.update_weights([(name, self.mirror[name].view(torch.uint8).view(getattr(torch, dtype)).view(shape))
                                        for name, dtype, shape in entries])

@@ -145,8 +145,9 @@ class Encoding:
 
     ``kind="full"``: the payload is the bucket's bytes (wire layout). ``kind="delta"``: the payload is
     the ``changed`` words (``word`` bytes each) of the bucket's bytes that differ from what the engines
-    hold, then, from ``index_offset``, where they are (a count per 65,536-word block and a 16-bit
-    offset each, :func:`rltrainer.weights.delta.pack_delta`). ``checksums``:
+    hold, as int8 steps from what the engines hold, where they are (a count per 65,536-word block
+    and a 16-bit offset each) and the ``escapes`` whose step does not fit an int8, by value
+    (:func:`rltrainer.weights.delta.pack_delta`). ``checksums``:
     one per entry, of the entry's bytes after the update (:func:`~rltrainer.weights.delta.checksum`;
     empty: not verified this sync)."""
 
@@ -156,7 +157,7 @@ class Encoding:
     word: int
     words: int  # the bucket's bytes in words
     changed: int  # words that differ from the engines' copy (all of them for a name with no copy yet)
-    index_offset: int = 0
+    escapes: int = 0  # changed words sent by value (their step does not fit an int8)
     checksums: tuple[int, ...] = ()
     encode_s: float = 0.0  # the sender's diff scan and encoding
     checksum_s: float = 0.0  # the sender's checksums

@@ -198,9 +198,9 @@ def test_a_bucket_falls_back_to_full_above_max_share():
         encoder, decoder, engine = DeltaEncoder(DeltaSync(max_share=max_share)), DeltaDecoder(), LendingEngine()
         sync(encoder, decoder, engine, {"w": tensors["w"].clone()}, entries)
         changed = tensors["w"].clone()
-        changed.view(torch.int16)[:300] ^= 1  # 30 % of the words; 3 bytes per 2-byte word (value, index): 90 %
+        changed.view(torch.int16)[:400] ^= 1  # 40 % of the words; 3 bytes per 2-byte word (step, offset): 60 %
         encoding = sync(encoder, decoder, engine, {"w": changed}, entries)
-        assert encoding.kind == kind and encoding.changed == 300
+        assert encoding.kind == kind and encoding.changed == 400
         assert (encoding.nbytes == encoding.full_nbytes) == (kind == "full")
         assert_bytes_equal(engine, {"w": changed})
 
@@ -461,3 +461,22 @@ def test_a_strategy_checks_weight_sync_delta():
     assert FSDP2Strategy(devices=1, weight_sync_delta=True).weight_sync_delta == DeltaSync()
     with pytest.raises(TypeError, match="weight_sync_delta='yes'"):
         FSDP2Strategy(devices=1, weight_sync_delta="yes")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_steps_past_an_int8_travel_by_value(dtype):
+    """A word whose bit pattern moved by more than 127 (a large update, a sign change; every word of an
+    8-byte dtype) goes as an escape, by value; small steps as int8: both land exactly."""
+    tensors = {"w": torch.linspace(-1, 1, 5000, dtype=torch.float32).to(dtype)}
+    entries = entries_of(tensors)
+    encoder, decoder, engine = DeltaEncoder(DeltaSync()), DeltaDecoder(), LendingEngine()
+    sync(encoder, decoder, engine, {"w": tensors["w"].clone()}, entries)
+    changed = tensors["w"].clone()
+    changed[:40] = -changed[:40]  # sign flips: far past an int8 step
+    words = changed.view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[changed.element_size()])
+    words[100:140] += 1  # one ulp up
+    words[200:240] -= 3
+    encoding = sync(encoder, decoder, engine, {"w": changed}, entries)
+    assert encoding.kind == "delta" and encoding.changed == 120
+    assert encoding.escapes == (120 if dtype == torch.float64 else 40)
+    assert_bytes_equal(engine, {"w": changed})
