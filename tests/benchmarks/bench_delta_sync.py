@@ -23,10 +23,11 @@ the values) and a checksum pass (``rltrainer.weights.delta.checksum``) over ever
 ``dst.copy_(src)`` of the same bytes, same process and threads.
 
 ``sync``: ``FSDP2Strategy(devices=1, rollout_placement="split")`` with one ``hf`` replica in bf16,
-for each transport (``shared_memory``, ``object_store``) and learning rate, once with
-``weight_sync_delta=False`` and once with ``True``: a full first sync, the warm-up step and its
-sync, then per step ``train_step`` on the same batches and a sync timed from the controller
-(``WeightSync.sync``). Its stats: ``bytes`` (a full sync's), ``wire_bytes`` (sent), ``changed_share``,
+for each transport (``shared_memory``, ``object_store``) and learning rate with
+``weight_sync_delta=True``, and at the ``--full-lrs`` (default: the first) with ``False`` too (a
+full sync sends every trained tensor whatever the lr: one full run per transport is the
+reference): a full first sync, the warm-up step and its sync, then per step ``train_step`` on the
+same batches and a sync timed from the controller (``Strategy.connect(...).sync(version)``). Its stats: ``bytes`` (a full sync's), ``wire_bytes`` (sent), ``changed_share``,
 ``delta_buckets`` / ``full_buckets``, ``checksum_mismatches``, ``encode_s``, ``checksum_s``, ``seconds``.
 
 ``line-rate``: ``bench_fsdp2.py sync``'s full sync (every tensor, fp32, FSDP2 x2) per placement
