@@ -238,44 +238,60 @@ def bench_changes(args: argparse.Namespace, tokenizer: Any, batches: list[Any]) 
 
 # -- part B: delta vs full through the strategy ----------------------------------------------------
 
-def bench_sync_modes(args: argparse.Namespace, tokenizer: Any, batches: list[Any]) -> dict[str, Any]:
+def bench_sync_modes(args: argparse.Namespace) -> dict[str, Any]:
+    """Every (transport, lr, mode) run, each in a process of its own (with one rank, the FSDP2 rank
+    runs in that process, and a torn-down run's memory is not the next one's)."""
+    out: dict[str, Any] = {}
+    spawn = multiprocessing.get_context("spawn")
+    for transport in args.transports:
+        for lr in args.lrs:
+            for delta in (False, True) if lr in args.full_lrs else (True,):
+                key = f"{transport}/{lr:g}/{'delta' if delta else 'full'}"
+                path = Path(tempfile.gettempdir()) / f"bench_delta_sync_run_{os.getpid()}.json"
+                proc = spawn.Process(target=sync_run, args=(args, transport, lr, delta, key, str(path)))
+                proc.start()
+                proc.join()
+                if proc.exitcode:
+                    raise RuntimeError(f"sync run {key} failed (exit code {proc.exitcode})")
+                out[key] = json.loads(path.read_text())
+                path.unlink()
+    return out
+
+
+def sync_run(args: argparse.Namespace, transport: str, lr: float, delta: bool, key: str, path: str) -> None:
+    """One strategy: a full first sync, then per batch ``train_step`` and a timed sync; JSON in ``path``."""
     import ray
 
     from rltrainer.rollout.hf import HFEngine
     from rltrainer.strategies import FSDP2Strategy
+    from rltrainer.testing import load_tokenizer
 
+    torch.set_num_threads(args.threads)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    out: dict[str, Any] = {}
+    tokenizer = load_tokenizer("qwen2.5-instruct")
+    batches = gsm8k_batches(tokenizer, 1 + args.sync_steps, args.rows, args.max_prompt, args.max_response, seed=0)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=args.rows, rollout_placement="split",
+                             weight_transport=transport, weight_sync_delta=delta, threads_per_worker=args.threads,
+                             bucket_bytes=args.bucket_mb << 20)
     try:
-        for transport in args.transports:
-            for lr in args.lrs:
-                for delta in (False, True) if lr in args.full_lrs else (True,):
-                    key = f"{transport}/{lr:g}/{'delta' if delta else 'full'}"
-                    strategy = FSDP2Strategy(devices=1, micro_batch_size=args.rows, rollout_placement="split",
-                                             weight_transport=transport, weight_sync_delta=delta,
-                                             threads_per_worker=args.threads, bucket_bytes=args.bucket_mb << 20)
-                    try:
-                        strategy.setup(grpo_module(tokenizer, lr, args.max_response), seed=0)
-                        sync = strategy.connect(HFEngine(dtype=torch.bfloat16), tokenizer)
-                        first = sync.sync(0)  # in full: the engine has nothing yet
-                        steps = []
-                        for i, batch in enumerate(batches):
-                            start = time.perf_counter()
-                            strategy.train_step(batch)
-                            train_s = time.perf_counter() - start
-                            stats = sync.sync(i + 1)
-                            steps.append({"step": i, "warmup": i == 0, "train_s": train_s, **stats})
-                            print(f"{key} step {i}: sync {stats['seconds']:.2f} s, wire "
-                                  f"{stats.get('wire_bytes', stats['bytes']) / 1e6:.0f} of {stats['bytes'] / 1e6:.0f} "
-                                  f"MB, changed {stats.get('changed_share', float('nan')):.2%}, mismatches "
-                                  f"{stats.get('checksum_mismatches', '-')}", flush=True)
-                        out[key] = {"first": first, "steps": steps}
-                    finally:
-                        strategy.teardown()
+        strategy.setup(grpo_module(tokenizer, lr, args.max_response), seed=0)
+        sync = strategy.connect(HFEngine(dtype=torch.bfloat16), tokenizer)
+        first = sync.sync(0)  # in full: the engine has nothing yet
+        steps = []
+        for i, batch in enumerate(batches):
+            start = time.perf_counter()
+            strategy.train_step(batch)
+            train_s = time.perf_counter() - start
+            stats = sync.sync(i + 1)
+            steps.append({"step": i, "warmup": i == 0, "train_s": train_s, "load": os.getloadavg()[0], **stats})
+            print(f"{key} step {i}: sync {stats['seconds']:.2f} s, wire {stats.get('wire_bytes', stats['bytes']) / 1e6:.0f} "
+                  f"of {stats['bytes'] / 1e6:.0f} MB, changed {stats.get('changed_share', float('nan')):.2%}, "
+                  f"mismatches {stats.get('checksum_mismatches', '-')}", flush=True)
     finally:
+        strategy.teardown()
         ray.shutdown()
-    return out
+    Path(path).write_text(json.dumps({"first": first, "steps": steps}))
 
 
 def summarize_sync(runs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -466,8 +482,10 @@ def main() -> None:
     if not set(args.full_lrs) <= set(args.lrs):
         p.error(f"--full-lrs {args.full_lrs} must be among --lrs {args.lrs}")
 
-    result: dict[str, Any] = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                              "torch": torch.__version__, "cpus": os.cpu_count()}
+    out = Path(args.out)  # the parts not run keep their figures from the file (each part has its date)
+    result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    result.update(args=vars(args), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  torch=torch.__version__, cpus=os.cpu_count())
     start = time.perf_counter()
     spawn = multiprocessing.get_context("spawn")
     for part in args.parts:  # each in a process of its own: a part's memory is not the next one's
@@ -479,8 +497,7 @@ def main() -> None:
             raise RuntimeError(f"part {part!r} failed (exit code {proc.exitcode})")
         result.update(json.loads(path.read_text()))
         path.unlink()
-        result["wall_s"] = time.perf_counter() - start
-        out = Path(args.out)  # written after each part: a later part's failure keeps the earlier figures
+        result["wall_s"] = time.perf_counter() - start  # written after each part: a later failure keeps these
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
     print_report(result)
@@ -501,13 +518,12 @@ def run_part(args: argparse.Namespace, part: str, path: str) -> None:
         tokenizer = load_tokenizer("qwen2.5-instruct")
         steps = 1 + (args.steps if part == "changes" else args.sync_steps)
         batches = gsm8k_batches(tokenizer, steps, args.rows, args.max_prompt, args.max_response, seed=0)
-        tokens = [int(b["attention_mask"].sum()) for b in batches]
         if part == "changes":
             figures = {"changes": bench_changes(args, tokenizer, batches)}
         else:
-            runs = bench_sync_modes(args, tokenizer, batches)
+            runs = bench_sync_modes(args)
             figures = {"sync": runs, "sync_summary": summarize_sync(runs, args)}
-        figures["tokens_per_batch"] = tokens
+        figures["tokens_per_batch"] = [int(b["attention_mask"].sum()) for b in batches]
     figures[f"{part}_run"] = {"wall_s": time.perf_counter() - start, "load_before": load, "load_after": os.getloadavg(),
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     Path(path).write_text(json.dumps(figures, indent=2))
