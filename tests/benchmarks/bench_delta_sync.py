@@ -3,7 +3,7 @@ what the diff scan costs against a copy, and delta vs full sync time and bytes o
 transport; then each transport's full-sync GB/s against this machine's memcpy. Prints tables and
 writes ``tests/benchmarks/figures/delta_sync.json``.
 
-    python tests/benchmarks/bench_delta_sync.py                    # all parts (about 25 min on 2 cores)
+    python tests/benchmarks/bench_delta_sync.py                    # all parts (about 25 min on 2 idle cores)
     python tests/benchmarks/bench_delta_sync.py --parts changes    # only the change shares and the scan cost
 
 The model is the Qwen2.5-0.5B architecture (``bench_fsdp2.qwen25_05b_config``, random init, seed 0,
@@ -461,8 +461,8 @@ def main() -> None:
     p.add_argument("--parts", nargs="+", choices=["changes", "sync", "codec", "line-rate"],
                    default=["changes", "sync", "codec", "line-rate"])
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
-    p.add_argument("--steps", type=int, default=5, help="measured steps per lr, after one warm-up step (changes)")
-    p.add_argument("--sync-steps", type=int, default=3, help="measured steps per lr and mode, after one warm-up (sync)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per lr, after one warm-up step (changes)")
+    p.add_argument("--sync-steps", type=int, default=2, help="measured steps per lr and mode, after one warm-up (sync)")
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--max-prompt", type=int, default=128, help="drop longer prompts (tokens)")
     p.add_argument("--max-response", type=int, default=64, help="truncate the solutions (tokens)")
