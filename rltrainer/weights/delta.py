@@ -48,12 +48,16 @@ class DeltaSync:
 
     Args:
         max_share: a bucket travels as a delta when its payload (steps and offsets) is at most this
-            share of its full bytes (0 < max_share <= 1); else in full.
+            share of its full bytes (0 < max_share <= 1); else in full. The default, 0.1 (about 3%
+            of its words changed), is where a delta stops paying on a 2-core CPU, whose scan and
+            apply cost ~50-70 ns a changed word against ~1-2 ns a word for a full sync over shared
+            memory or Ray's object store (``tests/benchmarks/bench_delta_sync.py``); raise it where
+            the link is slow and the scan fast (a GPU sender).
         checksum_every: verify the engines' weights against the sender's every this many syncs
             (1: every sync; 0: never).
     """
 
-    max_share: float = 0.5
+    max_share: float = 0.1
     checksum_every: int = 1
 
     def __post_init__(self) -> None:

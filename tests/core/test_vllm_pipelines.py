@@ -22,6 +22,7 @@ from rltrainer.models import build_causal_lm, response_log_probs
 from rltrainer.rollout import SamplingParams
 from rltrainer.strategies import FSDP2Strategy
 from rltrainer.testing import length_reward, tiny_qwen2_config
+from rltrainer.weights.delta import DeltaSync
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 G, B, STEPS = 2, 4, 3
@@ -165,7 +166,7 @@ def test_delta_sync_into_real_vllm(bpe_tokenizer, gsm8k_prompts, vllm_python, ra
     config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
     module = GRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6, lr=2e-6)
     strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4, bucket_bytes=64 << 10,
-                             weight_sync_delta=True)
+                             weight_sync_delta=DeltaSync(max_share=0.5))  # tiny model: 4-8% changed
     check = VLLMHoldsThePolicy(dtype)
     trainer = Trainer(strategy=strategy, rollout=InspectableVLLMEngine(dtype=dtype, python=vllm_python), logger=False,
                       enable_progress_bar=False, max_steps=STEPS, callbacks=[check], seed=3)

@@ -12,6 +12,7 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.weights.delta import DeltaSync
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch
 
@@ -182,7 +183,7 @@ def test_fit_syncs_engines_exactly(tp, pp, arch, placement, config, bpe_tokenize
                                  lr=1e-5 if delta else 1e-3, kl_coef=0.05)  # delta: small steps leave most bf16 words
     strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 bucket_bytes=32 << 10, rollout_placement=placement, weight_transport="broadcast",
-                                weight_sync_delta=delta)
+                                weight_sync_delta=DeltaSync(max_share=0.5) if delta else False)
     engine = HFEngine(dtype=torch.bfloat16) if delta else None
     with Trainer(strategy=strategy, rollout=engine or "hf", max_steps=4 if delta else 2, logger=False,
                  enable_progress_bar=False, seed=1) as trainer:

@@ -94,9 +94,10 @@ def assert_bytes_equal(engine: LendingEngine, tensors: dict[str, torch.Tensor]) 
 
 
 def sides(tensors: dict[str, torch.Tensor], engine_type: type | None = None, settings: DeltaSync | None = None):
-    """A bucket of ``tensors``: its entries, the sender's encoder, a decoder and an engine."""
+    """A bucket of ``tensors``: its entries, the sender's encoder (deltas up to half a bucket: these change many
+    words of small tensors), a decoder and an engine."""
     engine = (engine_type or LendingEngine)()
-    return entries_of(tensors), DeltaEncoder(settings or DeltaSync()), DeltaDecoder(), engine
+    return entries_of(tensors), DeltaEncoder(settings or DeltaSync(max_share=0.5)), DeltaDecoder(), engine
 
 
 def sync(encoder: DeltaEncoder, decoder: DeltaDecoder, engine: LendingEngine, tensors: dict[str, torch.Tensor],
