@@ -36,9 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from rltrainer.weights.wire import Encoding, Entry, bucket_views, entry_offsets, flatten_bucket, itemsize
+from rltrainer.weights import _kernels
+from rltrainer.weights.wire import (Encoding, Entry, bucket_views, entry_offsets, flatten_bucket, flatten_into,
+                                   itemsize)
 
 WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NUMPY_WORDS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _CHECK_COLUMNS = 1024
 
 
@@ -132,14 +135,14 @@ def _put(words: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> No
 _SCAN_WORDS = 1 << 21  # a CPU scan compares this many words at a time (cache-sized)
 
 
-def changed_words(new: torch.Tensor, old: torch.Tensor, limit: float = math.inf) -> torch.Tensor | None:
+def changed_words(new: torch.Tensor, old: torch.Tensor, limit: float = math.inf) -> tuple[torch.Tensor | None, int]:
     """The indices (int64, ascending) of the words where ``new`` differs from ``old`` (flat word views
-    of one tensor); ``None`` as soon as more than ``limit`` differ (the caller sends in full). On CPU
-    it compares cache-sized chunks with numpy (torch's ``ne`` and ``nonzero`` cost several times more
-    there): about 3-4x a memcpy of the same bytes, measured in ``bench_delta_sync.py``."""
+    of one tensor), or ``None`` as soon as more than ``limit`` differ (the caller sends in full); and
+    how many words it compared. On CPU it compares cache-sized chunks with numpy (torch's ``ne`` and
+    ``nonzero`` cost several times more there); the compiled codec (:mod:`._kernels`) replaces it."""
     if new.device.type != "cpu":
         changed = torch.ne(new, old).nonzero().view(-1)
-        return None if changed.numel() > limit else changed
+        return (None if changed.numel() > limit else changed), new.numel()
     a, b = new.numpy(), old.numpy()
     parts, count = [], 0
     for start in range(0, a.size, _SCAN_WORDS):
@@ -147,18 +150,9 @@ def changed_words(new: torch.Tensor, old: torch.Tensor, limit: float = math.inf)
         if part.size:
             count += part.size
             if count > limit:
-                return None
+                return None, min(start + _SCAN_WORDS, a.size)
             parts.append(part + start)
-    return torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int64)
-
-
-def count_changed(new: torch.Tensor, old: torch.Tensor) -> int:
-    """How many words differ (for the metrics of a bucket sent in full)."""
-    if new.device.type != "cpu":
-        return int(torch.ne(new, old).sum())
-    a, b = new.numpy(), old.numpy()
-    return sum(int(np.count_nonzero(np.not_equal(a[s:s + _SCAN_WORDS], b[s:s + _SCAN_WORDS])))
-               for s in range(0, a.size, _SCAN_WORDS))
+    return (torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int64)), a.size
 
 
 def _word_offsets(entries: Sequence[Entry], word: int) -> list[int]:
@@ -172,7 +166,9 @@ class DeltaEncoder:
         self.settings = settings
         self.base: dict[str, torch.Tensor] = {}  # name -> flat words, in the engine's dtype
         self.syncs = 0
-        self._counted = 0
+        self._counted = (0, 0, False)  # the last bucket's changed and scanned words, and whether it had too many
+        self._backoff: dict[tuple[str, ...], tuple[int, int]] = {}  # bucket -> (scan again at sync, interval)
+        self._buffers: dict[int, tuple[np.ndarray, ...]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -187,6 +183,7 @@ class DeltaEncoder:
 
     def forget(self) -> None:
         self.base.clear()
+        self._backoff.clear()
 
     @property
     def verifies(self) -> bool:
@@ -194,63 +191,143 @@ class DeltaEncoder:
         every = self.settings.checksum_every
         return every > 0 and (self.syncs - 1) % every == 0
 
-    def encode(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry]) -> tuple[torch.Tensor, Encoding]:
+    def encode(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry],
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, Encoding]:
         """Code one bucket (``tensors`` by name, in the engine's dtype) and move the base to it;
-        returns the payload (uint8, on the tensors' device) and its :class:`Encoding`."""
+        returns the payload (uint8, on the tensors' device; a full bucket is written into ``out``
+        where given, a shared-memory slot, and the payload is that view) and its :class:`Encoding`.
+
+        A bucket whose scan finds more than ``max_share`` changed stops scanning there, goes in
+        full and drops its base; it then goes in full for 2 syncs (4, 8, up to 16 while it keeps
+        failing), unscanned, takes a new base on the last of them and is scanned again on the next. So a high learning rate costs a full sync plus, now and then, part of a scan and a
+        copy (the "never slower than full" fallback)."""
         start = time.perf_counter()
         word = word_bytes(entries)
         full_nbytes = sum(math.prod(shape) * itemsize(getattr(torch, dtype)) for _, dtype, shape in entries)
         words = full_nbytes // word
         blocks = -(-words // BLOCK_WORDS)
         budget = (self.settings.max_share * full_nbytes - 16 - 4 * blocks) / 3  # words a delta may carry (3 bytes each)
-        diff = self._diff(tensors, entries, word, budget)
         device = next(iter(tensors.values())).device
-        escapes = 0
-        if diff is not None:
-            payload, escapes = pack_delta(*diff, word, blocks, device)
-            kind, changed = "delta", int(diff[0].numel())
-        if diff is None or payload.numel() > self.settings.max_share * full_nbytes:  # (many escapes: rare)
-            payload, kind, escapes = flatten_bucket(tensors, entries, device), "full", 0
-            changed = self._counted if diff is None else changed
+        key = tuple(name for name, _, _ in entries)
+        backoff = self._backoff.get(key)
+        if backoff is not None and self.syncs < backoff[0] - 1:  # full without a scan (nor a base)
+            for name in key:
+                self.base.pop(name, None)
+            payload = _flatten(tensors, entries, device, out)
+            return payload, Encoding("full", int(payload.numel()), full_nbytes, word, words, 0, scanned=0,
+                                     encode_s=time.perf_counter() - start)
+        compiled = _kernels.AVAILABLE and device.type == "cpu"
+        escape_room = int(self.settings.max_share * full_nbytes / (7 + word)) + 1  # each costs 7 + word bytes
+        coded = (self._encode_compiled if compiled else self._encode_reference)(tensors, entries, word, blocks, budget,
+                                                                               escape_room, device)
+        changed, scanned, overflow = self._counted
+        if coded is not None and coded[0].numel() > self.settings.max_share * full_nbytes:  # many escapes (rare)
+            coded, overflow = None, True
+            for name in key:
+                self.base.pop(name, None)
+        if coded is None:
+            payload, kind, escapes = _flatten(tensors, entries, device, out), "full", 0
+            if overflow:  # too many changed: back off (a bucket with no base is not a failure)
+                interval = min(2 * backoff[1], 16) if backoff is not None else 2
+                self._backoff[key] = (self.syncs + interval + 1, interval)
+        else:
+            (payload, escapes), kind = coded, "delta"
+            self._backoff.pop(key, None)
         encode_s = time.perf_counter() - start
         start = time.perf_counter()
-        sums = tuple(checksum(self.base[name]) for name, _, _ in entries) if self.verifies else ()
+        sums = tuple(checksum(self.base[name]) for name in key) if self.verifies and kind == "delta" else ()
         return payload, Encoding(kind, int(payload.numel()), full_nbytes, word, words, changed, escapes, sums,
-                                 encode_s, time.perf_counter() - start)
+                                 encode_s, time.perf_counter() - start, scanned=scanned)
 
-    def _diff(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int,
-              budget: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Move the base to ``tensors``; the bucket's changed words ``(indices [int64, ascending],
-        values, steps [int64: new - old as integers, or a value past int8 where that is not defined])``,
-        or ``None`` if it goes in full (a name with no base, or more than ``budget``
-        changed: ``self._counted`` is then how many did, all of them for a name with no base)."""
-        indices, values, steps, counted, full = [], [], [], 0, False
+    def _encode_compiled(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int, blocks: int,
+                         budget: float, escape_room: int, device: torch.device) -> tuple[torch.Tensor, int] | None:
+        """:meth:`_encode_reference` in one compiled pass per tensor (:mod:`._kernels`), the same bytes
+        (``escape_room``: more escapes than this and the payload exceeds ``max_share``)."""
+        limit = max(int(budget), 0)
+        steps, offsets, positions, values = self._scratch(word, limit, escape_room)
+        counts = np.zeros(blocks, dtype=np.int32)
+        k = e = changed = scanned = 0
+        full = False
         for (name, _, _), offset in zip(entries, _word_offsets(entries, word)):
             new = as_words(tensors[name], word)
             old = self.base.get(name)
             if old is None or old.dtype != new.dtype or old.numel() != new.numel():
                 self.base[name] = new.clone()
-                counted, full = counted + new.numel(), True
+                changed, scanned, full = changed + new.numel(), scanned + new.numel(), True
                 continue
-            changed = None if full else changed_words(new, old, limit=budget - counted)
-            if changed is None:  # too many for a delta: the bucket goes in full (counted for the metrics)
-                counted, full = counted + count_changed(new, old), True
+            if full:  # the bucket goes in full already: keep the base current (a copy, no scan)
                 old.copy_(new)
-            elif changed.numel():
-                moved = _take(new, changed)
-                steps.append(_steps(moved, _take(old, changed)))
-                _put(old, changed, moved)
-                counted += changed.numel()
-                indices.append(changed.add_(offset))
-                values.append(moved)
-        self._counted = counted
+                continue
+            a, b = new.numpy(), old.numpy()
+            whole = a.nbytes // 32 * 32 // word
+            k, e, done = _kernels.encode_words(a, b, a[:whole].view(np.int64), b[:whole].view(np.int64), offset, limit,
+                                               k, e, steps, offsets, counts, positions, values, True, word < 8)
+            scanned += done
+            if k > limit or e > escape_room:
+                full = True
+                for other, _, _ in entries:  # the base is dropped: it no longer says what the engines hold
+                    self.base.pop(other, None)
+                break
+        overflow = k > limit or e > escape_room
+        self._counted = (changed + k, scanned, overflow)
         if full:
             return None
-        device = next(iter(tensors.values())).device
+        counts_at, offsets_at, positions_at, values_at, total = delta_layout(k, word, blocks * BLOCK_WORDS, e)
+        payload = torch.zeros(total, dtype=torch.uint8)
+        out = payload.numpy()
+        out[:k] = steps[:k].view(np.uint8)
+        out[counts_at:offsets_at] = counts.view(np.uint8)
+        out[offsets_at:offsets_at + 2 * k] = offsets[:k].view(np.uint8)
+        out[positions_at:positions_at + 4 * e] = positions[:e].view(np.uint8)
+        out[values_at:] = values[:e].view(np.uint8)
+        return payload, e
+
+    def _scratch(self, word: int, limit: int, escape_room: int) -> tuple[np.ndarray, ...]:
+        """The compiled encoder's buffers (kept: allocating them each sync costs page faults)."""
+        have = self._buffers.get(word)
+        if have is None or have[0].size < limit or have[2].size < escape_room:
+            have = (np.empty(limit, np.int8), np.empty(limit, np.int16), np.empty(escape_room, np.int32),
+                    np.empty(escape_room, _NUMPY_WORDS[word]))
+            self._buffers[word] = have
+        return have[0], have[1], have[2][:escape_room], have[3][:escape_room]
+
+    def _encode_reference(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int, blocks: int,
+                          budget: float, escape_room: int, device: torch.device) -> tuple[torch.Tensor, int] | None:
+        """Move the base to ``tensors`` and pack the bucket's changed words (:func:`pack_delta`), or
+        ``None`` if it goes in full (a name with no base, or more than ``budget`` changed: the base
+        of its names is then dropped). ``self._counted``: ``(changed, scanned, too many)``."""
+        indices, values, steps, changed, scanned, full, overflow = [], [], [], 0, 0, False, False
+        for (name, _, _), offset in zip(entries, _word_offsets(entries, word)):
+            new = as_words(tensors[name], word)
+            old = self.base.get(name)
+            if old is None or old.dtype != new.dtype or old.numel() != new.numel():
+                self.base[name] = new.clone()
+                changed, scanned, full = changed + new.numel(), scanned + new.numel(), True
+                continue
+            if full:
+                old.copy_(new)
+                continue
+            found, compared = changed_words(new, old, limit=budget - changed)
+            scanned += compared
+            if found is None:  # too many for a delta
+                changed, full, overflow = int(budget) + 1, True, True
+                for other, _, _ in entries:
+                    self.base.pop(other, None)
+                break
+            if found.numel():
+                moved = _take(new, found)
+                steps.append(_steps(moved, _take(old, found)))
+                _put(old, found, moved)
+                changed += found.numel()
+                indices.append(found.add_(offset))
+                values.append(moved)
+        self._counted = (int(changed), scanned, overflow)
+        if full:
+            return None
         if not indices:
             none = torch.empty(0, dtype=torch.int64, device=device)
-            return none, torch.empty(0, dtype=WORD_DTYPES[word], device=device), none
-        return torch.cat(indices), torch.cat(values), torch.cat(steps)
+            return pack_delta(none, torch.empty(0, dtype=WORD_DTYPES[word], device=device), none, word, blocks, device)
+        return pack_delta(torch.cat(indices), torch.cat(values), torch.cat(steps), word, blocks, device)
 
     def full(self, entries: Sequence[Entry]) -> tuple[torch.Tensor, Encoding]:
         """A bucket in full from the base (to repair an engine whose checksum did not match)."""
@@ -261,6 +338,13 @@ class DeltaEncoder:
         sums = tuple(checksum(self.base[name]) for name, _, _ in entries)
         return payload, Encoding("full", int(payload.numel()), int(payload.numel()), word,
                                  int(payload.numel()) // word, 0, checksums=sums)
+
+
+def _flatten(tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], device: torch.device,
+             out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return flatten_bucket(tensors, entries, device)
+    return out[:flatten_into(out, tensors, entries)]
 
 
 BLOCK_WORDS = 1 << 16  # a delta's indices: a 16-bit offset in each 65,536-word block, and a count per block
@@ -312,18 +396,26 @@ def pack_delta(indices: torch.Tensor, values: torch.Tensor, steps: torch.Tensor,
     return payload, escapes
 
 
+def delta_parts(payload: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, ...]:
+    """A delta payload's parts as views: ``(steps [int8], counts per block [int32], offsets [int16,
+    as uint16 bits], escape positions [int32], escape values [word])`` (see :func:`pack_delta`)."""
+    count, word, escapes = encoding.changed, encoding.word, encoding.escapes
+    counts_at, offsets_at, positions_at, values_at, _ = delta_layout(count, word, encoding.words, escapes)
+    return (payload[:count].view(torch.int8), payload[counts_at:offsets_at].view(torch.int32),
+            payload[offsets_at:offsets_at + 2 * count].view(torch.int16),
+            payload[positions_at:positions_at + 4 * escapes].view(torch.int32),
+            payload[values_at:].view(WORD_DTYPES[word]))
+
+
 def split_delta(payload: torch.Tensor, encoding: Encoding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                      torch.Tensor]:
     """A delta payload's ``(indices [int64, ascending], steps [int8], escape positions [int64],
     escape values)`` (see :func:`pack_delta`)."""
-    count, word, escapes = encoding.changed, encoding.word, encoding.escapes
-    counts_at, offsets_at, positions_at, values_at, _ = delta_layout(count, word, encoding.words, escapes)
+    steps, counts, offsets, positions, values = delta_parts(payload, encoding)
     blocks = -(-encoding.words // BLOCK_WORDS)
-    counts = payload[counts_at:offsets_at].view(torch.int32).to(torch.int64)
-    local = payload[offsets_at:offsets_at + 2 * count].view(torch.int16).to(torch.int64) % BLOCK_WORDS
-    bases = torch.repeat_interleave(torch.arange(blocks, device=payload.device) * BLOCK_WORDS, counts)
-    positions = payload[positions_at:positions_at + 4 * escapes].view(torch.int32).to(torch.int64)
-    return bases + local, payload[:count].view(torch.int8), positions, payload[values_at:].view(WORD_DTYPES[word])
+    local = offsets.to(torch.int64) % BLOCK_WORDS
+    bases = torch.repeat_interleave(torch.arange(blocks, device=payload.device) * BLOCK_WORDS, counts.to(torch.int64))
+    return bases + local, steps, positions.to(torch.int64), values
 
 
 def _stepped(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -370,18 +462,10 @@ class DeltaDecoder:
             if any(t is None for t in targets.values()):
                 return False  # nothing to apply the delta to (a new replica): repaired in full
             device = next(iter(targets.values())).device
-            indices, steps, positions, escaped = (t.to(device) for t in split_delta(payload, encoding))
-            starts = _word_offsets(entries, word)
-            bounds = torch.searchsorted(indices, torch.tensor(starts + [encoding.words], device=device)).tolist()
-            with torch.no_grad():
-                for (name, _, _), start, lo, hi in zip(entries, starts, bounds, bounds[1:]):
-                    if hi > lo:
-                        words = as_words(targets[name], word)
-                        places = indices[lo:hi] - start
-                        values = _stepped(_take(words, places), steps[lo:hi])
-                        first, last = torch.searchsorted(positions, torch.tensor([lo, hi], device=device)).tolist()
-                        values[positions[first:last] - lo] = escaped[first:last]
-                        _put(words, places, values)
+            if _kernels.AVAILABLE and device.type == "cpu" and encoding.changed:
+                self._apply_compiled(payload, entries, encoding, targets)
+            elif encoding.changed:
+                self._apply_reference(payload, entries, encoding, targets, device)
             if own is None and encoding.changed:  # the whole bucket: an engine may rebuild a fused layer from all of it
                 engine.update_weights([(name, self.mirror[name].view(torch.uint8).view(getattr(torch, dtype)).view(shape))
                                        for name, dtype, shape in entries])
@@ -390,6 +474,39 @@ class DeltaDecoder:
         held = own if own is not None else self.mirror
         return all(name in held and checksum(held[name]) == expected
                    for (name, _, _), expected in zip(entries, encoding.checksums))
+
+    @staticmethod
+    def _apply_compiled(payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,
+                        targets: Mapping[str, torch.Tensor]) -> None:
+        """A delta into CPU tensors, one compiled pass (:func:`._kernels.apply_words`) per touched tensor."""
+        steps, counts, offsets, positions, values = (t.cpu().numpy() for t in delta_parts(payload, encoding))
+        k, block, left, e = 0, -1, 0, 0
+        word = encoding.word
+        with torch.no_grad():
+            for (name, _, _), start in zip(entries, _word_offsets(entries, word)):
+                if k == steps.shape[0]:
+                    break
+                words = as_words(targets[name], word).numpy()
+                k, block, left, e = _kernels.apply_words(words, start, k, block, left, steps, offsets, counts, positions,
+                                                         values, e)
+
+    @staticmethod
+    def _apply_reference(payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,
+                         targets: Mapping[str, torch.Tensor], device: torch.device) -> None:
+        """A delta by whole-array passes (a GPU's, or without numba)."""
+        word = encoding.word
+        indices, steps, positions, escaped = (t.to(device) for t in split_delta(payload, encoding))
+        starts = _word_offsets(entries, word)
+        bounds = torch.searchsorted(indices, torch.tensor(starts + [encoding.words], device=device)).tolist()
+        with torch.no_grad():
+            for (name, _, _), start, lo, hi in zip(entries, starts, bounds, bounds[1:]):
+                if hi > lo:
+                    words = as_words(targets[name], word)
+                    places = indices[lo:hi] - start
+                    values = _stepped(_take(words, places), steps[lo:hi])
+                    first, last = torch.searchsorted(positions, torch.tensor([lo, hi], device=device)).tolist()
+                    values[positions[first:last] - lo] = escaped[first:last]
+                    _put(words, places, values)
 
     def forget(self) -> None:
         self.mirror.clear()

@@ -127,13 +127,14 @@ class WeightSender:
         return Bucket(entries, flatten_bucket(tensors, entries, "cpu").numpy())
 
     # -- delta sync: rank 0 codes each bucket against what the engines hold -----------------------------
-    def _encode(self, index: int) -> tuple[torch.Tensor, Encoding | None]:
-        """Gather bucket ``index`` (a collective); rank 0 codes it (other ranks ``(empty, None)``)."""
+    def _encode(self, index: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Encoding | None]:
+        """Gather bucket ``index`` (a collective); rank 0 codes it (other ranks ``(empty, None)``; a
+        full bucket is written into ``out`` where given)."""
         tensors = dict(self._gather(index))
         if self.source.rank != 0:
             return torch.empty(0, dtype=torch.uint8), None
         assert self.delta is not None
-        return self.delta.encode(tensors, self._entries(index))
+        return self.delta.encode(tensors, self._entries(index), out)
 
     def encode(self, index: int) -> Encoding | None:
         """Broadcast with delta sync: gather and code bucket ``index``, kept for :meth:`broadcast`;
@@ -235,10 +236,10 @@ class WeightSender:
         nbytes = bucket_nbytes(entries)
         out = self._slots.slot(index, nbytes) if self._slots is not None else None
         if self._coding:
-            payload, encoding = self._encode(index)
-            if encoding is not None:
-                if out is None:
-                    raise RuntimeError("write_slot before create_slots (the transport was not connected)")
+            if self.source.rank == 0 and out is None:
+                raise RuntimeError("write_slot before create_slots (the transport was not connected)")
+            payload, encoding = self._encode(index, out)
+            if encoding is not None and payload.data_ptr() != out.data_ptr():  # a delta: a full one is in place
                 out[:encoding.nbytes].copy_(payload)
             return encoding
         direct = self._slots_everywhere and self.source.gather_weights_into(self._plan[index], self._dtype, index,

@@ -161,10 +161,13 @@ class Encoding:
     checksums: tuple[int, ...] = ()
     encode_s: float = 0.0  # the sender's diff scan and encoding
     checksum_s: float = 0.0  # the sender's checksums
+    scanned: int | None = None  # words compared with the engines' copy (None: all of them); a scan that
+    # found too many stops early, and a bucket backing off goes in full unscanned
 
     def stats(self) -> dict[str, float]:
         """The sender's side of a bucket's stats (summed over a sync by the transports)."""
-        return {"wire_bytes": self.nbytes, "changed_words": self.changed, "words": self.words,
+        scanned = self.words if self.scanned is None else self.scanned
+        return {"wire_bytes": self.nbytes, "changed_words": self.changed, "scanned_words": scanned, "words": self.words,
                 "delta_buckets": int(self.kind == "delta"), "encode_s": self.encode_s, "checksum_s": self.checksum_s}
 
 

@@ -32,7 +32,9 @@ same batches and a sync timed from the controller (``Strategy.connect(...).sync(
 
 ``codec``: the delta codec alone, in one process (no transport): the sender's encode and
 checksums and the receiver's apply and checksums over the model's bf16 weights in 256 MiB buckets
-(random init; ``--codec-shares`` of the words changed at random positions), against ``copy_``.
+(random init; ``--codec-shares`` of the words changed at random positions; ``max_share=1``, so
+every bucket is a delta), against ``copy_``; for each of ``--codecs``: the compiled one-pass kernels
+(``rltrainer/weights/_kernels.py``, the CPU default) and the reference whole-array passes.
 
 ``line-rate``: ``bench_fsdp2.py sync``'s full sync (every tensor, fp32, FSDP2 x2) per placement
 (colocated, shared memory, object store, gloo broadcast), with a 1-thread ``copy_`` of the same
@@ -346,16 +348,20 @@ def bench_codec(args: argparse.Namespace) -> dict[str, Any]:
             for name, tensor in views:
                 self.tensors[name].copy_(tensor)
 
+    from rltrainer.weights import _kernels
+
     out: dict[str, Any] = {"bytes": sum(t.numel() * 2 for t in base.values()), "buckets": len(buckets)}
     generator = torch.Generator().manual_seed(0)
-    for share in args.codec_shares:
+    compiled = _kernels.AVAILABLE
+    for impl, share in [(impl, share) for impl in args.codecs for share in args.codec_shares]:
+        _kernels.AVAILABLE = compiled and impl == "compiled"
         moved = {}
         for name, t in base.items():
             words = t.view(-1).view(torch.int16).clone()
             hit = torch.rand(words.numel(), generator=generator) < share
             words[hit] += 1
             moved[name] = words.view(torch.bfloat16).view(t.shape)
-        encoder, decoder, engine = DeltaEncoder(DeltaSync()), DeltaDecoder(), Engine()
+        encoder, decoder, engine = DeltaEncoder(DeltaSync(max_share=1.0)), DeltaDecoder(), Engine()  # always a delta
         checked = Engine()  # a second replica: a delta applies once (its steps add to what the engine holds)
         encoder.begin_sync(list(base))
         for entries in buckets:  # the base: what the engine holds
@@ -392,7 +398,8 @@ def bench_codec(args: argparse.Namespace) -> dict[str, Any]:
         row = {key: statistics.median(values) for key, values in times.items()}
         row.update(trials=times, wire_share=wire / out["bytes"], changed_share=changed / (out["bytes"] // 2),
                    **{k[:-2] + "_vs_copy": v / row["copy_s"] for k, v in row.items() if k.endswith("_s")})
-        out[f"{share:g}"] = row
+        out[f"{impl}/{share:g}"] = row
+    _kernels.AVAILABLE = compiled
     return out
 
 
@@ -445,10 +452,10 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"\nThe delta codec alone, one pass over the bf16 model ({c['bytes'] / 1e6:.0f} MB, {c['buckets']} buckets), "
               "seconds and x copy_ of the same bytes")
         cols = ("copy", "flatten", "encode", "sender_checksum", "apply", "apply_checksum")
-        print(f"{'changed':>8} {'wire':>7} " + " ".join(f"{col:>16}" for col in cols))
-        for share in result["args"]["codec_shares"]:
-            r = c[f"{share:g}"]
-            print(f"{r['changed_share']:>8.2%} {r['wire_share']:>7.2%} "
+        print(f"{'codec':>9} {'changed':>8} {'wire':>7} " + " ".join(f"{col:>16}" for col in cols))
+        for key in [k for k in c if "/" in k]:
+            r = c[key]
+            print(f"{key.split('/')[0]:>9} {r['changed_share']:>8.2%} {r['wire_share']:>7.2%} "
                   + " ".join(f"{r[col + '_s']:>9.3f} ({r[col + '_vs_copy']:>4.1f}x)" for col in cols))
     if "line_rate" in result:
         print("\nFull sync (fp32, every tensor, FSDP2 x2) vs a 1-thread copy_ of the same bytes, same run")
@@ -472,6 +479,8 @@ def main() -> None:
     p.add_argument("--full-lrs", type=float, nargs="+", default=None,
                    help="sync: the lrs that also run weight_sync_delta=False (default: the first): a full sync sends "
                         "every trained tensor whatever the lr, so one full run per transport is the reference")
+    p.add_argument("--codecs", nargs="+", choices=["compiled", "reference"], default=["compiled", "reference"],
+                   help="codec: the compiled one-pass kernels (numba, the CPU default) and the reference passes")
     p.add_argument("--codec-shares", type=float, nargs="+", default=[0.001, 0.02, 0.14],
                    help="codec: shares of changed words (the changes part measured 2.0-2.8%% at lr 1e-6, 13-17%% at 1e-5)")
     p.add_argument("--transports", nargs="+", default=["shared_memory", "object_store"])

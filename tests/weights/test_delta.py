@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from rltrainer.weights import _kernels
 from rltrainer.weights.delta import BLOCK_WORDS, DeltaDecoder, DeltaEncoder, DeltaSync, checksum
 from rltrainer.weights.receiver import WeightReceiver
 from rltrainer.weights.staging import EngineGate
@@ -109,6 +110,18 @@ def sync(encoder: DeltaEncoder, decoder: DeltaDecoder, engine: LendingEngine, te
     return encoding
 
 
+@pytest.fixture(params=["compiled", "reference"])
+def codec(request, monkeypatch):
+    """Each codec test runs on both codecs: the compiled one-pass kernels (numba, the CPU default)
+    and the whole-array reference passes (a GPU's, or without numba)."""
+    if request.param == "compiled":
+        if not _kernels.AVAILABLE:
+            pytest.fail("numba is a dependency of rltrainer; the compiled codec must be tested")
+    else:
+        monkeypatch.setattr(_kernels, "AVAILABLE", False)
+    return request.param
+
+
 DTYPE_CASES = {
     "bf16": {"a": torch.bfloat16, "b": torch.bfloat16},
     "fp32": {"a": torch.float32, "b": torch.float32},
@@ -118,7 +131,7 @@ DTYPE_CASES = {
 
 @pytest.mark.parametrize("engine_type", [LendingEngine, MirrorEngine])
 @pytest.mark.parametrize("case", list(DTYPE_CASES))
-def test_random_sparse_changes_round_trip_byte_equal_at_every_step(case, engine_type):
+def test_random_sparse_changes_round_trip_byte_equal_at_every_step(case, engine_type, codec):
     tensors = make_tensors(DTYPE_CASES[case])
     entries, encoder, decoder, engine = sides(tensors, engine_type)
     generator = torch.Generator().manual_seed(1)
@@ -127,7 +140,7 @@ def test_random_sparse_changes_round_trip_byte_equal_at_every_step(case, engine_
     assert_bytes_equal(engine, tensors)
     word = 1 if case == "mixed" else tensors["a"].element_size()
     kinds = []
-    for share in (0.01, 0.05, 0.0, 0.02, 0.9, 0.01):
+    for share in (0.01, 0.05, 0.0, 0.02, 0.9, 0.01, 0.01, 0.01):
         perturb(tensors, share, generator)
         encoding = sync(encoder, decoder, engine, tensors, entries)
         kinds.append(encoding.kind)
@@ -135,8 +148,9 @@ def test_random_sparse_changes_round_trip_byte_equal_at_every_step(case, engine_
         if encoding.kind == "delta":
             assert encoding.nbytes < encoding.full_nbytes * 0.5
         assert_bytes_equal(engine, tensors)
-        assert len(encoding.checksums) == len(entries)
-    assert kinds == ["delta", "delta", "delta", "delta", "full", "delta"]
+        assert len(encoding.checksums) == (len(entries) if encoding.kind == "delta" else 0)  # full: a plain copy
+    # 90 % changed: full, then it backs off (full twice, the second taking a new base), then deltas again
+    assert kinds == ["delta", "delta", "delta", "delta", "full", "full", "full", "delta"]
     if engine_type is MirrorEngine:  # the mirror is one engine-dtype copy
         assert decoder.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
     else:
@@ -146,7 +160,7 @@ def test_random_sparse_changes_round_trip_byte_equal_at_every_step(case, engine_
 
 @pytest.mark.parametrize("engine_type", [LendingEngine, MirrorEngine])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
-def test_a_bucket_of_several_index_blocks_round_trips(dtype, engine_type):
+def test_a_bucket_of_several_index_blocks_round_trips(dtype, engine_type, codec):
     """Indices travel as 16-bit offsets within 65,536-word blocks: changes on both sides of each
     block's edges and of the offsets' sign bit, in a bucket of two tensors spanning four blocks."""
     generator = torch.Generator().manual_seed(3)
@@ -192,7 +206,7 @@ def test_an_unchanged_bucket_is_an_empty_delta_and_a_mirror_engine_loads_nothing
     assert_bytes_equal(engine, tensors)
 
 
-def test_a_bucket_falls_back_to_full_above_max_share():
+def test_a_bucket_falls_back_to_full_above_max_share(codec):
     tensors = {"w": torch.arange(1000, dtype=torch.float32).to(torch.bfloat16)}
     entries = entries_of(tensors)
     for max_share, kind in ((0.5, "full"), (1.0, "delta")):
@@ -201,7 +215,9 @@ def test_a_bucket_falls_back_to_full_above_max_share():
         changed = tensors["w"].clone()
         changed.view(torch.int16)[:400] ^= 1  # 40 % of the words; 3 bytes per 2-byte word (step, offset): 60 %
         encoding = sync(encoder, decoder, engine, {"w": changed}, entries)
-        assert encoding.kind == kind and encoding.changed == 400
+        assert encoding.kind == kind
+        # a delta counts every change; a scan that finds too many stops (past max_share / 3 bytes a word)
+        assert encoding.changed == 400 if kind == "delta" else 1000 * max_share * 2 / 3 - 10 < encoding.changed <= 400
         assert (encoding.nbytes == encoding.full_nbytes) == (kind == "full")
         assert_bytes_equal(engine, {"w": changed})
 
@@ -242,7 +258,7 @@ def test_checksum_every_k_syncs():
     tensors = make_tensors(DTYPE_CASES["bf16"])
     entries, encoder, decoder, engine = sides(tensors, None, DeltaSync(checksum_every=2))
     verified = [bool(sync(encoder, decoder, engine, tensors, entries).checksums) for _ in range(5)]
-    assert verified == [True, False, True, False, True]
+    assert verified == [False, False, True, False, True]  # the first sync is full: a plain copy carries none
     never = DeltaEncoder(DeltaSync(checksum_every=0))
     never.begin_sync(())
     assert never.encode(tensors, entries)[1].checksums == ()
@@ -465,7 +481,7 @@ def test_a_strategy_checks_weight_sync_delta():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_steps_past_an_int8_travel_by_value(dtype):
+def test_steps_past_an_int8_travel_by_value(dtype, codec):
     """A word whose bit pattern moved by more than 127 (a large update, a sign change; every word of an
     8-byte dtype) goes as an escape, by value; small steps as int8: both land exactly."""
     tensors = {"w": torch.linspace(-1, 1, 5000, dtype=torch.float32).to(dtype)}
@@ -481,3 +497,75 @@ def test_steps_past_an_int8_travel_by_value(dtype):
     assert encoding.kind == "delta" and encoding.changed == 120
     assert encoding.escapes == (120 if dtype == torch.float64 else 40)
     assert_bytes_equal(engine, {"w": changed})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8])
+@pytest.mark.parametrize("share", [0.0, 0.001, 0.03, 0.2])
+def test_the_compiled_codec_writes_the_reference_bytes(dtype, share, monkeypatch):
+    """The compiled kernels (one pass) and the reference (whole-array passes) write the same payload
+    for the same bucket, and apply it to the same bytes: random changes of every size (escapes
+    included), tensors of odd lengths (words past the last 32-byte group) over several blocks."""
+    generator = torch.Generator().manual_seed(int(share * 1000) + dtype.itemsize)
+
+    def bucket():
+        return {"a": (torch.randn(BLOCK_WORDS + 4097, generator=generator) * 3).to(dtype),
+                "b": (torch.randn(77, 13, generator=generator) * 3).to(dtype),
+                "c": (torch.randn(2 * BLOCK_WORDS + 5, generator=generator) * 3).to(dtype)}
+
+    tensors = bucket()
+    entries = entries_of(tensors)
+    encoders = {"compiled": DeltaEncoder(DeltaSync(max_share=1.0)), "reference": DeltaEncoder(DeltaSync(max_share=1.0))}
+    engines = {name: LendingEngine() for name in encoders}
+    for step in range(3):
+        payloads = {}
+        for name, encoder in encoders.items():
+            monkeypatch.setattr(_kernels, "AVAILABLE", name == "compiled")
+            encoder.begin_sync(())
+            payloads[name] = encoder.encode({n: t.clone() for n, t in tensors.items()}, entries)
+            assert DeltaDecoder().apply(engines[name], *(payloads[name][0], entries, payloads[name][1]))
+            assert_bytes_equal(engines[name], tensors)
+        (compiled, c_encoding), (reference, r_encoding) = payloads["compiled"], payloads["reference"]
+        assert c_encoding.kind == r_encoding.kind
+        assert c_encoding.kind == ("full" if step == 0 else "delta") or share > 0.1  # many escapes: full
+        assert (c_encoding.changed, c_encoding.escapes, c_encoding.checksums) == (
+            r_encoding.changed, r_encoding.escapes, r_encoding.checksums)
+        assert torch.equal(compiled, reference)
+        fresh = bucket()
+        for name, tensor in tensors.items():  # about `share` of the words move: half a step or two, half far
+            words = tensor.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+                tensor.element_size()])
+            draw = torch.rand(tensor.numel(), generator=generator)
+            words[draw < share / 2] += torch.randint(1, 3, (int((draw < share / 2).sum()),), generator=generator,
+                                                     dtype=words.dtype)
+            far = (draw >= share / 2) & (draw < share)
+            tensor.view(-1)[far] = fresh[name].view(-1)[far]
+
+
+@pytest.mark.parametrize("codec_name", ["compiled", "reference"])
+def test_a_bucket_that_keeps_changing_backs_off_and_is_scanned_again(codec_name, monkeypatch):
+    """A bucket with too many changes stops its scan, goes in full and drops its base; it then goes in
+    full for 2 syncs (the first unscanned, the second taking a new base) and is scanned again; each
+    failure doubles the wait (up to 16 syncs); a delta resets it. Every sync leaves the engine exact."""
+    monkeypatch.setattr(_kernels, "AVAILABLE", codec_name == "compiled")
+    tensors = {"w": torch.randn(50_000).to(torch.bfloat16)}
+    entries, encoder, decoder, engine = sides(tensors, settings=DeltaSync(max_share=0.1))
+    sync(encoder, decoder, engine, tensors, entries)
+    generator = torch.Generator().manual_seed(0)
+    seen = []
+    for share in [0.5] * 9 + [0.001] * 9 + [0.5] + [0.001] * 3:
+        perturb(tensors, share, generator)
+        encoding = sync(encoder, decoder, engine, tensors, entries)
+        assert_bytes_equal(engine, tensors)
+        if encoding.kind == "delta":
+            seen.append("delta")
+        elif not encoding.scanned:
+            seen.append("skip")
+        elif "w" in encoder.base:
+            seen.append("rebase")  # no base: taken whole (as on a first sync)
+        else:  # too many: it dropped the base (the compiled scan stops as soon as it knows)
+            assert encoding.scanned < encoding.words or codec_name == "reference"
+            seen.append("scan")
+    # a failed scan waits 2 syncs, then 4, 8 (up to 16); the last of them takes a new base; a delta resets it
+    assert seen == (["scan", "skip", "rebase", "scan"] + ["skip"] * 3 + ["rebase", "scan"] + ["skip"] * 7
+                    + ["rebase", "delta", "scan", "skip", "rebase", "delta"])
+    assert encoder.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
