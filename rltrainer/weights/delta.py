@@ -168,7 +168,8 @@ class DeltaEncoder:
         self.syncs = 0
         self._counted = (0, 0, False)  # the last bucket's changed and scanned words, and whether it had too many
         self._backoff: dict[tuple[str, ...], tuple[int, int]] = {}  # bucket -> (scan again at sync, interval)
-        self._buffers: dict[int, tuple[np.ndarray, ...]] = {}
+        self._buffers: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self._pool: Any = None  # threads for the parts of a large bucket
 
     @property
     def nbytes(self) -> int:
@@ -242,53 +243,63 @@ class DeltaEncoder:
     def _encode_compiled(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int, blocks: int,
                          budget: float, escape_room: int, device: torch.device) -> tuple[torch.Tensor, int] | None:
         """:meth:`_encode_reference` in one compiled pass per tensor (:mod:`._kernels`), the same bytes
-        (``escape_room``: more escapes than this and the payload exceeds ``max_share``)."""
+        (``escape_room``: more escapes than this and the payload exceeds ``max_share``). A bucket of
+        more than ``PARALLEL_WORDS`` words is cut at block edges into one part per thread
+        (``torch.get_num_threads()``, at most 4): the kernels release the GIL."""
         limit = max(int(budget), 0)
-        steps, offsets, positions, values = self._scratch(word, limit, escape_room)
-        counts = np.zeros(blocks, dtype=np.int32)
-        k = e = changed = scanned = 0
-        full = False
-        for (name, _, _), offset in zip(entries, _word_offsets(entries, word)):
-            new = as_words(tensors[name], word)
-            old = self.base.get(name)
-            if old is None or old.dtype != new.dtype or old.numel() != new.numel():
-                self.base[name] = new.clone()
-                changed, scanned, full = changed + new.numel(), scanned + new.numel(), True
-                continue
-            if full:  # the bucket goes in full already: keep the base current (a copy, no scan)
-                old.copy_(new)
-                continue
-            a, b = new.numpy(), old.numpy()
-            whole = a.nbytes // 32 * 32 // word
-            k, e, done = _kernels.encode_words(a, b, a[:whole].view(np.int64), b[:whole].view(np.int64), offset, limit,
-                                               k, e, steps, offsets, counts, positions, values, True, word < 8)
-            scanned += done
-            if k > limit or e > escape_room:
-                full = True
-                for other, _, _ in entries:  # the base is dropped: it no longer says what the engines hold
-                    self.base.pop(other, None)
-                break
-        overflow = k > limit or e > escape_room
-        self._counted = (changed + k, scanned, overflow)
-        if full:
+        pairs = [(as_words(tensors[name], word), self.base.get(name)) for name, _, _ in entries]
+        if any(old is None or old.dtype != new.dtype or old.numel() != new.numel() for new, old in pairs):
+            changed = 0  # a name with no base: the bucket goes in full; every base is made current
+            for (name, _, _), (new, old) in zip(entries, pairs):
+                if old is None or old.dtype != new.dtype or old.numel() != new.numel():
+                    self.base[name] = new.clone()
+                    changed += new.numel()
+                else:
+                    old.copy_(new)
+            self._counted = (changed, changed, False)
             return None
-        counts_at, offsets_at, positions_at, values_at, total = delta_layout(k, word, blocks * BLOCK_WORDS, e)
+        spans = [(new.numpy(), old.numpy(), start) for (new, old), start in zip(pairs, _word_offsets(entries, word))]
+        words = blocks * BLOCK_WORDS
+        parts = min(max(torch.get_num_threads(), 1), 4, max(words // PARALLEL_WORDS, 1), blocks)
+        cuts = [round(blocks * i / parts) * BLOCK_WORDS for i in range(parts + 1)]
+        counts = np.zeros(blocks, dtype=np.int32)  # parts write disjoint blocks
+        jobs = [(_cut(spans, lo, hi), limit, counts, self._scratch(word, part, limit, escape_room), word < 8)
+                for part, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
+        if parts > 1:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(4, thread_name_prefix="delta-encode")
+            done = list(self._pool.map(_encode_part, jobs))
+        else:
+            done = [_encode_part(jobs[0])]
+        k, e, scanned = (sum(d[i] for d in done) for i in range(3))
+        overflow = k > limit or e > escape_room or any(d[3] for d in done)
+        self._counted = (k, scanned, overflow)
+        if overflow:
+            for name, _, _ in entries:  # the base is dropped: it no longer says what the engines hold
+                self.base.pop(name, None)
+            return None
+        counts_at, offsets_at, positions_at, values_at, total = delta_layout(k, word, words, e)
         payload = torch.zeros(total, dtype=torch.uint8)
         out = payload.numpy()
-        out[:k] = steps[:k].view(np.uint8)
         out[counts_at:offsets_at] = counts.view(np.uint8)
-        out[offsets_at:offsets_at + 2 * k] = offsets[:k].view(np.uint8)
-        out[positions_at:positions_at + 4 * e] = positions[:e].view(np.uint8)
-        out[values_at:] = values[:e].view(np.uint8)
+        first = escaped = 0
+        for (steps, offsets, positions, values), (count, escapes, _, _) in zip((job[3] for job in jobs), done):
+            out[first:first + count] = steps[:count].view(np.uint8)
+            out[offsets_at + 2 * first:offsets_at + 2 * (first + count)] = offsets[:count].view(np.uint8)
+            out[positions_at + 4 * escaped:positions_at + 4 * (escaped + escapes)] = (
+                positions[:escapes] + first).view(np.uint8)
+            out[values_at + word * escaped:values_at + word * (escaped + escapes)] = values[:escapes].view(np.uint8)
+            first, escaped = first + count, escaped + escapes
         return payload, e
 
-    def _scratch(self, word: int, limit: int, escape_room: int) -> tuple[np.ndarray, ...]:
-        """The compiled encoder's buffers (kept: allocating them each sync costs page faults)."""
-        have = self._buffers.get(word)
+    def _scratch(self, word: int, part: int, limit: int, escape_room: int) -> tuple[np.ndarray, ...]:
+        """A part's buffers for the compiled encoder (kept: allocating them each sync costs page faults)."""
+        have = self._buffers.get((word, part))
         if have is None or have[0].size < limit or have[2].size < escape_room:
             have = (np.empty(limit, np.int8), np.empty(limit, np.int16), np.empty(escape_room, np.int32),
                     np.empty(escape_room, _NUMPY_WORDS[word]))
-            self._buffers[word] = have
+            self._buffers[(word, part)] = have
         return have[0], have[1], have[2][:escape_room], have[3][:escape_room]
 
     def _encode_reference(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int, blocks: int,
@@ -338,6 +349,47 @@ class DeltaEncoder:
         sums = tuple(checksum(self.base[name]) for name, _, _ in entries)
         return payload, Encoding("full", int(payload.numel()), int(payload.numel()), word,
                                  int(payload.numel()) // word, 0, checksums=sums)
+
+
+PARALLEL_WORDS = 1 << 22  # a bucket is cut into parts (one per thread) of at least this many words
+
+
+def _cut(spans: list[tuple[np.ndarray, np.ndarray | None, int]], lo: int,
+         hi: int) -> list[tuple[np.ndarray, np.ndarray | None, int]]:
+    """The pieces of ``spans`` (``(words, base words or None, first word in the bucket)``) in the
+    bucket's words ``[lo, hi)``."""
+    out = []
+    for new, old, start in spans:
+        first, last = max(lo - start, 0), min(hi - start, new.shape[0])
+        if first < last:
+            out.append((new[first:last], None if old is None else old[first:last], start + first))
+    return out
+
+
+def _encode_part(job: tuple) -> tuple[int, int, int, bool]:
+    """Run the compiled encoder over one part's pieces; ``(changed, escapes, scanned, stopped)``."""
+    spans, limit, counts, (steps, offsets, positions, values), small_steps = job
+    k = e = scanned = 0
+    for new, old, start in spans:
+        whole = new.nbytes // 32 * 32 // new.itemsize
+        k, e, done = _kernels.encode_words(new, old, new[:whole].view(np.int64), old[:whole].view(np.int64), start,
+                                           limit, k, e, steps, offsets, counts, positions, values, True, small_steps)
+        scanned += done
+        if k > limit or e > positions.shape[0]:
+            return k, e, scanned, True
+    return k, e, scanned, False
+
+
+def _apply_part(job: tuple) -> None:
+    """Apply a delta's entries from ``k`` (the first of block ``block + 1``; ``e``: the next escape)
+    to one part's pieces (:func:`_cut`: its blocks' words)."""
+    spans, k, block, e, (steps, offsets, counts, positions, values) = job
+    left = 0
+    for words, _, start in spans:
+        k, block, left, e = _kernels.apply_words(words, start, k, block, left, steps, offsets, counts, positions,
+                                                 values, e)
+        if k == steps.shape[0]:
+            return
 
 
 def _flatten(tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], device: torch.device,
@@ -432,6 +484,8 @@ class DeltaDecoder:
 
     def __init__(self) -> None:
         self.mirror: dict[str, torch.Tensor] = {}
+        self.verify_s = 0.0  # seconds spent on checksums (summed; the gate reads it per sync)
+        self._pool: Any = None  # threads for the parts of a large bucket
 
     @property
     def nbytes(self) -> int:
@@ -471,24 +525,39 @@ class DeltaDecoder:
                                        for name, dtype, shape in entries])
         if not encoding.checksums:
             return True
+        start = time.perf_counter()
         held = own if own is not None else self.mirror
-        return all(name in held and checksum(held[name]) == expected
-                   for (name, _, _), expected in zip(entries, encoding.checksums))
+        matched = all(name in held and checksum(held[name]) == expected
+                      for (name, _, _), expected in zip(entries, encoding.checksums))
+        self.verify_s += time.perf_counter() - start
+        return matched
 
-    @staticmethod
-    def _apply_compiled(payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,
+    def _apply_compiled(self, payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,
                         targets: Mapping[str, torch.Tensor]) -> None:
-        """A delta into CPU tensors, one compiled pass (:func:`._kernels.apply_words`) per touched tensor."""
+        """A delta into CPU tensors, one compiled pass (:func:`._kernels.apply_words`) per touched
+        tensor; a bucket of more than ``PARALLEL_WORDS`` words in parts at block edges, one thread each."""
         steps, counts, offsets, positions, values = (t.cpu().numpy() for t in delta_parts(payload, encoding))
-        k, block, left, e = 0, -1, 0, 0
         word = encoding.word
+        blocks = counts.shape[0]
         with torch.no_grad():
-            for (name, _, _), start in zip(entries, _word_offsets(entries, word)):
-                if k == steps.shape[0]:
-                    break
-                words = as_words(targets[name], word).numpy()
-                k, block, left, e = _kernels.apply_words(words, start, k, block, left, steps, offsets, counts, positions,
-                                                         values, e)
+            spans = [(as_words(targets[name], word).numpy(), None, start)
+                     for (name, _, _), start in zip(entries, _word_offsets(entries, word))]
+        parts = min(max(torch.get_num_threads(), 1), 4, max(blocks * BLOCK_WORDS // PARALLEL_WORDS, 1), blocks)
+        cuts = [round(blocks * i / parts) for i in range(parts + 1)]
+        firsts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])  # each block's first entry
+        jobs = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            k = int(firsts[lo])
+            if k < firsts[hi]:
+                jobs.append((_cut(spans, lo * BLOCK_WORDS, hi * BLOCK_WORDS), k, lo - 1,
+                             int(np.searchsorted(positions, k)), (steps, offsets, counts, positions, values)))
+        if len(jobs) > 1:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(4, thread_name_prefix="delta-apply")
+            list(self._pool.map(_apply_part, jobs))
+        elif jobs:
+            _apply_part(jobs[0])
 
     @staticmethod
     def _apply_reference(payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,

@@ -64,6 +64,7 @@ class WeightReceiver:
             if encoding is not None:
                 stats["mismatched"] = list(staged.mismatched)
                 stats["apply_s"] = staged.apply_s
+                stats["verify_s"] = staged.verify_s
         return stats
 
     def repair(self, engine: Any, buckets: Sequence[Bucket], version: int) -> Stats:

@@ -61,6 +61,7 @@ class StagedSync:
     error: BaseException | None = None
     mismatched: list[int] = field(default_factory=list)
     apply_s: float = 0.0  # delta sync: the engine side's apply and checksums, in seconds
+    verify_s: float = 0.0  # of which checksums
 
     @property
     def complete(self) -> bool:
@@ -201,7 +202,7 @@ class EngineGate:
         """Load a complete staged sync (the caller holds the engine): one update session, buckets in
         order, then the version."""
         mismatched = []
-        start = time.perf_counter()
+        start, verified = time.perf_counter(), self.decoder.verify_s
         try:
             if staged.buckets:
                 engine.start_weight_update()
@@ -223,6 +224,7 @@ class EngineGate:
         with self._cond:
             staged.applied, staged.mismatched, self._failed = True, mismatched, None
             staged.apply_s = time.perf_counter() - start
+            staged.verify_s = self.decoder.verify_s - verified
             self._repairing = bool(mismatched)
 
     def _release(self) -> None:

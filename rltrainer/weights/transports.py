@@ -118,9 +118,10 @@ class SyncHandle:
 def delta_stats(totals: dict[str, float], buckets: int) -> dict[str, float]:
     """A delta sync's shares from its summed bucket stats: ``changed_share`` (words that differ from
     what the engines held, of the words compared: a scan that finds too many stops, and a bucket
-    backing off after that goes unscanned; a name the engines lack counts whole), ``wire_share`` (bytes sent of a full sync's),
-    ``full_buckets`` (sent whole: no base yet, or too much changed). ``apply_s`` (the first replica's
-    apply and checksums) and the sender's ``encode_s`` / ``checksum_s`` come summed as they are."""
+    backing off after that goes unscanned; a name the engines lack counts whole), ``wire_share``
+    (bytes sent of a full sync's), ``full_buckets`` (sent whole: no base yet, or too much changed).
+    ``apply_s`` (the first replica's apply and checksums; ``verify_s``: its checksums) and the
+    sender's ``encode_s`` / ``checksum_s`` come summed as they are."""
     return {"changed_share": totals.get("changed_words", 0) / max(totals.get("scanned_words", 0), 1),
             "wire_share": totals.get("wire_bytes", 0) / max(totals.get("bytes", 0), 1),
             "full_buckets": buckets - totals.get("delta_buckets", 0)}

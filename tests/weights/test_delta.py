@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from rltrainer.weights import _kernels
+from rltrainer.weights import _kernels, delta
 from rltrainer.weights.delta import BLOCK_WORDS, DeltaDecoder, DeltaEncoder, DeltaSync, checksum
 from rltrainer.weights.receiver import WeightReceiver
 from rltrainer.weights.staging import EngineGate
@@ -499,12 +499,16 @@ def test_steps_past_an_int8_travel_by_value(dtype, codec):
     assert_bytes_equal(engine, {"w": changed})
 
 
+@pytest.mark.parametrize("parts", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8])
 @pytest.mark.parametrize("share", [0.0, 0.001, 0.03, 0.2])
-def test_the_compiled_codec_writes_the_reference_bytes(dtype, share, monkeypatch):
-    """The compiled kernels (one pass) and the reference (whole-array passes) write the same payload
-    for the same bucket, and apply it to the same bytes: random changes of every size (escapes
-    included), tensors of odd lengths (words past the last 32-byte group) over several blocks."""
+def test_the_compiled_codec_writes_the_reference_bytes(dtype, share, parts, monkeypatch):
+    """The compiled kernels (one pass; a large bucket cut into ``parts`` at block edges, one thread
+    each, tensors cut mid-way and unaligned) and the reference (whole-array passes) write the same
+    payload for the same bucket, and apply it to the same bytes: random changes of every size
+    (escapes included), tensors of odd lengths (words past the last 32-byte group), several blocks."""
+    monkeypatch.setattr(delta, "PARALLEL_WORDS", BLOCK_WORDS if parts > 1 else 1 << 40)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: parts)
     generator = torch.Generator().manual_seed(int(share * 1000) + dtype.itemsize)
 
     def bucket():
