@@ -168,23 +168,39 @@ class DeltaEncoder:
         self.syncs = 0
         self._counted = (0, 0, False)  # the last bucket's changed and scanned words, and whether it had too many
         self._backoff: dict[tuple[str, ...], tuple[int, int]] = {}  # bucket -> (scan again at sync, interval)
+        self._spare: dict[str, torch.Tensor] = {}  # dropped bases' memory, reused by the next base
         self._buffers: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._pool: Any = None  # threads for the parts of a large bucket
 
     @property
     def nbytes(self) -> int:
-        """The base's memory."""
-        return sum(t.numel() * t.element_size() for t in self.base.values())
+        """The base's memory (a bucket backing off keeps its base's memory for the next base)."""
+        return sum(t.numel() * t.element_size() for t in [*self.base.values(), *self._spare.values()])
 
     def begin_sync(self, fresh: Iterable[str]) -> None:
         """A sync starts; ``fresh``: names the engines may not hold (never synced, or forgotten) go in full."""
-        for name in fresh:
-            self.base.pop(name, None)
+        self._drop(fresh)
         self.syncs += 1
 
     def forget(self) -> None:
         self.base.clear()
+        self._spare.clear()
         self._backoff.clear()
+
+    def _drop(self, names: Iterable[str]) -> None:
+        """These names' bases no longer say what the engines hold (their memory is kept for the next)."""
+        for name in names:
+            old = self.base.pop(name, None)
+            if old is not None:
+                self._spare[name] = old
+
+    def _rebase(self, name: str, new: torch.Tensor) -> None:
+        """A new base for ``name``: a copy of ``new`` (into its old memory where it has some: no page faults)."""
+        spare = self._spare.pop(name, None)
+        if spare is not None and spare.dtype == new.dtype and spare.shape == new.shape and spare.device == new.device:
+            self.base[name] = spare.copy_(new)
+        else:
+            self.base[name] = new.clone()
 
     @property
     def verifies(self) -> bool:
@@ -212,8 +228,7 @@ class DeltaEncoder:
         key = tuple(name for name, _, _ in entries)
         backoff = self._backoff.get(key)
         if backoff is not None and self.syncs < backoff[0] - 1:  # full without a scan (nor a base)
-            for name in key:
-                self.base.pop(name, None)
+            self._drop(key)
             payload = _flatten(tensors, entries, device, out)
             return payload, Encoding("full", int(payload.numel()), full_nbytes, word, words, 0, scanned=0,
                                      encode_s=time.perf_counter() - start)
@@ -224,8 +239,7 @@ class DeltaEncoder:
         changed, scanned, overflow = self._counted
         if coded is not None and coded[0].numel() > self.settings.max_share * full_nbytes:  # many escapes (rare)
             coded, overflow = None, True
-            for name in key:
-                self.base.pop(name, None)
+            self._drop(key)
         if coded is None:
             payload, kind, escapes = _flatten(tensors, entries, device, out), "full", 0
             if overflow:  # too many changed: back off (a bucket with no base is not a failure)
@@ -242,55 +256,69 @@ class DeltaEncoder:
 
     def _encode_compiled(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int, blocks: int,
                          budget: float, escape_room: int, device: torch.device) -> tuple[torch.Tensor, int] | None:
-        """:meth:`_encode_reference` in one compiled pass per tensor (:mod:`._kernels`), the same bytes
-        (``escape_room``: more escapes than this and the payload exceeds ``max_share``). A bucket of
-        more than ``PARALLEL_WORDS`` words is cut at block edges into one part per thread
-        (``torch.get_num_threads()``, at most 4): the kernels release the GIL."""
+        """:meth:`_encode_reference` in one compiled pass (:mod:`._kernels`), the same bytes
+        (``escape_room``: more escapes than this and the payload exceeds ``max_share``). The bucket
+        is scanned in chunks of ``PARALLEL_WORDS`` words (whole blocks), a round of chunks at a time,
+        one per thread (``torch.get_num_threads()``, at most 4: the kernels release the GIL); the
+        scan stops after the round in which the changes passed the budget."""
         limit = max(int(budget), 0)
         pairs = [(as_words(tensors[name], word), self.base.get(name)) for name, _, _ in entries]
         if any(old is None or old.dtype != new.dtype or old.numel() != new.numel() for new, old in pairs):
             changed = 0  # a name with no base: the bucket goes in full; every base is made current
             for (name, _, _), (new, old) in zip(entries, pairs):
                 if old is None or old.dtype != new.dtype or old.numel() != new.numel():
-                    self.base[name] = new.clone()
+                    self._rebase(name, new)
                     changed += new.numel()
                 else:
                     old.copy_(new)
             self._counted = (changed, changed, False)
             return None
         spans = [(new.numpy(), old.numpy(), start) for (new, old), start in zip(pairs, _word_offsets(entries, word))]
-        words = blocks * BLOCK_WORDS
-        parts = min(max(torch.get_num_threads(), 1), 4, max(words // PARALLEL_WORDS, 1), blocks)
-        cuts = [round(blocks * i / parts) * BLOCK_WORDS for i in range(parts + 1)]
-        counts = np.zeros(blocks, dtype=np.int32)  # parts write disjoint blocks
-        jobs = [(_cut(spans, lo, hi), limit, counts, self._scratch(word, part, limit, escape_room), word < 8)
-                for part, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
-        if parts > 1:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-                self._pool = ThreadPoolExecutor(4, thread_name_prefix="delta-encode")
-            done = list(self._pool.map(_encode_part, jobs))
-        else:
-            done = [_encode_part(jobs[0])]
-        k, e, scanned = (sum(d[i] for d in done) for i in range(3))
-        overflow = k > limit or e > escape_room or any(d[3] for d in done)
+        step = max(PARALLEL_WORDS // BLOCK_WORDS, 1) * BLOCK_WORDS
+        chunks = [(lo, min(lo + step, blocks * BLOCK_WORDS)) for lo in range(0, blocks * BLOCK_WORDS, step)]
+        threads = min(max(torch.get_num_threads(), 1), 4, len(chunks))
+        scratch = [self._scratch(word, t, limit, escape_room) for t in range(threads)]
+        counts = np.zeros(blocks, dtype=np.int32)  # chunks write disjoint blocks
+        found = [(0, 0)] * threads  # per thread: changed words and escapes it recorded
+        records = []  # per chunk, in order: (thread, its first and last change, its first and last escape)
+        scanned, overflow = 0, False
+        for first in range(0, len(chunks), threads):
+            jobs = [(_cut(spans, lo, hi), limit, counts, scratch[t], word < 8, *found[t])
+                    for t, (lo, hi) in enumerate(chunks[first:first + threads])]
+            if len(jobs) > 1:
+                if self._pool is None:
+                    from concurrent.futures import ThreadPoolExecutor
+                    self._pool = ThreadPoolExecutor(4, thread_name_prefix="delta-encode")
+                done = list(self._pool.map(_encode_part, jobs))
+            else:
+                done = [_encode_part(jobs[0])]
+            for t, (k, e, words, stopped) in enumerate(done):
+                records.append((t, found[t][0], k, found[t][1], e))
+                found[t] = (k, e)
+                scanned += words
+                overflow = overflow or stopped
+            if overflow or sum(k for k, _ in found) > limit or sum(e for _, e in found) > escape_room:
+                overflow = True
+                break
+        k, e = sum(k for k, _ in found), sum(e for _, e in found)
         self._counted = (k, scanned, overflow)
         if overflow:
-            for name, _, _ in entries:  # the base is dropped: it no longer says what the engines hold
-                self.base.pop(name, None)
+            self._drop(name for name, _, _ in entries)  # they no longer say what the engines hold
             return None
-        counts_at, offsets_at, positions_at, values_at, total = delta_layout(k, word, words, e)
+        counts_at, offsets_at, positions_at, values_at, total = delta_layout(k, word, blocks * BLOCK_WORDS, e)
         payload = torch.zeros(total, dtype=torch.uint8)
         out = payload.numpy()
         out[counts_at:offsets_at] = counts.view(np.uint8)
-        first = escaped = 0
-        for (steps, offsets, positions, values), (count, escapes, _, _) in zip((job[3] for job in jobs), done):
-            out[first:first + count] = steps[:count].view(np.uint8)
-            out[offsets_at + 2 * first:offsets_at + 2 * (first + count)] = offsets[:count].view(np.uint8)
-            out[positions_at + 4 * escaped:positions_at + 4 * (escaped + escapes)] = (
-                positions[:escapes] + first).view(np.uint8)
-            out[values_at + word * escaped:values_at + word * (escaped + escapes)] = values[:escapes].view(np.uint8)
-            first, escaped = first + count, escaped + escapes
+        at = escaped = 0
+        for t, k0, k1, e0, e1 in records:
+            steps, offsets, positions, values = scratch[t]
+            n, m = k1 - k0, e1 - e0
+            out[at:at + n] = steps[k0:k1].view(np.uint8)
+            out[offsets_at + 2 * at:offsets_at + 2 * (at + n)] = offsets[k0:k1].view(np.uint8)
+            out[positions_at + 4 * escaped:positions_at + 4 * (escaped + m)] = (positions[e0:e1] + (at - k0)).view(
+                np.uint8)
+            out[values_at + word * escaped:values_at + word * (escaped + m)] = values[e0:e1].view(np.uint8)
+            at, escaped = at + n, escaped + m
         return payload, e
 
     def _scratch(self, word: int, part: int, limit: int, escape_room: int) -> tuple[np.ndarray, ...]:
@@ -312,7 +340,7 @@ class DeltaEncoder:
             new = as_words(tensors[name], word)
             old = self.base.get(name)
             if old is None or old.dtype != new.dtype or old.numel() != new.numel():
-                self.base[name] = new.clone()
+                self._rebase(name, new)
                 changed, scanned, full = changed + new.numel(), scanned + new.numel(), True
                 continue
             if full:
@@ -322,8 +350,7 @@ class DeltaEncoder:
             scanned += compared
             if found is None:  # too many for a delta
                 changed, full, overflow = int(budget) + 1, True, True
-                for other, _, _ in entries:
-                    self.base.pop(other, None)
+                self._drop(other for other, _, _ in entries)
                 break
             if found.numel():
                 moved = _take(new, found)
@@ -367,9 +394,10 @@ def _cut(spans: list[tuple[np.ndarray, np.ndarray | None, int]], lo: int,
 
 
 def _encode_part(job: tuple) -> tuple[int, int, int, bool]:
-    """Run the compiled encoder over one part's pieces; ``(changed, escapes, scanned, stopped)``."""
-    spans, limit, counts, (steps, offsets, positions, values), small_steps = job
-    k = e = scanned = 0
+    """Run the compiled encoder over one chunk's pieces, after the ``k`` changes and ``e`` escapes its
+    thread's buffers hold; ``(changed, escapes, words scanned, stopped past the limit)``."""
+    spans, limit, counts, (steps, offsets, positions, values), small_steps, k, e = job
+    scanned = 0
     for new, old, start in spans:
         whole = new.nbytes // 32 * 32 // new.itemsize
         k, e, done = _kernels.encode_words(new, old, new[:whole].view(np.int64), old[:whole].view(np.int64), start,

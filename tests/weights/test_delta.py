@@ -573,3 +573,22 @@ def test_a_bucket_that_keeps_changing_backs_off_and_is_scanned_again(codec_name,
     assert seen == (["scan", "skip", "rebase", "scan"] + ["skip"] * 3 + ["rebase", "scan"] + ["skip"] * 7
                     + ["rebase", "delta", "scan", "skip", "rebase", "delta"])
     assert encoder.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_the_compiled_scan_stops_after_the_round_past_the_budget(monkeypatch):
+    """Chunks are scanned a round at a time (one per thread); the scan stops after the round in
+    which the bucket's changes pass the budget, whichever chunk they are in."""
+    monkeypatch.setattr(delta, "PARALLEL_WORDS", BLOCK_WORDS)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    tensors = {"w": torch.zeros(8 * BLOCK_WORDS, dtype=torch.bfloat16)}
+    entries = entries_of(tensors)
+    encoder = DeltaEncoder(DeltaSync(max_share=(9 * 1000 + 48) / (16 * BLOCK_WORDS)))  # a budget of 3,000 words
+    encoder.begin_sync(())
+    encoder.encode(tensors, entries)
+    words = tensors["w"].view(-1).view(torch.int16)
+    for block in range(8):  # 1,000 changes in each block: no chunk alone passes the budget
+        words[block * BLOCK_WORDS:block * BLOCK_WORDS + 1000] += 1
+    encoder.begin_sync(())
+    payload, encoding = encoder.encode(tensors, entries)
+    assert encoding.kind == "full" and "w" not in encoder.base
+    assert (encoding.scanned, encoding.changed) == (4 * BLOCK_WORDS, 4000)  # two rounds of two chunks
