@@ -4,8 +4,8 @@ The reference codec is whole-array numpy/torch passes (a compare, a nonzero, gat
 offsets, a scatter: about 8 passes over the changed words, ~50 ns a changed word on a 2-core CPU).
 These kernels do the same in one pass over the bucket, in `numba <https://numba.pydata.org>`_
 (BSD-2-Clause; also a vLLM dependency), and write the same bytes: ``tests/weights/test_delta.py``
-checks every payload and checksum against the reference. Without numba (``AVAILABLE`` is False)
-the reference runs; on a GPU the torch passes run at memory speed and are used instead.
+checks every payload and checksum against the reference. Without numba (:func:`kernels` returns
+``None``) the reference runs; on a GPU the torch passes run at memory speed and are used instead.
 
 The kernels work on flat numpy views of one word dtype (int16 for bf16, int32 for fp32, ...), so
 one compiled kernel serves every tensor of that word size; they release the GIL.
@@ -13,13 +13,12 @@ one compiled kernel serves every tensor of that word size; they release the GIL.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
-try:
-    from numba import njit
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - numba is a dependency; the reference codec runs without it
-    AVAILABLE = False
+ENABLED = True  # False: the reference codec runs (the tests and the benchmark compare the two)
+_compiled: SimpleNamespace | bool | None = None
 
 BLOCK_SHIFT = 16  # a delta's places: a 16-bit offset in each 65,536-word block
 
@@ -98,6 +97,21 @@ def _apply(words, start, k, block, left, steps, offsets, counts, esc_pos, esc_va
     return k, block, left, e
 
 
-if AVAILABLE:
-    encode_words = njit(nogil=True, cache=True)(_encode)
-    apply_words = njit(nogil=True, cache=True)(_apply)
+def kernels() -> SimpleNamespace | None:
+    """The compiled kernels (``encode_words``, ``apply_words``), or ``None`` without numba (or with
+    ``ENABLED`` off). numba is imported on first use, not with rltrainer: llvmlite in a process
+    before vLLM 0.32 (CPU) builds its engine breaks vLLM's scan of ``sys.modules`` for Triton kernels
+    (``vars(value).get`` on llvmlite's ``_lib_fn_wrapper``), and a rollout process builds its engine
+    before its first delta."""
+    global _compiled
+    if not ENABLED:
+        return None
+    if _compiled is None:
+        try:
+            from numba import njit
+        except ImportError:  # pragma: no cover - numba is a dependency; the reference codec runs without it
+            _compiled = False
+        else:
+            _compiled = SimpleNamespace(encode_words=njit(nogil=True, cache=True)(_encode),
+                                        apply_words=njit(nogil=True, cache=True)(_apply))
+    return _compiled or None

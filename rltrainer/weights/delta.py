@@ -216,8 +216,9 @@ class DeltaEncoder:
 
         A bucket whose scan finds more than ``max_share`` changed stops scanning there, goes in
         full and drops its base; it then goes in full for 2 syncs (4, 8, up to 16 while it keeps
-        failing), unscanned, takes a new base on the last of them and is scanned again on the next. So a high learning rate costs a full sync plus, now and then, part of a scan and a
-        copy (the "never slower than full" fallback)."""
+        failing), unscanned, takes a new base on the last of them and is scanned again on the next.
+        So a high learning rate costs a full sync plus, now and then, part of a scan and a copy (the
+        "never slower than full" fallback)."""
         start = time.perf_counter()
         word = word_bytes(entries)
         full_nbytes = sum(math.prod(shape) * itemsize(getattr(torch, dtype)) for _, dtype, shape in entries)
@@ -232,7 +233,7 @@ class DeltaEncoder:
             payload = _flatten(tensors, entries, device, out)
             return payload, Encoding("full", int(payload.numel()), full_nbytes, word, words, 0, scanned=0,
                                      encode_s=time.perf_counter() - start)
-        compiled = _kernels.AVAILABLE and device.type == "cpu"
+        compiled = device.type == "cpu" and _kernels.kernels() is not None
         escape_room = int(self.settings.max_share * full_nbytes / (7 + word)) + 1  # each costs 7 + word bytes
         coded = (self._encode_compiled if compiled else self._encode_reference)(tensors, entries, word, blocks, budget,
                                                                                escape_room, device)
@@ -400,8 +401,9 @@ def _encode_part(job: tuple) -> tuple[int, int, int, bool]:
     scanned = 0
     for new, old, start in spans:
         whole = new.nbytes // 32 * 32 // new.itemsize
-        k, e, done = _kernels.encode_words(new, old, new[:whole].view(np.int64), old[:whole].view(np.int64), start,
-                                           limit, k, e, steps, offsets, counts, positions, values, True, small_steps)
+        k, e, done = _kernels.kernels().encode_words(new, old, new[:whole].view(np.int64), old[:whole].view(np.int64),
+                                                     start, limit, k, e, steps, offsets, counts, positions, values,
+                                                     True, small_steps)
         scanned += done
         if k > limit or e > positions.shape[0]:
             return k, e, scanned, True
@@ -414,8 +416,8 @@ def _apply_part(job: tuple) -> None:
     spans, k, block, e, (steps, offsets, counts, positions, values) = job
     left = 0
     for words, _, start in spans:
-        k, block, left, e = _kernels.apply_words(words, start, k, block, left, steps, offsets, counts, positions,
-                                                 values, e)
+        k, block, left, e = _kernels.kernels().apply_words(words, start, k, block, left, steps, offsets, counts,
+                                                           positions, values, e)
         if k == steps.shape[0]:
             return
 
@@ -544,7 +546,7 @@ class DeltaDecoder:
             if any(t is None for t in targets.values()):
                 return False  # nothing to apply the delta to (a new replica): repaired in full
             device = next(iter(targets.values())).device
-            if _kernels.AVAILABLE and device.type == "cpu" and encoding.changed:
+            if device.type == "cpu" and encoding.changed and _kernels.kernels() is not None:
                 self._apply_compiled(payload, entries, encoding, targets)
             elif encoding.changed:
                 self._apply_reference(payload, entries, encoding, targets, device)

@@ -115,10 +115,10 @@ def codec(request, monkeypatch):
     """Each codec test runs on both codecs: the compiled one-pass kernels (numba, the CPU default)
     and the whole-array reference passes (a GPU's, or without numba)."""
     if request.param == "compiled":
-        if not _kernels.AVAILABLE:
+        if _kernels.kernels() is None:
             pytest.fail("numba is a dependency of rltrainer; the compiled codec must be tested")
     else:
-        monkeypatch.setattr(_kernels, "AVAILABLE", False)
+        monkeypatch.setattr(_kernels, "ENABLED", False)
     return request.param
 
 
@@ -523,7 +523,7 @@ def test_the_compiled_codec_writes_the_reference_bytes(dtype, share, parts, monk
     for step in range(3):
         payloads = {}
         for name, encoder in encoders.items():
-            monkeypatch.setattr(_kernels, "AVAILABLE", name == "compiled")
+            monkeypatch.setattr(_kernels, "ENABLED", name == "compiled")
             encoder.begin_sync(())
             payloads[name] = encoder.encode({n: t.clone() for n, t in tensors.items()}, entries)
             assert DeltaDecoder().apply(engines[name], *(payloads[name][0], entries, payloads[name][1]))
@@ -550,7 +550,7 @@ def test_a_bucket_that_keeps_changing_backs_off_and_is_scanned_again(codec_name,
     """A bucket with too many changes stops its scan, goes in full and drops its base; it then goes in
     full for 2 syncs (the first unscanned, the second taking a new base) and is scanned again; each
     failure doubles the wait (up to 16 syncs); a delta resets it. Every sync leaves the engine exact."""
-    monkeypatch.setattr(_kernels, "AVAILABLE", codec_name == "compiled")
+    monkeypatch.setattr(_kernels, "ENABLED", codec_name == "compiled")
     tensors = {"w": torch.randn(50_000).to(torch.bfloat16)}
     entries, encoder, decoder, engine = sides(tensors, settings=DeltaSync(max_share=0.1))
     sync(encoder, decoder, engine, tensors, entries)
