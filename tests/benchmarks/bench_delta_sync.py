@@ -310,6 +310,9 @@ def summarize_sync(runs: dict[str, Any], args: argparse.Namespace) -> dict[str, 
                 "full_s": med(full, "seconds"), "delta_s": med(delta, "seconds"),
                 "time_ratio": med(delta, "seconds") / med(full, "seconds"), "full_lr": full_lr,
                 "encode_s": med(delta, "encode_s"), "checksum_s": med(delta, "checksum_s"),
+                "apply_s": med(delta, "apply_s"), "verify_s": med(delta, "verify_s"),
+                "delta_s_each": [r["seconds"] for r in delta], "full_s_each": [r["seconds"] for r in full],
+                "delta_mean_s": statistics.mean(r["seconds"] for r in delta),
                 "delta_buckets": med(delta, "delta_buckets"), "full_buckets": med(delta, "full_buckets"),
                 "checksum_mismatches": sum(r["checksum_mismatches"] for r in delta), "bytes": med(full, "bytes")}
     return summary
@@ -363,8 +366,11 @@ def bench_codec(args: argparse.Namespace) -> dict[str, Any]:
         encoder, decoder, engine = DeltaEncoder(DeltaSync(max_share=1.0)), DeltaDecoder(), Engine()  # always a delta
         checked = Engine()  # a second replica: a delta applies once (its steps add to what the engine holds)
         encoder.begin_sync(list(base))
+        rss = _rss()
         for entries in buckets:  # the base: what the engine holds
             encoder.encode(base, entries)
+        out.setdefault("base_rss_bytes", _rss() - rss)  # the resident memory the base took (first pass)
+        out.setdefault("base_nbytes", encoder.nbytes)
         dst = {n: torch.zeros_like(t) for n, t in base.items()}
         times: dict[str, list[float]] = {k: [] for k in ("encode_s", "sender_checksum_s", "flatten_s", "apply_s",
                                                           "apply_checksum_s", "copy_s")}
@@ -400,6 +406,14 @@ def bench_codec(args: argparse.Namespace) -> dict[str, Any]:
         out[f"{impl}/{share:g}"] = row
     _kernels.ENABLED = True
     return out
+
+
+def _rss() -> int:
+    """This process's resident memory, bytes (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 # -- the line-rate table: bench_fsdp2.py sync per placement -----------------------------------------
