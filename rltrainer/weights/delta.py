@@ -262,7 +262,8 @@ class DeltaEncoder:
         (``escape_room``: more escapes than this and the payload exceeds ``max_share``). The bucket
         is scanned in chunks of ``PARALLEL_WORDS`` words (whole blocks), a round of chunks at a time,
         one per thread (``torch.get_num_threads()``, at most 4: the kernels release the GIL); the
-        scan stops after the round in which the changes passed the budget."""
+        scan stops after the round in which the changes passed the budget, or after the first round
+        (chunks spread over the bucket: a sample) if that projects ``EARLY_STOP`` times the budget."""
         limit = max(int(budget), 0)
         pairs = [(as_words(tensors[name], word), self.base.get(name)) for name, _, _ in entries]
         if any(old is None or old.dtype != new.dtype or old.numel() != new.numel() for new, old in pairs):
@@ -279,14 +280,19 @@ class DeltaEncoder:
         step = max(PARALLEL_WORDS // BLOCK_WORDS, 1) * BLOCK_WORDS
         chunks = [(lo, min(lo + step, blocks * BLOCK_WORDS)) for lo in range(0, blocks * BLOCK_WORDS, step)]
         threads = min(max(torch.get_num_threads(), 1), 4, len(chunks))
+        order = list(range(len(chunks)))
+        if len(chunks) > threads:  # the first round samples the bucket: chunks spread over it
+            sample = sorted({len(chunks) * t // threads for t in range(threads)})
+            order = sample + [c for c in order if c not in sample]
         scratch = [self._scratch(word, t, limit, escape_room) for t in range(threads)]
         counts = np.zeros(blocks, dtype=np.int32)  # chunks write disjoint blocks
         found = [(0, 0)] * threads  # per thread: changed words and escapes it recorded
-        records = []  # per chunk, in order: (thread, its first and last change, its first and last escape)
+        records = []  # per chunk: (chunk, thread, its first and last change, its first and last escape)
         scanned, overflow = 0, False
-        for first in range(0, len(chunks), threads):
-            jobs = [(_cut(spans, lo, hi), limit, counts, scratch[t], word < 8, *found[t])
-                    for t, (lo, hi) in enumerate(chunks[first:first + threads])]
+        for first in range(0, len(order), threads):
+            batch = order[first:first + threads]
+            jobs = [(_cut(spans, *chunks[c]), limit, counts, scratch[t], word < 8, *found[t])
+                    for t, c in enumerate(batch)]
             if len(jobs) > 1:
                 if self._pool is None:
                     from concurrent.futures import ThreadPoolExecutor
@@ -294,12 +300,15 @@ class DeltaEncoder:
                 done = list(self._pool.map(_encode_part, jobs))
             else:
                 done = [_encode_part(jobs[0])]
-            for t, (k, e, words, stopped) in enumerate(done):
-                records.append((t, found[t][0], k, found[t][1], e))
+            for t, (c, (k, e, words, stopped)) in enumerate(zip(batch, done)):
+                records.append((c, t, found[t][0], k, found[t][1], e))
                 found[t] = (k, e)
                 scanned += words
                 overflow = overflow or stopped
-            if overflow or sum(k for k, _ in found) > limit or sum(e for _, e in found) > escape_room:
+            changes = sum(k for k, _ in found)
+            if first == 0 and len(order) > threads and changes * blocks * BLOCK_WORDS > EARLY_STOP * limit * scanned:
+                overflow = True  # the sample says the bucket has too many: not worth scanning the rest
+            if overflow or changes > limit or sum(e for _, e in found) > escape_room:
                 overflow = True
                 break
         k, e = sum(k for k, _ in found), sum(e for _, e in found)
@@ -312,7 +321,7 @@ class DeltaEncoder:
         out = payload.numpy()
         out[counts_at:offsets_at] = counts.view(np.uint8)
         at = escaped = 0
-        for t, k0, k1, e0, e1 in records:
+        for _, t, k0, k1, e0, e1 in sorted(records):  # in the bucket's order
             steps, offsets, positions, values = scratch[t]
             n, m = k1 - k0, e1 - e0
             out[at:at + n] = steps[k0:k1].view(np.uint8)
@@ -381,6 +390,7 @@ class DeltaEncoder:
 
 
 PARALLEL_WORDS = 1 << 22  # a bucket is cut into parts (one per thread) of at least this many words
+EARLY_STOP = 1.5  # a first round of chunks whose share of changes projects this many budgets: the bucket goes full
 
 
 def _cut(spans: list[tuple[np.ndarray, np.ndarray | None, int]], lo: int,

@@ -575,9 +575,12 @@ def test_a_bucket_that_keeps_changing_backs_off_and_is_scanned_again(codec_name,
     assert encoder.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def test_the_compiled_scan_stops_after_the_round_past_the_budget(monkeypatch):
-    """Chunks are scanned a round at a time (one per thread); the scan stops after the round in
-    which the bucket's changes pass the budget, whichever chunk they are in."""
+@pytest.mark.parametrize("early_stop", [1.5, 1e9])
+def test_the_compiled_scan_stops_after_the_round_past_the_budget(monkeypatch, early_stop):
+    """Chunks are scanned a round at a time (one per thread), the first round spread over the
+    bucket; the scan stops after the round in which the bucket's changes pass the budget, or after
+    the first if its share projects ``EARLY_STOP`` budgets."""
+    monkeypatch.setattr(delta, "EARLY_STOP", early_stop)
     monkeypatch.setattr(delta, "PARALLEL_WORDS", BLOCK_WORDS)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     tensors = {"w": torch.zeros(8 * BLOCK_WORDS, dtype=torch.bfloat16)}
@@ -591,4 +594,21 @@ def test_the_compiled_scan_stops_after_the_round_past_the_budget(monkeypatch):
     encoder.begin_sync(())
     payload, encoding = encoder.encode(tensors, entries)
     assert encoding.kind == "full" and "w" not in encoder.base
-    assert (encoding.scanned, encoding.changed) == (4 * BLOCK_WORDS, 4000)  # two rounds of two chunks
+    if early_stop < 8000 / 3000:  # the first round (blocks 0 and 4) projects 8,000 changes
+        assert (encoding.scanned, encoding.changed) == (2 * BLOCK_WORDS, 2000)
+    else:
+        assert (encoding.scanned, encoding.changed) == (4 * BLOCK_WORDS, 4000)  # two rounds of two chunks
+
+
+def test_a_bucket_whose_changes_sit_outside_the_sample_is_still_a_delta(monkeypatch):
+    """The first round's sample projects no changes; the rest of the scan finds them, a delta."""
+    monkeypatch.setattr(delta, "PARALLEL_WORDS", BLOCK_WORDS)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    tensors = {"w": torch.zeros(8 * BLOCK_WORDS, dtype=torch.bfloat16)}
+    budget_3000 = DeltaSync(max_share=(9 * 1000 + 48) / (16 * BLOCK_WORDS))
+    entries, encoder, decoder, engine = sides(tensors, settings=budget_3000)
+    sync(encoder, decoder, engine, tensors, entries)
+    tensors["w"].view(-1).view(torch.int16)[3 * BLOCK_WORDS:3 * BLOCK_WORDS + 2500] += 1  # block 3: not sampled
+    encoding = sync(encoder, decoder, engine, tensors, entries)
+    assert encoding.kind == "delta" and encoding.changed == 2500 and encoding.scanned == 8 * BLOCK_WORDS
+    assert_bytes_equal(engine, tensors)
