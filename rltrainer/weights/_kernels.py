@@ -13,12 +13,17 @@ one compiled kernel serves every tensor of that word size; they release the GIL.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+from typing import Any, Callable
 
 import numpy as np
+import torch
 
 ENABLED = True  # False: the reference codec runs (the tests and the benchmark compare the two)
+MAX_THREADS = 4
 _compiled: SimpleNamespace | bool | None = None
+_pool: ThreadPoolExecutor | None = None  # one per process, for the parts of a large bucket
 
 BLOCK_SHIFT = 16  # a delta's places: a 16-bit offset in each 65,536-word block
 
@@ -115,3 +120,62 @@ def kernels() -> SimpleNamespace | None:
             _compiled = SimpleNamespace(encode_words=njit(nogil=True, cache=True)(_encode),
                                         apply_words=njit(nogil=True, cache=True)(_apply))
     return _compiled or None
+
+
+# -- a bucket in parts, one thread each -------------------------------------------------------------
+
+def threads(parts: int) -> int:
+    """How many threads a bucket of ``parts`` parts uses: ``torch.get_num_threads()``, at most
+    ``MAX_THREADS`` and ``parts``."""
+    return min(max(torch.get_num_threads(), 1), MAX_THREADS, parts)
+
+
+def run(fn: Callable[[tuple], Any], jobs: list[tuple]) -> list[Any]:
+    """``fn`` over ``jobs``, on the process's thread pool when there are several (the kernels
+    release the GIL)."""
+    global _pool
+    if len(jobs) <= 1:
+        return [fn(job) for job in jobs]
+    if _pool is None:
+        _pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="delta-codec")
+    return list(_pool.map(fn, jobs))
+
+
+def cut(spans: list[tuple[np.ndarray, np.ndarray | None, int]], lo: int,
+        hi: int) -> list[tuple[np.ndarray, np.ndarray | None, int]]:
+    """The pieces of ``spans`` (``(words, base words or None, first word in the bucket)``) in the
+    bucket's words ``[lo, hi)``."""
+    out = []
+    for new, old, start in spans:
+        first, last = max(lo - start, 0), min(hi - start, new.shape[0])
+        if first < last:
+            out.append((new[first:last], None if old is None else old[first:last], start + first))
+    return out
+
+
+def encode_part(job: tuple) -> tuple[int, int, int, bool]:
+    """The encoder over one chunk's pieces (:func:`cut`), after the ``k`` changes and ``e`` escapes
+    its thread's buffers hold; ``(changed, escapes, words scanned, stopped past the limit)``."""
+    spans, limit, counts, (steps, offsets, positions, values), small_steps, k, e = job
+    encode = kernels().encode_words
+    scanned = 0
+    for new, old, start in spans:
+        whole = new.nbytes // 32 * 32 // new.itemsize
+        k, e, done = encode(new, old, new[:whole].view(np.int64), old[:whole].view(np.int64), start, limit, k, e,
+                            steps, offsets, counts, positions, values, True, small_steps)
+        scanned += done
+        if k > limit or e > positions.shape[0]:
+            return k, e, scanned, True
+    return k, e, scanned, False
+
+
+def apply_part(job: tuple) -> None:
+    """A delta's entries from ``k`` (the first of block ``block + 1``; ``e``: the next escape) into
+    one part's pieces (:func:`cut`: its blocks' words)."""
+    spans, k, block, e, (steps, offsets, counts, positions, values) = job
+    apply = kernels().apply_words
+    left = 0
+    for words, _, start in spans:
+        k, block, left, e = apply(words, start, k, block, left, steps, offsets, counts, positions, values, e)
+        if k == steps.shape[0]:
+            return

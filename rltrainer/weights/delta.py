@@ -171,7 +171,6 @@ class DeltaEncoder:
         self._backoff: dict[tuple[str, ...], tuple[int, int]] = {}  # bucket -> (scan again at sync, interval)
         self._spare: dict[str, torch.Tensor] = {}  # dropped bases' memory, reused by the next base
         self._buffers: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
-        self._pool: Any = None  # threads for the parts of a large bucket
 
     @property
     def nbytes(self) -> int:
@@ -266,10 +265,10 @@ class DeltaEncoder:
         (chunks spread over the bucket: a sample) if that projects ``EARLY_STOP`` times the budget."""
         limit = max(int(budget), 0)
         pairs = [(as_words(tensors[name], word), self.base.get(name)) for name, _, _ in entries]
-        if any(old is None or old.dtype != new.dtype or old.numel() != new.numel() for new, old in pairs):
+        if any(_no_base(old, new) for new, old in pairs):
             changed = 0  # a name with no base: the bucket goes in full; every base is made current
             for (name, _, _), (new, old) in zip(entries, pairs):
-                if old is None or old.dtype != new.dtype or old.numel() != new.numel():
+                if _no_base(old, new):
                     self._rebase(name, new)
                     changed += new.numel()
                 else:
@@ -279,7 +278,7 @@ class DeltaEncoder:
         spans = [(new.numpy(), old.numpy(), start) for (new, old), start in zip(pairs, _word_offsets(entries, word))]
         step = max(PARALLEL_WORDS // BLOCK_WORDS, 1) * BLOCK_WORDS
         chunks = [(lo, min(lo + step, blocks * BLOCK_WORDS)) for lo in range(0, blocks * BLOCK_WORDS, step)]
-        threads = min(max(torch.get_num_threads(), 1), 4, len(chunks))
+        threads = _kernels.threads(len(chunks))
         order = list(range(len(chunks)))
         if len(chunks) > threads:  # the first round samples the bucket: chunks spread over it
             sample = sorted({len(chunks) * t // threads for t in range(threads)})
@@ -291,15 +290,8 @@ class DeltaEncoder:
         scanned, overflow = 0, False
         for first in range(0, len(order), threads):
             batch = order[first:first + threads]
-            jobs = [(_cut(spans, *chunks[c]), limit, counts, scratch[t], word < 8, *found[t])
-                    for t, c in enumerate(batch)]
-            if len(jobs) > 1:
-                if self._pool is None:
-                    from concurrent.futures import ThreadPoolExecutor
-                    self._pool = ThreadPoolExecutor(4, thread_name_prefix="delta-encode")
-                done = list(self._pool.map(_encode_part, jobs))
-            else:
-                done = [_encode_part(jobs[0])]
+            done = _kernels.run(_kernels.encode_part, [(_kernels.cut(spans, *chunks[c]), limit, counts, scratch[t],
+                                                        word < 8, *found[t]) for t, c in enumerate(batch)])
             for t, (c, (k, e, words, stopped)) in enumerate(zip(batch, done)):
                 records.append((c, t, found[t][0], k, found[t][1], e))
                 found[t] = (k, e)
@@ -350,7 +342,7 @@ class DeltaEncoder:
         for (name, _, _), offset in zip(entries, _word_offsets(entries, word)):
             new = as_words(tensors[name], word)
             old = self.base.get(name)
-            if old is None or old.dtype != new.dtype or old.numel() != new.numel():
+            if _no_base(old, new):
                 self._rebase(name, new)
                 changed, scanned, full = changed + new.numel(), scanned + new.numel(), True
                 continue
@@ -393,44 +385,9 @@ PARALLEL_WORDS = 1 << 22  # a bucket is cut into parts (one per thread) of at le
 EARLY_STOP = 1.5  # a first round of chunks whose share of changes projects this many budgets: the bucket goes full
 
 
-def _cut(spans: list[tuple[np.ndarray, np.ndarray | None, int]], lo: int,
-         hi: int) -> list[tuple[np.ndarray, np.ndarray | None, int]]:
-    """The pieces of ``spans`` (``(words, base words or None, first word in the bucket)``) in the
-    bucket's words ``[lo, hi)``."""
-    out = []
-    for new, old, start in spans:
-        first, last = max(lo - start, 0), min(hi - start, new.shape[0])
-        if first < last:
-            out.append((new[first:last], None if old is None else old[first:last], start + first))
-    return out
-
-
-def _encode_part(job: tuple) -> tuple[int, int, int, bool]:
-    """Run the compiled encoder over one chunk's pieces, after the ``k`` changes and ``e`` escapes its
-    thread's buffers hold; ``(changed, escapes, words scanned, stopped past the limit)``."""
-    spans, limit, counts, (steps, offsets, positions, values), small_steps, k, e = job
-    scanned = 0
-    for new, old, start in spans:
-        whole = new.nbytes // 32 * 32 // new.itemsize
-        k, e, done = _kernels.kernels().encode_words(new, old, new[:whole].view(np.int64), old[:whole].view(np.int64),
-                                                     start, limit, k, e, steps, offsets, counts, positions, values,
-                                                     True, small_steps)
-        scanned += done
-        if k > limit or e > positions.shape[0]:
-            return k, e, scanned, True
-    return k, e, scanned, False
-
-
-def _apply_part(job: tuple) -> None:
-    """Apply a delta's entries from ``k`` (the first of block ``block + 1``; ``e``: the next escape)
-    to one part's pieces (:func:`_cut`: its blocks' words)."""
-    spans, k, block, e, (steps, offsets, counts, positions, values) = job
-    left = 0
-    for words, _, start in spans:
-        k, block, left, e = _kernels.kernels().apply_words(words, start, k, block, left, steps, offsets, counts,
-                                                           positions, values, e)
-        if k == steps.shape[0]:
-            return
+def _no_base(old: torch.Tensor | None, new: torch.Tensor) -> bool:
+    """Whether ``old`` (a base, or ``None``) cannot serve as ``new``'s base (missing, or another layout)."""
+    return old is None or old.dtype != new.dtype or old.numel() != new.numel()
 
 
 def _flatten(tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], device: torch.device,
@@ -526,7 +483,6 @@ class DeltaDecoder:
     def __init__(self) -> None:
         self.mirror: dict[str, torch.Tensor] = {}
         self.verify_s = 0.0  # seconds spent on checksums (summed; the gate reads it per sync)
-        self._pool: Any = None  # threads for the parts of a large bucket
 
     @property
     def nbytes(self) -> int:
@@ -573,32 +529,26 @@ class DeltaDecoder:
         self.verify_s += time.perf_counter() - start
         return matched
 
-    def _apply_compiled(self, payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,
+    @staticmethod
+    def _apply_compiled(payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,
                         targets: Mapping[str, torch.Tensor]) -> None:
         """A delta into CPU tensors, one compiled pass (:func:`._kernels.apply_words`) per touched
         tensor; a bucket of more than ``PARALLEL_WORDS`` words in parts at block edges, one thread each."""
         steps, counts, offsets, positions, values = (t.cpu().numpy() for t in delta_parts(payload, encoding))
         word = encoding.word
         blocks = counts.shape[0]
-        with torch.no_grad():
-            spans = [(as_words(targets[name], word).numpy(), None, start)
-                     for (name, _, _), start in zip(entries, _word_offsets(entries, word))]
-        parts = min(max(torch.get_num_threads(), 1), 4, max(blocks * BLOCK_WORDS // PARALLEL_WORDS, 1), blocks)
+        spans = [(as_words(targets[name], word).numpy(), None, start)
+                 for (name, _, _), start in zip(entries, _word_offsets(entries, word))]
+        parts = _kernels.threads(min(max(blocks * BLOCK_WORDS // PARALLEL_WORDS, 1), blocks))
         cuts = [round(blocks * i / parts) for i in range(parts + 1)]
         firsts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])  # each block's first entry
         jobs = []
         for lo, hi in zip(cuts, cuts[1:]):
             k = int(firsts[lo])
             if k < firsts[hi]:
-                jobs.append((_cut(spans, lo * BLOCK_WORDS, hi * BLOCK_WORDS), k, lo - 1,
+                jobs.append((_kernels.cut(spans, lo * BLOCK_WORDS, hi * BLOCK_WORDS), k, lo - 1,
                              int(np.searchsorted(positions, k)), (steps, offsets, counts, positions, values)))
-        if len(jobs) > 1:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-                self._pool = ThreadPoolExecutor(4, thread_name_prefix="delta-apply")
-            list(self._pool.map(_apply_part, jobs))
-        elif jobs:
-            _apply_part(jobs[0])
+        _kernels.run(_kernels.apply_part, jobs)
 
     @staticmethod
     def _apply_reference(payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,
