@@ -167,8 +167,8 @@ class Encoding:
     def stats(self) -> dict[str, float]:
         """The sender's side of a bucket's stats (summed over a sync by the transports)."""
         scanned = self.words if self.scanned is None else self.scanned
-        return {"wire_bytes": self.nbytes, "changed_words": self.changed, "scanned_words": scanned, "words": self.words,
-                "delta_buckets": int(self.kind == "delta"), "encode_s": self.encode_s, "checksum_s": self.checksum_s}
+        return {"wire_bytes": self.nbytes, "changed_words": self.changed, "scanned_words": scanned,
+                "words": self.words, "delta_buckets": int(self.kind == "delta"), "encode_s": self.encode_s, "checksum_s": self.checksum_s}
 
 
 @dataclass

@@ -12,9 +12,9 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.hf import HFEngine
-from rltrainer.weights.delta import DeltaSync
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch
+from rltrainer.weights.delta import DeltaSync
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                  reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')"),

@@ -47,10 +47,10 @@ class FSDP2Strategy(WorkerGroupStrategy):
             very large buckets; an engine that receives on its own (SGLang) starts receiving a sync
             only once its running request has finished, so a request may need to fit in it too.
         weight_sync_delta: ``"split"`` only: send each bucket as the words that changed since the
-            replicas' copy (int8 steps and 16-bit offsets) when that is at most a tenth of its bytes, else in
-            full, with every tensor's checksum verified after each sync (a mismatch is sent again in
-            full); ``True`` or :class:`~rltrainer.weights.delta.DeltaSync` ``(max_share=...,
-            checksum_every=...)``. Costs one engine-dtype copy of the weights on trainer rank 0, and
+            replicas' copy (int8 steps and 16-bit offsets) when that is at most a tenth of its bytes,
+            else in full (backing off for a few syncs), with the checksum of every tensor a delta
+            updated verified after each sync (a mismatch is sent again in full); ``True`` or
+            :class:`~rltrainer.weights.delta.DeltaSync` ``(max_share=..., checksum_every=...)``. Costs one engine-dtype copy of the weights on trainer rank 0, and
             one per rollout process for engines that cannot lend their tensors (vLLM). See
             :mod:`rltrainer.weights.delta`.
         bucket_bytes: weight-sync bucket size; the extra memory of a sync is about one bucket.
