@@ -364,6 +364,9 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["attention_mask"] = attention_mask  # [N, P+T]
     out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
     out["rollout_log_probs"] = gen.log_probs.float() * response_mask  # [N, T]
+    if gen.routed_experts is not None:  # a MoE policy's routes, laid out like input_ids
+        out["routed_experts"] = routes_as_rows(gen.routed_experts, [len(p) for p in prompt_lists], P,
+                                               response_mask.shape[1])  # [N, P+T, L, K]
     if gen.row_weight_versions is not None:  # its replicas held different versions
         out["policy_version"] = gen.row_weight_versions.long()  # [N]
     else:
@@ -372,6 +375,18 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["response_text"] = gen.text
     out["finish_reason"] = gen.finish_reason
     out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})
+    return out
+
+
+def routes_as_rows(routes: list[torch.Tensor], prompt_lengths: list[int], P: int, T: int) -> torch.Tensor:
+    """An engine's routes (:attr:`~rltrainer.rollout.engine.Generation.routed_experts`: per row
+    ``[p + t, L, K]``) as ``[N, P+T, L, K]`` int16, aligned with ``input_ids``: the prompt's tokens
+    end at column ``P``, the response's start there; -1 elsewhere."""
+    L, K = routes[0].shape[1:] if routes else (0, 0)
+    out = torch.full((len(routes), P + T, L, K), -1, dtype=torch.int16)
+    for i, (r, p) in enumerate(zip(routes, prompt_lengths)):
+        r = r[: p + T]
+        out[i, P - p : P - p + len(r)] = r.to(torch.int16)
     return out
 
 

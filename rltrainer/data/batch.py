@@ -27,6 +27,8 @@ field                     shape        meaning
 ``position_ids``          [N, P+T]     ``cumsum(attention_mask) - 1``, clamped at 0
 ``rollout_log_probs``     [N, T]       per-token log-probs reported by the engine
 ``policy_version``        [N]          version (trained steps) of the weights that generated the row
+``routed_experts``        [N,P+T,L,K]  int16: a MoE policy's expert per token, decoder layer and routing
+                                       slot as the engine routed it (-1: none; :mod:`rltrainer.models.moe`)
 ``prompt_position``       [N, 3]       (epoch, loader batch, row) of the row's prompt
 ``old_log_probs``         [N, T]       log-probs of the policy before the update
 ``rollout_is_weights``    [N, T]       off-policy IS weights (detached, 0 on padding), if corrected
@@ -274,7 +276,7 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
         return batches[0]
     P = max(b["prompts"].shape[1] for b in batches)
     T = max(b["responses"].shape[1] for b in batches)
-    pad_values = {"prompts": pad_token_id, "responses": pad_token_id, "input_ids": pad_token_id}
+    pad_values = {"prompts": pad_token_id, "responses": pad_token_id, "input_ids": pad_token_id, "routed_experts": -1}
     out = []
     for b in batches:
         b = b.copy()

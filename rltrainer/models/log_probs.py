@@ -23,6 +23,7 @@ def response_log_probs(
     entropy_grad: bool = False,
     chunk_tokens: int | None = None,
     padding_free: bool | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of ``batch["responses"]`` under ``model``.
 
@@ -46,14 +47,20 @@ def response_log_probs(
     micro-batches when built with ``padding_free=True``) the rows run as one packed sequence
     without their padding (:mod:`rltrainer.packing`); the LM head sees only the real response
     tokens, and response padding gets 0 in both outputs.
+
+    ``routed_experts [n, P+T, L, K]`` (int, aligned with ``input_ids``; the batch field of that
+    name): for a mixture-of-experts model, the experts to use for each token and decoder layer
+    instead of its router's own top-k (routing replay, R3; -1: route as the router does), with the
+    gate weights taken from the router's scores over those experts (:mod:`rltrainer.models.moe`).
     """
     with embedding_into_grad(model):  # inside gradients_into_parameters only (the training step's)
-        return _response_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens, padding_free)
+        return _response_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens, padding_free,
+                                   routed_experts)
 
 
 def _response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float, with_entropy: bool,
-                        entropy_grad: bool, chunk_tokens: int | None, padding_free: bool | None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        entropy_grad: bool, chunk_tokens: int | None, padding_free: bool | None,
+                        routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     responses = batch["responses"]  # [n, T]
     T = responses.shape[1]
     if padding_free is None:
@@ -63,8 +70,9 @@ def _response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                   position_ids=batch["position_ids"])
     if chunk_tokens != 0 and hasattr(model, "lm_head_log_probs"):  # megatron's model: its own shapes
+        routes = {"routed_experts": routed_experts} if routed_experts is not None else {}
         log_probs, entropy = model.lm_head_log_probs(**inputs, targets=responses, temperature=temperature,
-                                                     chunk_tokens=chunk_tokens)
+                                                     chunk_tokens=chunk_tokens, **routes)
         return log_probs, _entropy(entropy, with_entropy, entropy_grad)
     inputs, kept = trim_padding_columns(inputs, T)
     responses = responses[:, :kept]

@@ -87,6 +87,11 @@ class Generation:
     # [R] int64, each row's version, where rows came from replicas holding different versions (then
     # weight_version is the oldest of them); None: every row's is weight_version
     row_weight_versions: torch.Tensor | None = None
+    # [R] int16 tensors [p_r + t_r, L, K], with RolloutEngine.return_routed_experts on a MoE policy: the
+    # experts each token of row r's prompt and response went to, per decoder layer (L: the config's
+    # num_hidden_layers) and routing slot (K: num_experts_per_tok; slot order carries no meaning);
+    # -1 where the engine routed nothing (a dense layer, the last sampled token it never ran). None: not recorded.
+    routed_experts: list[torch.Tensor] | None = None
 
 
 class RolloutEngine(abc.ABC):
@@ -101,6 +106,10 @@ class RolloutEngine(abc.ABC):
     # True once a sleep discarded the inference weights: the next sync must send every weight. The
     # Strategy starting that sync reads it and sets it back to False (see :meth:`sleep`).
     weights_discarded: bool = False
+    #: Set before :meth:`setup` (the Trainer does when the module replays routes, see
+    #: :mod:`rltrainer.models.moe`): :meth:`generate` then fills :attr:`Generation.routed_experts`
+    #: for a mixture-of-experts policy. An engine that cannot record routes raises in ``setup``.
+    return_routed_experts: bool = False
 
     @property
     def ranks_per_replica(self) -> int:

@@ -197,4 +197,6 @@ def concat_generations(parts: Sequence[Generation], tokenizer: Any) -> Generatio
         text=[t for p in parts for t in p.text],
         finish_reason=[r for p in parts for r in p.finish_reason],
         metrics=metrics,
+        routed_experts=(None if any(p.routed_experts is None for p in parts)
+                        else [r for p in parts for r in p.routed_experts]),
     )

@@ -106,7 +106,9 @@ def repeat_samples(generation: Generation, n: int) -> Generation:
                       generation.log_probs.repeat_interleave(n, 0), [t for t in generation.text for _ in range(n)],
                       [r for r in generation.finish_reason for _ in range(n)],
                       metrics={**generation.metrics, "gen_tokens": generation.metrics.get("gen_tokens", 0.0) * n},
-                      weight_version=generation.weight_version)
+                      weight_version=generation.weight_version,
+                      routed_experts=None if generation.routed_experts is None else
+                      [r for r in generation.routed_experts for _ in range(n)])
 
 
 def generation_from_outputs(outputs: Sequence[Any], pad_token_id: int, tokenizer: Any) -> Generation:
