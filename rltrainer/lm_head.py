@@ -168,8 +168,8 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -
 
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                       chunk_tokens: int | None = None, group: Any = None, vocab_start: int = 0,
-                      vocab_size: int | None = None, vocab_block: int | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      vocab_size: int | None = None, vocab_block: int | None = None, scale: float = 1.0,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_softmax(h @ W.T / temperature)[targets], entropy)``, both ``[N]`` float32, from
     ``hidden [N, H]``, ``weight [V_local, H]`` and ``targets [N]`` (indices into the whole
     vocabulary), without materialising ``[N, V]``; differentiable in ``hidden`` and ``weight``.
@@ -180,7 +180,9 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     ``weight`` holds the rows ``vocab_start ...`` of the head (this rank's slice; gradients of
     ``hidden`` are this rank's part, to be summed over the group as megatron's
     ``copy_to_tensor_model_parallel_region`` does). ``vocab_size`` (the real vocabulary) drops
-    padded rows past it."""
+    padded rows past it. A model that scales or soft-caps its head's output before returning it
+    (:class:`~rltrainer.models.support.HeadOutput`) gives ``scale`` and ``softcap``: the logits are
+    then ``softcap * tanh(h @ W.T * scale / softcap)`` (in fp32), before the temperature."""
     if hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"chunked_log_probs takes hidden [N, H], weight [V, H] and targets [N]; got "
                          f"{list(hidden.shape)}, {list(weight.shape)} and {list(targets.shape)}")
@@ -190,7 +192,7 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     chunk = chunk_tokens_for(vocab, chunk_tokens, device)
     block = vocab_block_for(rows, chunk, vocab_block, device)
     options = _Options(float(temperature), chunk, group, vocab_start, rows, block,
-                       group is None and _into_grad(weight))
+                       group is None and _into_grad(weight), float(scale), None if softcap is None else float(softcap))
     return _ChunkedHead.apply(hidden, weight, targets, options)
 
 
@@ -203,6 +205,8 @@ class _Options:
     rows: int  # this rank's rows inside the real vocabulary (padding past it dropped)
     block: int  # vocabulary rows per block
     into_grad: bool = False  # add the weight's gradient to weight.grad (gradients_into_parameters)
+    scale: float = 1.0  # the model's factor on its head's output (Granite: 1 / logits_scaling)
+    softcap: float | None = None  # the model's final soft-cap (Gemma 2: final_logit_softcapping)
 
     def blocks(self) -> range:
         """First rows of this rank's blocks."""
@@ -245,10 +249,14 @@ class _ChunkedHead(torch.autograd.Function):
             h_acc = h.to(accumulate)
             for first in options.blocks():
                 w = weight[first : min(options.rows, first + options.block)]
-                g = _grad_logits(_logits(h, w, options), targets[start:stop], lse[start:stop], entropy[start:stop],
+                z = _logits(h, w, options)
+                slope = _cap_slope(z, options)  # d logits / d (h @ W.T), before z is overwritten
+                g = _grad_logits(z, targets[start:stop], lse[start:stop], entropy[start:stop],
                                  None if grad_log_probs is None else grad_log_probs[start:stop],
                                  None if grad_entropy is None else grad_entropy[start:stop],
                                  options.vocab_start + first, options.temperature)
+                if slope is not None:
+                    g.mul_(slope)
                 g = g.to(weight.dtype)  # [c, b]: gradient of the head's output (before the fp32 cast)
                 if grad_hidden is not None:
                     grad_hidden[start:stop].addmm_(g, w)
@@ -263,11 +271,25 @@ class _ChunkedHead(torch.autograd.Function):
 
 def _logits(h: torch.Tensor, w: torch.Tensor, options: _Options) -> torch.Tensor:
     """``(h @ w.T).float() / temperature``: ``[c, b]`` fp32 for a block ``w`` of the head's rows,
-    computed in the head's dtype."""
+    computed in the head's dtype (scaled and soft-capped first, as the model does)."""
     z = torch.mm(h, w.t()).float()
+    if options.scale != 1.0:
+        z.mul_(options.scale)
+    if options.softcap is not None:
+        z.div_(options.softcap).tanh_().mul_(options.softcap)
     if options.temperature != 1.0:
         z.div_(options.temperature)
     return z
+
+
+def _cap_slope(z: torch.Tensor, options: _Options) -> torch.Tensor | float | None:
+    """The derivative of the model's logits by ``h @ W.T`` at a block's logits ``z`` (as
+    :func:`_logits` returns them): ``scale * (1 - tanh^2)`` with a soft-cap, ``scale`` without one,
+    ``None`` for 1."""
+    if options.softcap is None:
+        return options.scale if options.scale != 1.0 else None
+    tanh = z * (options.temperature / options.softcap)
+    return tanh.square_().neg_().add_(1.0).mul_(options.scale)
 
 
 def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, options: _Options

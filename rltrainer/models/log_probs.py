@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lm_head import chunked_log_probs, embedding_into_grad, head_forward
+from rltrainer.models.support import HeadOutput, head_output
 from rltrainer.packing import packed_rows_for
 
 
@@ -78,7 +79,7 @@ def _response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature
     responses = responses[:, :kept]
     head = chunkable_head(model) if chunk_tokens != 0 else None
     if head is not None:
-        with _head_returns_log_probs(head, responses, temperature, chunk_tokens):
+        with _head_returns_log_probs(model, *head, responses, temperature, chunk_tokens):
             out = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits  # [n, kept, 2]
         log_probs, entropy = out[..., 0], _entropy(out[..., 1], with_entropy, entropy_grad)
     else:
@@ -120,7 +121,7 @@ def _packed_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: 
     targets = batch["responses"][packed.rows, packed.cols][None]  # [1, M]
     head = chunkable_head(model) if chunk_tokens != 0 else None
     if head is not None:
-        with _head_returns_log_probs(head, targets, temperature, chunk_tokens):
+        with _head_returns_log_probs(model, *head, targets, temperature, chunk_tokens):
             out = model(**packed.inputs, use_cache=False, logits_to_keep=packed.predictors).logits[0]  # [M, 2]
         log_probs, entropy = out[:, 0], _entropy(out[:, 1], with_entropy, entropy_grad)
     else:
@@ -150,33 +151,34 @@ def _entropy(entropy: torch.Tensor, with_entropy: bool, entropy_grad: bool) -> t
     return entropy if entropy_grad else entropy.detach()
 
 
-def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """``model``'s LM head if :func:`response_log_probs` may replace it by the chunked one: a plain
-    bias-free ``nn.Linear`` whose output the model returns as is (no soft-capping)."""
+def chunkable_head(model: torch.nn.Module) -> tuple[torch.nn.Linear, HeadOutput] | None:
+    """``model``'s LM head, if :func:`response_log_probs` may replace it by the chunked one (a
+    plain bias-free ``nn.Linear``), and what the model does to its output before returning it as
+    logits (:func:`~rltrainer.models.support.head_output`: nothing, a factor, a soft-cap; found by
+    running the model once). ``None``: the full logits are used."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return None
-    config = getattr(model, "config", None)
-    text_config = getattr(config, "get_text_config", lambda: config)()
-    if getattr(text_config, "final_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        return None
-    return head
+    output = head_output(model, head)
+    return None if output is None else (head, output)
 
 
 @contextlib.contextmanager
-def _head_returns_log_probs(head: torch.nn.Linear, responses: torch.Tensor, temperature: float,
-                            chunk_tokens: int | None) -> Iterator[None]:
+def _head_returns_log_probs(model: torch.nn.Module, head: torch.nn.Linear, output: HeadOutput, responses: torch.Tensor,
+                            temperature: float, chunk_tokens: int | None) -> Iterator[None]:
     """Inside it, ``head(hidden [n, T+1, H])`` returns ``[n, T, 2]``: the log-probs of
-    ``responses [n, T]`` and the entropies, computed in chunks from ``head.weight``. The work runs
-    inside the head's call, so a sharded model's gathered weight (FSDP2) is what it reads."""
+    ``responses [n, T]`` and the entropies, computed in chunks from ``head.weight`` (with the
+    model's ``output`` transform). The work runs inside the head's call, so a sharded model's
+    gathered weight (FSDP2) is what it reads."""
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         n, T = responses.shape
         h = hidden[:, :T].reshape(n * T, hidden.shape[-1])  # position P-1+t predicts response t
-        log_probs, entropy = chunked_log_probs(h, head.weight, responses.reshape(-1), temperature, chunk_tokens)
+        log_probs, entropy = chunked_log_probs(h, head.weight, responses.reshape(-1), temperature, chunk_tokens,
+                                               scale=output.scale, softcap=output.softcap)
         return torch.stack([log_probs, entropy], -1).view(n, T, 2)
 
-    with head_forward(head, forward):
+    with head_forward(head, forward), output.returned_as_is(model):
         yield
 
 

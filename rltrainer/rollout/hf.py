@@ -91,6 +91,7 @@ class HFEngine(RolloutEngine):
         self.device = torch.device("cpu")
         self._forward: Any = None
         self._head: torch.nn.Linear | None = None  # set: the model returns hidden states, sampled in row chunks
+        self._head_output: Any = None  # what the model does to the head's output (rltrainer.models.support)
         self._logits: torch.Tensor | None = None  # [rows, V], reused by every decode step of a generate call
         self._cache_kwarg = "cache"
         self._sleep_level = 0
@@ -113,7 +114,7 @@ class HFEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self._forward = torch.compile(self.model, dynamic=True) if self.compile else self.model
-        self._head = None if self.compile else chunkable_head(self.model)
+        self._head, self._head_output = (None, None) if self.compile else (chunkable_head(self.model) or (None, None))
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
         self.tokenizer = tokenizer
@@ -161,7 +162,7 @@ class HFEngine(RolloutEngine):
             peft.inject_adapter_in_model(copy.deepcopy(lora_config), model)
         model.requires_grad_(False)
         self._forward = torch.compile(model, dynamic=True) if self.compile else model
-        self._head = None if self.compile else chunkable_head(model)
+        self._head, self._head_output = (None, None) if self.compile else (chunkable_head(model) or (None, None))
 
     def _weight_target(self, name: str, targets: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The parameter a synced name loads into, adapters included (see :meth:`enable_adapters`)."""
@@ -294,7 +295,7 @@ class HFEngine(RolloutEngine):
             yield
             return
         try:
-            with head_forward(self._head, _identity):
+            with head_forward(self._head, _identity), self._head_output.returned_as_is(self.model):
                 yield
         finally:
             self._logits = None
@@ -312,6 +313,7 @@ class HFEngine(RolloutEngine):
         if self._logits is None or self._logits.shape[0] < b or self._logits.dtype != out.dtype:
             self._logits = out.new_empty((b, V))  # kept through the generate call: one mapping, not one a token
         logits = head_logits(out, weight, self._logits[:b])  # the head is read once a token
+        logits = self._head_output.apply(logits)  # what the model does to it (a factor, a soft-cap)
         rows = max(1, SAMPLE_ELEMENTS.get(out.device.type, SAMPLE_ELEMENTS["cuda"]) // V)
         parts = [_sample(logits[lo : lo + rows], sampling, None if u is None else u[lo : lo + rows])
                  for lo in range(0, b, rows)]

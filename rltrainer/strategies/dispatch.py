@@ -76,7 +76,8 @@ class WorkerGroupStrategy(Strategy):
                              "(how split placement moves weights to the rollout replicas)")
         check_weight_sync_timeout(weight_sync_timeout_s)
         self.world_size_ = devices * num_nodes
-        self.options: dict[str, Any] = {"precision": self.precision, "gradient_clip_val": self.gradient_clip_val}
+        self.options: dict[str, Any] = {"precision": self.precision, "gradient_clip_val": self.gradient_clip_val,
+                                        "padding_free": self.padding_free}
         self.rollout_placement, self.rollout_replicas = rollout_placement, rollout_replicas
         self.bucket_bytes = bucket_bytes
         self.cpus_per_worker, self.gpus_per_worker = cpus_per_worker, gpus_per_worker

@@ -12,8 +12,8 @@ import torch
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lora import LoraView
-from rltrainer.strategies.strategy import (STRATEGIES, Strategy, autocast_context, check_model_type,
-                                          load_local_training_state, local_training_state, normalize_optimizers,
+from rltrainer.models.support import check_causal_lm, check_fast_paths
+from rltrainer.strategies.strategy import (STRATEGIES, Strategy, autocast_context, load_local_training_state, local_training_state, normalize_optimizers,
                                           param_dtype, run_compute, run_train_step)
 
 if TYPE_CHECKING:
@@ -31,8 +31,6 @@ class SingleDeviceStrategy(Strategy):
         devices: must be 1 (accepted so ``Trainer(devices=1)`` resolves here).
         **kwargs: micro-batching, clipping and precision, see :class:`Strategy`.
     """
-
-    supported_model_types = frozenset({"llama", "qwen2", "qwen3"})
 
     def __init__(self, device: str | torch.device = "auto", devices: int | str = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -58,8 +56,9 @@ class SingleDeviceStrategy(Strategy):
         module.configure_model()
         if getattr(module, "policy", None) is None:
             raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
-        check_model_type(module.policy, "single", self.supported_model_types)
+        check_causal_lm(module.policy, "single")
         module.to(device=self.device, dtype=param_dtype(self.precision))
+        check_fast_paths(module.policy, "single", self.padding_free)
         self.module = module
         self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
         self.lora_config = getattr(module, "lora", None)

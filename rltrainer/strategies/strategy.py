@@ -58,10 +58,6 @@ class Strategy(abc.ABC):
             :func:`~rltrainer.models.response_log_probs` reads it.
     """
 
-    #: The model families (transformers ``config.model_type``) this strategy is tested with, the
-    #: docs' "Model families per strategy" table (``.ci/docs/pages/gpus.md``); setup refuses a policy
-    #: of any other family (:func:`check_model_type`). ``None``: no check (e.g. a user's own strategy).
-    supported_model_types: frozenset[str] | None = None
     #: the controller's :class:`~rltrainer.controller.watchdog.Watchdog` over the waits on worker
     #: processes and, with ``stage_timeout_s``, on in-process stages (``single.train_step``); the
     #: Trainer sets it from ``stage_timeout_s``; ``None``: waits have no limit.

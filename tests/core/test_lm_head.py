@@ -57,6 +57,34 @@ def test_chunked_values_and_gradients_equal_full_logits(temperature, entropy_gra
         torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale, softcap", [(0.25, None), (1.0, 2.0), (3.0, 5.0)])
+def test_a_scaled_or_soft_capped_head_equals_its_full_logits(scale, softcap):
+    """Granite's factor and Gemma 2's soft-cap inside the chunked head: values and gradients equal
+    ``softcap * tanh(z * scale / softcap) / temperature`` through autograd (a soft-cap of 2 bends
+    logits of size ~8 hard, so a missing ``1 - tanh^2`` would show)."""
+    torch.manual_seed(0)
+    h = torch.randn(40, 16, requires_grad=True)
+    weight = torch.randn(VOCAB, 16, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (40,))
+    g_lp, g_ent = torch.randn(40), torch.randn(40)
+    results = []
+
+    def reference():
+        z = (h @ weight.t()) * scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        log_softmax = (z / 0.8).log_softmax(-1)
+        return log_softmax.gather(1, targets[:, None]).squeeze(1), -(log_softmax.exp() * log_softmax).sum(-1)
+
+    for fn in (lambda: chunked_log_probs(h, weight, targets, 0.8, chunk_tokens=7, vocab_block=64, scale=scale,
+                                         softcap=softcap), reference):
+        log_probs, entropy = fn()
+        loss = (log_probs * g_lp).sum() + (entropy * g_ent).sum()
+        results.append((log_probs, entropy, *torch.autograd.grad(loss, [h, weight])))
+    for chunked, full in zip(*results):
+        torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_chunk_size_is_refused():
     with pytest.raises(ValueError, match="chunk_tokens=-1"):
         chunked_log_probs(torch.zeros(2, 4), torch.zeros(8, 4), torch.zeros(2, dtype=torch.long), chunk_tokens=-1)

@@ -8,13 +8,12 @@ from typing import Any
 import torch
 
 from rltrainer.models import RandomInit, SafetensorsWeights, parameter_aliases, source_key
-
-#: The transformers ``model_type`` values FSDP2 shards and loads (tested in ``test_model_families.py``).
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+from rltrainer.models.support import check_activation_checkpointing, fsdp_blocks
 
 
 def enable_activation_checkpointing(name: str, model: torch.nn.Module) -> None:
     """transformers' non-reentrant activation checkpointing (renamed in transformers 5)."""
+    check_activation_checkpointing(model, name)
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -125,10 +124,8 @@ def shard_model(model: torch.nn.Module, mesh: Any, precision: str, cpu_offload: 
         precision, MixedPrecisionPolicy())
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kwargs = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload, "reshard_after_forward": reshard_after_forward}
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
-    for sub in model.modules():
-        if type(sub).__name__ in block_names:
-            fully_shard(sub, **kwargs)
+    for block in fsdp_blocks(model, type(model).__name__):
+        fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     if any(p.requires_grad for p in model.parameters()):
         # policy_step normalises by global counts: sum gradients across ranks instead of averaging.

@@ -7,7 +7,6 @@ import uuid
 from typing import Any
 
 from rltrainer.strategies.dispatch import WorkerGroupStrategy
-from rltrainer.strategies.fsdp2.sharding import SUPPORTED_MODEL_TYPES
 from rltrainer.strategies.fsdp2.worker import FSDP2Worker
 from rltrainer.strategies.strategy import STRATEGIES
 
@@ -66,7 +65,6 @@ class FSDP2Strategy(WorkerGroupStrategy):
     name = "fsdp2"
     worker_cls = FSDP2Worker
     trains_lora = True
-    supported_model_types = SUPPORTED_MODEL_TYPES
 
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, cpu_offload: bool = False,
                  activation_checkpointing: bool = False, reshard_after_forward: bool = True,

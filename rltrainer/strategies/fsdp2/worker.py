@@ -12,11 +12,11 @@ import torch
 
 from rltrainer.files import reporting_disk_full
 from rltrainer.models import RandomInit, SafetensorsWeights, deferred_init, share_rng_state, take_weight_source
+from rltrainer.models.support import check_causal_lm, check_fast_paths
 from rltrainer.strategies.fsdp2.checkpoint import load_sharded, save_sharded
-from rltrainer.strategies.fsdp2.sharding import (SUPPORTED_MODEL_TYPES, enable_activation_checkpointing, load_shards,
-                                                 shard_bytes, shard_model)
+from rltrainer.strategies.fsdp2.sharding import enable_activation_checkpointing, load_shards, shard_bytes, shard_model
 from rltrainer.strategies.rank_worker import TrainingWorker
-from rltrainer.strategies.strategy import check_model_type, normalize_optimizers
+from rltrainer.strategies.strategy import normalize_optimizers
 from rltrainer.weights.shm import SharedBuffers
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry, bucket_entries, bucket_nbytes, bucket_views
 
@@ -54,7 +54,7 @@ class FSDP2Worker(TrainingWorker):
             module.configure_model()
         if getattr(module, "policy", None) is None:
             raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
-        check_model_type(module.policy, "fsdp2", SUPPORTED_MODEL_TYPES)
+        check_causal_lm(module.policy, "fsdp2")
         self.options = options
         if options["precision"] == "bf16-true":
             module.to(torch.bfloat16)
@@ -75,6 +75,7 @@ class FSDP2Worker(TrainingWorker):
                 log.info("%s: %s, rank 0 holds %.3g of %.3g GB (%.3g GB read or received)", name, r["source"],
                          r["shard_bytes"] / 1e9, r["full_bytes"] / 1e9, r["loaded_bytes"] / 1e9)
         self.module = module
+        check_fast_paths(module.policy, "fsdp2", options["padding_free"])  # a forward on every rank
         self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
 
     def _place(self, name: str, model: torch.nn.Module, source: SafetensorsWeights | RandomInit | None,
