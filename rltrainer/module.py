@@ -251,11 +251,27 @@ class RLModule(torch.nn.Module):
         from rltrainer.models import response_log_probs
 
         temperature = micro_batch.meta.get("temperature") or 1.0
+        routes = self.route_kwargs(micro_batch)  # a MoE policy's replayed routes (R3)
         if stage == "old_log_prob":
-            return {"old_log_probs": response_log_probs(self.policy, micro_batch, temperature)[0]}
+            return {"old_log_probs": response_log_probs(self.policy, micro_batch, temperature, **routes)[0]}
         if stage == "ref":
-            return {"ref_log_probs": response_log_probs(self.ref_policy, micro_batch, temperature)[0]}
+            return {"ref_log_probs": response_log_probs(self.ref_policy, micro_batch, temperature, **routes)[0]}
         raise ValueError(f"{type(self).__name__}.compute_step has no stage {stage!r}; override it to add one")
+
+    def records_routes(self) -> bool:
+        """Whether the rollout engine records the experts each token went to, for a
+        mixture-of-experts policy (:attr:`~rltrainer.rollout.engine.RolloutEngine.return_routed_experts`;
+        the rows then carry ``routed_experts [N, P+T, L, K]``). Asked by the Trainer at setup.
+        Default: no; :class:`~rltrainer.modules.PolicyGradient` asks its routing part."""
+        return False
+
+    def route_kwargs(self, micro_batch: RolloutBatch) -> dict[str, Any]:
+        """The :func:`~rltrainer.models.response_log_probs` arguments for ``micro_batch``'s routes:
+        ``{"routed_experts": ..., "replay_routes": True}`` to replay them (routing replay, R3), or
+        nothing. Default: replay the rows' routes when they carry any."""
+        if "routed_experts" not in micro_batch:
+            return {}
+        return {"routed_experts": micro_batch["routed_experts"], "replay_routes": True}
 
     def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss. Required. Runs on every training rank, per micro-batch, with gradients.
