@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.data.batch import RolloutBatch
+from rltrainer.data.batch import RolloutBatch, routes_as_rows
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -391,18 +391,6 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["response_text"] = gen.text
     out["finish_reason"] = gen.finish_reason
     out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})
-    return out
-
-
-def routes_as_rows(routes: list[torch.Tensor], prompt_lengths: list[int], P: int, T: int) -> torch.Tensor:
-    """An engine's routes (:attr:`~rltrainer.rollout.engine.Generation.routed_experts`: per row
-    ``[p + t, L, K]``) as ``[N, P+T, L, K]`` int16, aligned with ``input_ids``: the prompt's tokens
-    end at column ``P``, the response's start there; -1 elsewhere."""
-    L, K = routes[0].shape[1:] if routes else (0, 0)
-    out = torch.full((len(routes), P + T, L, K), -1, dtype=torch.int16)
-    for i, (r, p) in enumerate(zip(routes, prompt_lengths)):
-        r = r[: p + T]
-        out[i, P - p : P - p + len(r)] = r.to(torch.int16)
     return out
 
 

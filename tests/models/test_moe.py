@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer.data.batch import routes_as_rows
 from rltrainer.models import build_causal_lm, response_log_probs
 from rltrainer.models.moe import (capturing, moe_of, recording, replaying, routing_shape, summarize_routing_metrics,
                                   take_routes)
@@ -191,8 +192,6 @@ def test_the_hf_engine_records_the_routes_it_generated_with(family):
     gen = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=T, seed=0, stop_token_ids=[]))
     lengths = gen.response_mask.sum(1).tolist()
     assert [tuple(r.shape) for r in gen.routed_experts] == [(len(prompts[i // 2]) + lengths[i], 2, 2) for i in range(4)]
-    from rltrainer.module import routes_as_rows
-
     width = max(map(len, prompts))
     routes = routes_as_rows(gen.routed_experts, [len(prompts[i // 2]) for i in range(4)], width, gen.response_ids.shape[1])
     ids = torch.zeros(4, width + gen.response_ids.shape[1], dtype=torch.long)
