@@ -86,6 +86,7 @@ class Config:
     sampling_seed: int = -1  # the Trainer's seed (the samples' random numbers): -1 is --seed; others vary only the sampling
     digits: int = 3  # operands in [0, 10**digits)
     num_val: int = 500  # held-out problems
+    model: str = "dense"  # "moe": a tiny Qwen3-MoE with the dense model's active parameters per token (build_model)
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4  # --rollout vllm needs head_dim = hidden_size / num_heads >= 32 on CPU: --num-heads 2
@@ -169,6 +170,37 @@ def two_operands(prompt: str, answer: str) -> bool:
 exact_match = toy.exact_match  # the reward: 1.0 for exactly the answer, else 0.0
 
 
+# -- the policy ----------------------------------------------------------------------------------------
+#: ``--model moe``: experts per MoE layer and experts each token is routed to.
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
+
+
+def build_model(config: Config, tokenizer: Any) -> torch.nn.Module:
+    """``--model``: the randomly initialised policy (weights drawn after ``torch.manual_seed(seed)``).
+
+    ``dense``: a tiny Qwen2 (:func:`rltrainer.toy.tiny_model`: hidden 64, 2 layers, an MLP 256 wide;
+    124k parameters). ``moe``: a tiny Qwen3-MoE (:func:`rltrainer.testing.families.tiny_moe_config`)
+    of the same hidden size, layers and heads, whose MLP is 8 experts 128 wide, each token routed to
+    2: the same MLP width per token, so 125k parameters are active per token (420k in all)."""
+    if config.model == "dense":
+        return toy.tiny_model(tokenizer, seed=config.seed, hidden_size=config.hidden_size,
+                              num_layers=config.num_layers, num_heads=config.num_heads, max_positions=64)
+    if config.model != "moe":
+        raise ValueError(f"--model {config.model!r}; choose from dense, moe")
+    from transformers import AutoModelForCausalLM
+
+    from rltrainer.testing.families import tiny_moe_config
+
+    torch.manual_seed(config.seed)
+    return AutoModelForCausalLM.from_config(tiny_moe_config(
+        len(tokenizer), hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=max(1, config.num_heads // 2),
+        head_dim=config.hidden_size // config.num_heads, num_experts=NUM_EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
+        moe_intermediate_size=4 * config.hidden_size // EXPERTS_PER_TOKEN, max_position_embeddings=64,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id))
+
+
 # -- 1. supervised warm-up ---------------------------------------------------------------------------
 def warm_up(config: Config, problems: toy.Problems, tokenizer: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Cross-entropy on the answer and ``<eos>`` tokens (:func:`rltrainer.toy.warm_up`) until the
@@ -188,8 +220,7 @@ def warm_up(config: Config, problems: toy.Problems, tokenizer: Any) -> tuple[tor
     gradient towards attending to the right operand digits until it, by chance, does both at once,
     and the plateau before that lasted 300 to more than 2000 steps depending on the data order
     and the CPU's rounding. The copy problems give that gradient directly."""
-    model = toy.tiny_model(tokenizer, seed=config.seed, hidden_size=config.hidden_size, num_layers=config.num_layers,
-                           num_heads=config.num_heads, max_positions=64)
+    model = build_model(config, tokenizer)
     draw = copy_mix(config.digits, config.warmup_copy_share)
     result = toy.warm_up(model, tokenizer, lambda n: problems.texts(problems.sample(n, draw)),
                          steps=config.warmup_max_steps, batch_size=config.warmup_batch_size, lr=config.warmup_lr,
