@@ -230,28 +230,29 @@ def warm_up(config: Config, problems: toy.Problems, tokenizer: Any) -> tuple[tor
 
 
 # -- 2. GRPO, and held-out accuracy before and after ------------------------------------------------
-#: The step metrics PrintProgress prints, and their labels.
+#: The step metrics PrintProgress prints, and their labels (the MoE one only for a MoE policy).
 PRINTED = {"critic/score/mean": "mean reward", "critic/groups/zero_std_ratio": "groups without signal",
-           "actor/entropy": "entropy"}
+           "actor/entropy": "entropy", "moe/expert_share/max": "busiest expert's share"}
 
 
 class PrintProgress(rltrainer.Callback):
     """Every ``every`` steps (0: never), the means over those steps of the training reward (= sampled
     accuracy), the share of groups without signal (all 8 samples equally right or wrong, so every
-    advantage is 0) and the policy's token entropy; and the held-out accuracy whenever the Trainer
-    has just validated."""
+    advantage is 0), the policy's token entropy and, for a MoE policy, the busiest expert's share of
+    the routed tokens (1/8 when balanced); and the held-out accuracy whenever the Trainer has just
+    validated."""
 
     def __init__(self, every: int) -> None:
         self.every, self.history = every, []
         self.gen_s = self.gen_tokens = 0.0  # the engine's generation time and tokens over the run
 
     def on_step_end(self, trainer: rltrainer.Trainer, module: rltrainer.RLModule, metrics: dict[str, float]) -> None:
-        self.history.append({k: metrics[k] for k in PRINTED})
+        self.history.append({k: metrics[k] for k in PRINTED if k in metrics})
         self.gen_s += metrics["timing_s/gen"]  # rollout_step's wall time, the engine call included
         self.gen_tokens += metrics["response_length/mean"] * module.sampling.n * trainer.plan.prompts_per_step
         if self.every and trainer.global_step % self.every == 0:
-            means = {k: sum(h[k] for h in self.history[-self.every:]) / self.every for k in PRINTED}
-            print(f"step {trainer.global_step}: " + ", ".join(f"{label} {means[k]:.3f}" for k, label in PRINTED.items())
+            means = {k: sum(h[k] for h in self.history[-self.every:]) / self.every for k in self.history[-1]}
+            print(f"step {trainer.global_step}: " + ", ".join(f"{PRINTED[k]} {v:.3f}" for k, v in means.items())
                   + f" ({metrics['timing_s/step']:.2f}s/step)", flush=True)
         if "val/accuracy" in metrics:
             print(f"step {trainer.global_step}: held-out accuracy {metrics['val/accuracy']:.1%}", flush=True)
