@@ -30,6 +30,7 @@ import torch
 
 from rltrainer.checkpoints import commit_directory, temporary_directory
 from rltrainer.lora import adapter_weights, lora_view
+from rltrainer.models.checkpoint_form import to_checkpoint_form
 from rltrainer.models.safetensors_io import write_safetensors
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, bucketed
 
@@ -109,7 +110,10 @@ def save_pretrained_dir(weights: Iterable[tuple[str, torch.Tensor]], config: Any
     """Write a transformers model directory from a stream of HF-named tensors: shards, config (its
     ``dtype`` set to the weights'), generation config, tokenizer. Tied weights come once (the
     input embedding), as ``named_parameters`` gives them; ``lm_head.weight`` is dropped if the
-    config ties it."""
+    config ties it. The tensors are written in the hub checkpoint's form, as ``save_pretrained``
+    writes them (a mixture of experts' fused tensors one expert at a time:
+    :func:`~rltrainer.models.checkpoint_form.to_checkpoint_form`), so vLLM, SGLang and other tools
+    load the export."""
     with staged(path) as tmp:
         tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
         seen: list[torch.dtype] = []
@@ -122,7 +126,7 @@ def save_pretrained_dir(weights: Iterable[tuple[str, torch.Tensor]], config: Any
                     seen.append(tensor.dtype)
                 yield name, tensor
 
-        write_shards(stream(), tmp, max_shard_bytes)
+        write_shards(to_checkpoint_form(stream(), config), tmp, max_shard_bytes)
         config = copy.deepcopy(config)
         config.dtype = dtype or (seen[0] if seen else torch.float32)
         config.use_cache = True  # training turns the cache off; generation wants it

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rltrainer.lora import base_name
+from rltrainer.models.checkpoint_form import ConvertedWeights, converted_weights
 from rltrainer.models.safetensors_io import SafetensorsWeights, find_tensor
 
 ModelSpec = str | Any | Callable[[], torch.nn.Module]
@@ -88,7 +89,7 @@ def deferred_init(init_random_here: bool) -> Iterator[None]:
         _DEFERRED.reset(token)
 
 
-def take_weight_source(model: torch.nn.Module) -> SafetensorsWeights | RandomInit | None:
+def take_weight_source(model: torch.nn.Module) -> WeightSource | None:
     """The weight source :func:`build_causal_lm` attached to ``model`` (``None`` if none), detached
     from it so that its memory goes once the strategy has loaded every model sharing it."""
     return model.__dict__.pop(_SOURCE_ATTR, None)
@@ -127,7 +128,10 @@ def init_from_config(config: Any, dtype: torch.dtype | None = None, auto_class: 
     return _with_source(_from_config(config, dtype, auto_class, meta=True), RandomInit(state))
 
 
-def source_key(source: SafetensorsWeights | RandomInit, aliases: list[str], shape: tuple[int, ...]) -> str:
+WeightSource = SafetensorsWeights | ConvertedWeights | RandomInit  # where a deferred model's weights come from
+
+
+def source_key(source: WeightSource, aliases: list[str], shape: tuple[int, ...]) -> str:
     """The tensor of ``source`` holding a parameter (``aliases``: its names, tied ones included) of
     shape ``shape``; raises, naming the tensor, if there is none or it has another shape."""
     key = source.find(aliases)
@@ -184,7 +188,7 @@ def _parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _with_source(model: torch.nn.Module, source: SafetensorsWeights | RandomInit) -> torch.nn.Module:
+def _with_source(model: torch.nn.Module, source: WeightSource) -> torch.nn.Module:
     model.__dict__[_SOURCE_ATTR] = source
     return model
 
@@ -199,7 +203,8 @@ def _checkpoint_on_meta(spec: str, dtype: torch.dtype | None, auto_class: Any = 
     dtype = dtype or getattr(config, "dtype", None) or weights.dtype()  # from_pretrained's dtype="auto"
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    return _with_source(_from_config(config, dtype, auto_class, meta=True).eval(), weights)  # from_pretrained returns eval()
+    model = _from_config(config, dtype, auto_class, meta=True).eval()  # from_pretrained returns eval()
+    return _with_source(model, converted_weights(weights, model))  # experts stored one by one: as loaded
 
 
 def _checkpoint_dir(spec: str) -> str:
