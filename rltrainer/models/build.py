@@ -162,6 +162,26 @@ def parameter_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     return {name: names[id(param)] for name, param in model.named_parameters()}
 
 
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors that make up ``model``'s weights, by name: its parameters (a tied one once, as
+    ``named_parameters`` gives it), then the buffers its checkpoint stores (persistent ones, e.g.
+    DeepSeek-V3's router ``e_score_correction_bias``; not RoPE tables, which are computed). What
+    weight sync sends and the HF export writes: an engine or a reloaded model built from the config
+    would otherwise keep its own initial value of such a buffer."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for owner, module in model.named_modules():
+        for leaf, buffer in module._buffers.items():
+            if buffer is not None and leaf not in module._non_persistent_buffers_set:
+                tensors[f"{owner}.{leaf}" if owner else leaf] = buffer
+    return tensors
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers of :func:`state_tensors`."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {name: t for name, t in state_tensors(model).items() if name not in params}
+
+
 def _from_config(config: Any, dtype: torch.dtype | None, auto_class: Any = None, meta: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
