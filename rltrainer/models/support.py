@@ -108,10 +108,18 @@ def base_config(model: torch.nn.Module) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def class_name(model: torch.nn.Module) -> str:
+    """The name of ``model``'s class; FSDP2's ``fully_shard`` swaps it for a subclass named
+    ``FSDP<name>``, which is not the name a user knows."""
+    cls = type(model)
+    wrapped = cls.__bases__[-1]
+    return wrapped.__name__ if cls.__name__ == f"FSDP{wrapped.__name__}" else cls.__name__
+
+
 def check_activation_checkpointing(model: torch.nn.Module, name: str) -> None:
     """Raise if ``model`` (the module's ``name``) cannot checkpoint its layers' activations."""
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"activation_checkpointing=True: {name} is a {type(model).__name__}, which transformers marks "
+        raise ValueError(f"activation_checkpointing=True: {name} is a {class_name(model)}, which transformers marks "
                          "supports_gradient_checkpointing=False. Turn activation_checkpointing off for it.")
 
 
@@ -263,7 +271,7 @@ def check_fast_paths(model: torch.nn.Module, strategy: str, padding_free: bool) 
         problem = packing_problem(model)
         if problem is not None:
             raise ValueError(f"strategy={strategy!r} with padding_free=True packs each micro-batch's rows into one "
-                             f"sequence, but {type(model).__name__} cannot keep packed rows apart: {problem}. Use "
+                             f"sequence, but {class_name(model)} cannot keep packed rows apart: {problem}. Use "
                              "padding_free=False for this model (its rows then run padded).")
 
 
