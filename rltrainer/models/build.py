@@ -35,6 +35,11 @@ def build_causal_lm(spec: ModelSpec, dtype: torch.dtype | None = None, seed: int
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
     if isinstance(spec, PretrainedConfig):
+        from rltrainer.models.support import config_problem
+
+        problem = config_problem(spec)
+        if problem is not None:  # transformers' own error lists every config it builds
+            raise ValueError(f"model={type(spec).__name__}(...): the {problem}")
         if seed is not None:
             torch.manual_seed(seed)
         config = copy.deepcopy(spec)

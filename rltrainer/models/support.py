@@ -85,14 +85,9 @@ def check_causal_lm(model: torch.nn.Module, strategy: str) -> None:
         raise ValueError(f"{where}; the policy is a {type(model).__name__} with no transformers config. Build it with "
                          "rltrainer.models.build_causal_lm (a hub id, a path or a PretrainedConfig), or "
                          "AutoModelForCausalLM, so that the rollout engines can build it from its config.")
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    text = base_config(model)
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"{where}; the policy's config is a {type(config).__name__} (model_type="
-                         f"{config.model_type!r}), which AutoModelForCausalLM does not build, so no rollout engine can "
-                         "build it. Use the causal LM of that family (for a vision-language model, its text config, "
-                         "e.g. Gemma3TextConfig) or register the config with AutoModelForCausalLM.register.")
+    problem = config_problem(config)
+    if problem is not None:
+        raise ValueError(f"{where}; the policy's {problem}")
     forward = inspect.signature(_inner_forward(model)).parameters
     missing = [a for a in ("attention_mask", "position_ids", "logits_to_keep") if a not in forward
                and not any(p.kind is p.VAR_KEYWORD for p in forward.values())]
@@ -100,6 +95,20 @@ def check_causal_lm(model: torch.nn.Module, strategy: str) -> None:
         raise ValueError(f"{where}; {type(model).__name__}.forward takes no {', '.join(missing)}, which the trainer passes "
                          "(the response's log-probs are computed from the last positions only, with the rows' own "
                          "positions). Use a transformers version whose model of this family takes them.")
+
+
+def config_problem(config: Any) -> str | None:
+    """Why no rollout engine can build a model from ``config`` (``AutoModelForCausalLM.from_config``,
+    as the engines do), or ``None``. The config itself must be one AutoModelForCausalLM builds: a
+    vision-language config whose text config is (Llava's, Qwen2-VL's) builds no engine."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    return (f"config is a {type(config).__name__} (model_type={config.model_type!r}), which AutoModelForCausalLM "
+            "does not build, so no rollout engine can build it. Use the causal LM of that family (for a "
+            "vision-language model, its language model with its text config, e.g. Gemma3ForCausalLM with "
+            "Gemma3TextConfig) or register the config with AutoModelForCausalLM.register.")
 
 
 def base_config(model: torch.nn.Module) -> Any:

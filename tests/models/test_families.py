@@ -118,6 +118,53 @@ def test_packing_is_refused_at_setup_with_the_reason(family, bpe_tokenizer):
         assert "FSDP" not in str(info.value)  # the model's own class, not FSDP2's wrapper
 
 
+# -- refusals at setup ------------------------------------------------------------------------------
+def llava(tokenizer) -> torch.nn.Module:
+    """A tiny vision-language model: its text config (Llama) is a causal LM's, its own is not."""
+    import transformers as tf
+
+    text = tiny_config("llama", len(tokenizer)).to_dict()
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=28, patch_size=14)
+    return tf.LlavaForConditionalGeneration(tf.LlavaConfig(text_config=text, vision_config=vision.to_dict()))
+
+
+def without(attribute: str, value, tokenizer) -> torch.nn.Module:
+    """A tiny Llama whose ``attribute`` is ``value`` (what a model without that support declares)."""
+    model = build_causal_lm(tiny_config("llama", len(tokenizer)), seed=0)
+    setattr(model, attribute, value)
+    return model
+
+
+STRATEGIES = {"single": lambda **o: SingleDeviceStrategy(device="cpu", **o), "fsdp2": lambda **o: FSDP2Strategy(**o)}
+REFUSALS = [  # (what is missing, the policy, strategy options, the strategies that check it, the reason)
+    ("not_a_causal_lm_config", lambda tok: __import__("transformers").T5Config(
+        vocab_size=len(tok), d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8), {}, ("single", "fsdp2"),
+     r"T5Config \(model_type='t5'\), which AutoModelForCausalLM does not build"),
+    ("vision_language_model", lambda tok: (lambda: llava(tok)), {}, ("single", "fsdp2"),
+     r"LlavaConfig \(model_type='llava'\), which AutoModelForCausalLM does not build.*its text config"),
+    ("no_gradient_checkpointing", lambda tok: (lambda: without("supports_gradient_checkpointing", False, tok)),
+     {"activation_checkpointing": True}, ("fsdp2",),
+     r"LlamaForCausalLM, which transformers marks supports_gradient_checkpointing=False. Turn activation_checkpointing"),
+    ("no_blocks_to_shard", lambda tok: (lambda: without("_no_split_modules", ["NoSuchLayer"], tok)), {}, ("fsdp2",),
+     r"names \['NoSuchLayer'\] and holds none of them. Use strategy='single'"),
+]
+
+
+@pytest.mark.parametrize("what, policy, options, reason, strategy", [
+    pytest.param(what, policy, options, reason, strategy, id=f"{what}-{strategy}")
+    for what, policy, options, strategies, reason in REFUSALS for strategy in strategies])
+def test_a_refused_model_gets_its_reason_at_setup(what, policy, options, reason, strategy, bpe_tokenizer):
+    module = GRPO(policy(bpe_tokenizer), bpe_tokenizer, reward_funcs=length_reward, num_generations=2,
+                  max_new_tokens=4)
+    trainer = STRATEGIES[strategy](**options)
+    try:
+        with pytest.raises(ValueError, match=reason):
+            trainer.setup(module, seed=0)
+    finally:
+        trainer.teardown()
+
+
 # -- (b) single vs fsdp2 ---------------------------------------------------------------------------
 def make_module(family: str, tokenizer, **kwargs) -> GRPO:
     # lr 1e-4, as test_fsdp2.py (see make_module there: Adam's first step amplifies roundings near 0)
