@@ -10,6 +10,9 @@ shards or megatron's tensor x pipeline layout, converted back by
 bucket in memory besides the model. A LoRA policy exports merged (``lora="merged"``: plain HF
 weights) or as the adapter alone (``lora="adapter"``: ``adapter_config.json`` and
 ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained(base, path)`` loads).
+The tensors are written in the hub's checkpoint form, as ``save_pretrained`` writes them
+(:func:`to_checkpoint_form`: a mixture of experts' fused ``[E, ...]`` tensors one expert at a time;
+loading that form back by parameter name: :mod:`rltrainer.models.checkpoint_form`).
 
 The directory appears only when complete: it is written under a temporary name beside it, then
 renamed. The command line that exports a checkpoint is :mod:`rltrainer.export`.
@@ -30,7 +33,6 @@ import torch
 
 from rltrainer.checkpoints import commit_directory, temporary_directory
 from rltrainer.lora import adapter_weights, lora_view
-from rltrainer.models.checkpoint_form import to_checkpoint_form
 from rltrainer.models.safetensors_io import write_safetensors
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, bucketed
 
@@ -62,6 +64,55 @@ def write_shards(weights: Iterable[tuple[str, torch.Tensor]], out: Path, max_sha
     if len(written) > 1:
         (out / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return index
+
+
+# -- the hub's checkpoint form ------------------------------------------------------------------------
+def to_checkpoint_form(weights: Iterable[tuple[str, torch.Tensor]],
+                       config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` (in-memory names and tensors of a model built from ``config``) as its hub
+    checkpoint stores them: what ``save_pretrained`` writes, one tensor (or one expert) at a time.
+    A checkpoint tensor made from several in-memory ones is yielded once all of them have come."""
+    from transformers.core_model_loading import WeightConverter, apply_converters, revert_weight_conversion
+
+    model = _meta_model(config)
+    conversions = _saved_conversions(model)
+    if not conversions:
+        yield from weights
+        return
+    model._weight_conversions = conversions  # revert_weight_conversion reads them here, instead of each call
+    converters = [c.reverse_transform() for c in conversions[::-1] if isinstance(c, WeightConverter)]
+    waiting: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # checkpoint tensor -> its in-memory parts so far
+    for name, tensor in weights:
+        target, pattern = apply_converters(name, converters)
+        parts = next((len(c.source_patterns) for c in converters if pattern in c.source_patterns), 1)
+        if parts > 1:
+            waiting.setdefault(target, {})[pattern] = (name, tensor)
+            if len(waiting[target]) < parts:
+                continue
+            group = dict(waiting.pop(target).values())
+        else:
+            group = {name: tensor}
+        yield from revert_weight_conversion(model, group).items()
+    if waiting:
+        missing = {target: sorted(parts) for target, parts in waiting.items()}
+        raise ValueError(f"The export stream ended before every part of these checkpoint tensors came: {missing}")
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    """The model ``config`` builds, on the meta device (its structure decides the mappings)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
+
+
+def _saved_conversions(model: torch.nn.Module) -> list[Any]:
+    """The transforms ``save_pretrained`` reverts for a model not loaded by ``from_pretrained``
+    (transformers' ``revert_weight_conversion``: no legacy renamings, no prefix changes)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    return [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
 
 
 # -- the directory ----------------------------------------------------------------------------------
@@ -112,8 +163,7 @@ def save_pretrained_dir(weights: Iterable[tuple[str, torch.Tensor]], config: Any
     input embedding), as ``named_parameters`` gives them; ``lm_head.weight`` is dropped if the
     config ties it. The tensors are written in the hub checkpoint's form, as ``save_pretrained``
     writes them (a mixture of experts' fused tensors one expert at a time:
-    :func:`~rltrainer.models.checkpoint_form.to_checkpoint_form`), so vLLM, SGLang and other tools
-    load the export."""
+    :func:`to_checkpoint_form`), so vLLM, SGLang and other tools load the export."""
     with staged(path) as tmp:
         tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
         seen: list[torch.dtype] = []

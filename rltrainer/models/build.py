@@ -21,6 +21,7 @@ import torch
 from rltrainer.lora import base_name
 from rltrainer.models.checkpoint_form import ConvertedWeights, converted_weights
 from rltrainer.models.safetensors_io import SafetensorsWeights, find_tensor
+from rltrainer.models.support import config_problem
 
 ModelSpec = str | Any | Callable[[], torch.nn.Module]
 
@@ -35,8 +36,6 @@ def build_causal_lm(spec: ModelSpec, dtype: torch.dtype | None = None, seed: int
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
     if isinstance(spec, PretrainedConfig):
-        from rltrainer.models.support import config_problem
-
         problem = config_problem(spec)
         if problem is not None:  # transformers' own error lists every config it builds
             raise ValueError(f"model={type(spec).__name__}(...): the {problem}")

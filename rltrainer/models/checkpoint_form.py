@@ -5,14 +5,15 @@ transformers 5 holds a mixture of experts' weights fused (``mlp.experts.gate_up_
 (vLLM, SGLang), store each expert on its own (``mlp.experts.{e}.gate_proj.weight``...; Mixtral:
 ``block_sparse_moe.experts.{e}.w1.weight``). ``from_pretrained`` converts one into the other with
 the family's conversion mapping (``transformers.conversion_mapping``), ``save_pretrained``
-reverts it (``transformers.core_model_loading.revert_weight_conversion``). Both directions here use
-those same mappings:
+reverts it (``transformers.core_model_loading.revert_weight_conversion``). Both directions use those
+same mappings:
 
-- :func:`to_checkpoint_form` turns a stream of in-memory ``(name, tensor)`` (a strategy's
-  ``export_weights``) into the tensors ``save_pretrained`` writes, for the HF export;
-- :class:`ConvertedWeights` shows a checkpoint's safetensors files under the model's own parameter
-  names and shapes, so a sharded strategy (FSDP2, Megatron) reads each parameter's rows by name: a
-  rank whose rows of ``gate_up_proj`` are experts 4-7 reads the files of those experts only.
+- :class:`ConvertedWeights` (here) shows a checkpoint's safetensors files under the model's own
+  parameter names and shapes, so a sharded strategy (FSDP2, Megatron) reads each parameter's rows
+  by name: a rank whose rows of ``gate_up_proj`` are experts 4-7 reads the files of those experts
+  only;
+- :func:`rltrainer.hf_export.to_checkpoint_form` turns a stream of in-memory ``(name, tensor)`` (a
+  strategy's ``export_weights``) into the tensors ``save_pretrained`` writes, for the HF export.
 
 Families whose two forms are the same (dense models, gpt-oss, Llama 4) pass through unchanged.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,55 +29,6 @@ import torch
 from rltrainer.models.safetensors_io import SafetensorsWeights, find_tensor
 
 
-# -- memory -> checkpoint (export) -----------------------------------------------------------------
-def to_checkpoint_form(weights: Iterable[tuple[str, torch.Tensor]], config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """``weights`` (in-memory names and tensors of a model built from ``config``) as its hub
-    checkpoint stores them: what ``save_pretrained`` writes, one tensor (or one expert) at a time.
-    A checkpoint tensor made from several in-memory ones is yielded once all of them have come."""
-    from transformers.core_model_loading import WeightConverter, apply_converters, revert_weight_conversion
-
-    model = _meta_model(config)
-    conversions = _saved_conversions(model)
-    if not conversions:
-        yield from weights
-        return
-    model._weight_conversions = conversions  # revert_weight_conversion reads them here, instead of each call
-    converters = [c.reverse_transform() for c in conversions[::-1] if isinstance(c, WeightConverter)]
-    waiting: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # checkpoint tensor -> its in-memory parts so far
-    for name, tensor in weights:
-        target, pattern = apply_converters(name, converters)
-        parts = next((len(c.source_patterns) for c in converters if pattern in c.source_patterns), 1)
-        if parts > 1:
-            waiting.setdefault(target, {})[pattern] = (name, tensor)
-            if len(waiting[target]) < parts:
-                continue
-            group = dict(waiting.pop(target).values())
-        else:
-            group = {name: tensor}
-        yield from revert_weight_conversion(model, group).items()
-    if waiting:
-        missing = {target: sorted(parts) for target, parts in waiting.items()}
-        raise ValueError(f"The export stream ended before every part of these checkpoint tensors came: {missing}")
-
-
-def _meta_model(config: Any) -> torch.nn.Module:
-    """The model ``config`` builds, on the meta device (its structure decides the mappings)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
-
-
-def _saved_conversions(model: torch.nn.Module) -> list[Any]:
-    """The transforms ``save_pretrained`` reverts for a model not loaded by ``from_pretrained``
-    (transformers' ``revert_weight_conversion``: no legacy renamings, no prefix changes)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange
-
-    return [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
-
-
-# -- checkpoint -> memory (loading by parameter name) -------------------------------------------------
 @dataclasses.dataclass
 class _Fused:
     """One conversion of checkpoint tensors into in-memory ones: ``sources`` (per source pattern,
@@ -96,15 +47,15 @@ class ConvertedWeights:
     ``from_pretrained`` would load into each parameter, read by name, rows ``start:stop`` at a
     time, as :class:`SafetensorsWeights` reads (:meth:`find`, :meth:`shape`, :meth:`read`).
 
-    A fused parameter's rows (the experts of a ``[E, ...]`` tensor) are read from those experts'
+    A fused parameter's rows (the experts of an ``[E, ...]`` tensor) are read from those experts'
     tensors only where the conversion stacks experts along the rows and joins them along another
     dimension (``MergeModulelist(dim=0)`` then ``Concatenate(dim>=1)``, every MoE family's); any
     other conversion reads its tensors whole and keeps the rows asked."""
 
-    def __init__(self, files: SafetensorsWeights, model: torch.nn.Module, plans: dict[str, _Fused],
+    def __init__(self, files: SafetensorsWeights, config: Any, plans: dict[str, _Fused],
                  renamed: dict[str, str]) -> None:
         self.files, self.path = files, files.path
-        self.model = model
+        self.config = config
         self.plans = plans  # in-memory name -> its conversion
         self.renamed = renamed  # in-memory name -> checkpoint tensor (renamed only, or as it is)
         self._last: tuple[int, int, int | None, dict[str, torch.Tensor]] | None = None  # one conversion's outputs
@@ -152,8 +103,9 @@ class ConvertedWeights:
         next read: a conversion with several outputs is read once for all of them)."""
         key = (id(plan), start, stop)
         if self._last is None or self._last[:3] != key:
-            tensors = {pattern: [self.files.read(k) for k in keys[start:stop]] for pattern, keys in plan.sources.items()}
-            self._last = (*key, _run(plan, tensors, self.model))
+            tensors = {pattern: [self.files.read(k) for k in keys[start:stop]]
+                       for pattern, keys in plan.sources.items()}
+            self._last = (*key, _run(plan, tensors, self.config))
         return self._last[3]
 
 
@@ -175,7 +127,7 @@ def converted_weights(files: SafetensorsWeights, model: torch.nn.Module) -> Safe
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     plans: dict[str, _Fused] = {}
     renamed: dict[str, str] = {}
-    for key in sorted(stored, key=dot_natural_key):  # experts in order: 0, 1, ..., 10 (not 0, 1, 10)
+    for key in sorted(stored, key=dot_natural_key):  # experts in numeric order (2 before 10), as from_pretrained
         target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, params)
         if target not in params and key in params:
             target, pattern = key, None
@@ -188,14 +140,14 @@ def converted_weights(files: SafetensorsWeights, model: torch.nn.Module) -> Safe
     for plan in list(plans.values()):
         meta = {p: [torch.empty(files.shape(k), dtype=files.names()[k][2], device="meta") for k in keys]
                 for p, keys in plan.sources.items()}
-        plan.outputs = {n: tuple(t.shape) for n, t in _run(plan, meta, model).items()}
+        plan.outputs = {n: tuple(t.shape) for n, t in _run(plan, meta, model.config).items()}
         plan.by_rows = len(plan.outputs) == 1 and _stacks_rows(plan.converter)
         for name in plan.outputs:
             plans[name] = plan
-    return ConvertedWeights(files, model, plans, renamed)
+    return ConvertedWeights(files, model.config, plans, renamed)
 
 
-def _run(plan: _Fused, tensors: dict[str, list[torch.Tensor]], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _run(plan: _Fused, tensors: dict[str, list[torch.Tensor]], config: Any) -> dict[str, torch.Tensor]:
     """``plan``'s conversion of ``tensors`` (source pattern -> its tensors, in expert order): the
     in-memory tensors under their full names, as ``from_pretrained`` makes them
     (``WeightConverter.convert``)."""
@@ -203,7 +155,7 @@ def _run(plan: _Fused, tensors: dict[str, list[torch.Tensor]], model: torch.nn.M
     for pattern, group in tensors.items():
         for tensor in group:
             converter.add_tensor(plan.layer, "", pattern, tensor)
-    return converter.convert(plan.layer, model=model, config=model.config)
+    return converter.convert(plan.layer, config=config)
 
 
 def _stacks_rows(converter: Any) -> bool:

@@ -32,6 +32,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rltrainer.modules.grpo import GRPO
+from rltrainer.rollout.engine import SamplingParams
+from rltrainer.rollout.hf import HFEngine
+from rltrainer.strategies.fsdp2 import FSDP2Strategy
+from rltrainer.strategies.megatron.config import RULES, megatron_config
+from rltrainer.strategies.single import SingleDeviceStrategy
+from rltrainer.testing import length_reward, load_tokenizer
 from rltrainer.testing.families import DENSE, MOE, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +51,6 @@ NOT_RUN = "not run here"
 
 def render(vllm_results: Path = VLLM_RESULTS) -> str:
     """The table (Markdown) and the refusals' messages under it, numbered."""
-    from rltrainer.testing import load_tokenizer
-
     tokenizer = load_tokenizer("gsm8k-bpe4k")
     vllm_version, vllm = _vllm_outcomes(vllm_results)
     notes: list[str] = []
@@ -83,10 +88,6 @@ def _strategy_cell(name: str, config: Any, tokenizer: Any, notes: list[str]) -> 
 
 def _setup(name: str, config: Any, tokenizer: Any, **options: Any) -> None:
     """``strategy.setup`` of a GRPO module of ``config`` (``fsdp2``: one in-process rank)."""
-    from rltrainer import GRPO
-    from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
-    from rltrainer.testing import length_reward
-
     module = GRPO(config, tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=2)
     strategy = SingleDeviceStrategy(device="cpu", **options) if name == "single" else FSDP2Strategy(devices=1,
                                                                                                    **options)
@@ -99,8 +100,6 @@ def _setup(name: str, config: Any, tokenizer: Any, **options: Any) -> None:
 def _megatron_cell(config: Any, notes: list[str]) -> str:
     """The first of megatron's field-by-field rules the config breaks (its field, and what megatron
     takes there as the note), else whatever else its conversion refuses (the RoPE check)."""
-    from rltrainer.strategies.megatron.config import RULES, megatron_config
-
     for rule in RULES:
         if not rule.ok(rule.read(config)):
             note = _note(f"`megatron` takes {rule.supported} for `{rule.field}`. To train it, {rule.fix}.", notes)
@@ -109,8 +108,6 @@ def _megatron_cell(config: Any, notes: list[str]) -> str:
 
 
 def _hf_engine(config: Any, tokenizer: Any) -> None:
-    from rltrainer.rollout import HFEngine, SamplingParams
-
     engine = HFEngine()
     engine.setup(config, tokenizer)
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, stop_token_ids=[]))

@@ -145,7 +145,7 @@ REFUSALS = [  # (what is missing, the policy, strategy options, the strategies t
      r"LlavaConfig \(model_type='llava'\), which AutoModelForCausalLM does not build.*its text config"),
     ("no_gradient_checkpointing", lambda tok: (lambda: without("supports_gradient_checkpointing", False, tok)),
      {"activation_checkpointing": True}, ("fsdp2",),
-     r"LlamaForCausalLM, which transformers marks supports_gradient_checkpointing=False. Turn activation_checkpointing"),
+     r"LlamaForCausalLM, which transformers marks supports_gradient_checkpointing=False. Turn activation_check"),
     ("no_blocks_to_shard", lambda tok: (lambda: without("_no_split_modules", ["NoSuchLayer"], tok)), {}, ("fsdp2",),
      r"names \['NoSuchLayer'\] and holds none of them. Use strategy='single'"),
 ]
