@@ -52,7 +52,7 @@ NOT_RUN = "not run here"
 def render(vllm_results: Path = VLLM_RESULTS) -> str:
     """The table (Markdown) and the refusals' messages under it, numbered."""
     tokenizer = load_tokenizer("gsm8k-bpe4k")
-    vllm_version, vllm = _vllm_outcomes(vllm_results)
+    vllm_version, vllm = vllm_outcomes(vllm_results)
     notes: list[str] = []
     header = ["family", "`single`", "`fsdp2`", "`megatron`", "`hf` engine", f"vLLM ({vllm_version or 'CPU build'})"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -63,7 +63,7 @@ def render(vllm_results: Path = VLLM_RESULTS) -> str:
                  _strategy_cell("fsdp2", config, tokenizer, notes),
                  _megatron_cell(config, notes),
                  _cell(_refusal(lambda: _hf_engine(config, tokenizer)), notes),
-                 _vllm_cell(vllm.get(family), notes)]
+                 vllm_cell(vllm.get(family), notes)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [""] + [f"{i}. {note}" for i, note in enumerate(notes, 1)]
     return "\n".join(lines)
@@ -113,15 +113,17 @@ def _hf_engine(config: Any, tokenizer: Any) -> None:
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, stop_token_ids=[]))
 
 
-def _vllm_outcomes(path: Path) -> tuple[str | None, dict[str, str]]:
-    """``(vLLM's version, family -> "works" or vLLM's message)`` from ``path``; nothing without it."""
+def vllm_outcomes(path: Path) -> tuple[str | None, dict[str, str]]:
+    """``(vLLM's version, family -> "works" or vLLM's message)`` from ``path`` (the JSON object the
+    module docstring describes); ``(None, {})`` without the file."""
     if not path.is_file():
         return None, {}
     data = json.loads(path.read_text())
     return data.get("vllm"), dict(data.get("families", {}))
 
 
-def _vllm_cell(outcome: str | None, notes: list[str]) -> str:
+def vllm_cell(outcome: str | None, notes: list[str]) -> str:
+    """The vLLM column's cell for one family's recorded outcome (``None``: not recorded)."""
     if outcome is None:
         return NOT_RUN
     return "works" if outcome == "works" else f"fails ({_note(outcome, notes)})"
