@@ -11,7 +11,11 @@ silently different log-probs:
 - the ``hf`` engine's sampled log-probs equal the trainer's on the same rows;
 - the HF export writes what ``save_pretrained`` writes (MoE experts one by one) and reloads with
   ``from_pretrained`` to the same logits; a hub MoE checkpoint (experts one by one) loads on
-  ``fsdp2``, 1 and 2 ranks, to ``from_pretrained``'s weights, each rank reading only its experts.
+  ``fsdp2``, 1 and 2 ranks, to ``from_pretrained``'s weights, each rank reading only its experts;
+  the buffers a checkpoint stores (DeepSeek-V3's router bias) reach the engine and the export;
+- what a strategy refuses (packing gpt-oss, a config ``AutoModelForCausalLM`` does not build, a
+  vision-language model, activation checkpointing without support, no blocks for FSDP2) is refused
+  at setup, with the reason.
 
 Megatron's own families are tested in tests/strategies/ (``test_model_families.py``,
 ``test_megatron_*``); the docs' table of all of them is ``rltrainer.testing.family_table``."""
