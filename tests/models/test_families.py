@@ -169,6 +169,19 @@ def test_a_refused_model_gets_its_reason_at_setup(what, policy, options, reason,
         trainer.teardown()
 
 
+@pytest.mark.parametrize("family, layer", [("llama4_text", "Llama4Router, an nn.Linear with a forward of its own"),
+                                           ("qwen3_moe", r"mlp.experts \(ParamWrapper\): only linear layers")])
+def test_lora_on_a_moe_router_or_experts_is_refused_at_setup(family, layer, bpe_tokenizer):
+    """``target_modules="all-linear"`` reaches a MoE's router (Llama 4's is an ``nn.Linear`` that
+    returns a tuple) or its fused experts: refused, naming the layer."""
+    import peft
+
+    module = GRPO(tiny_config(family, len(bpe_tokenizer)), bpe_tokenizer, reward_funcs=length_reward,
+                  num_generations=2, max_new_tokens=4, lora=peft.LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(ValueError, match=f"LoRA on .*{layer}"):
+        SingleDeviceStrategy(device="cpu").setup(module, seed=0)
+
+
 # -- (b) single vs fsdp2 ---------------------------------------------------------------------------
 def make_module(family: str, tokenizer, **kwargs) -> GRPO:
     # lr 1e-4, as test_fsdp2.py (see make_module there: Adam's first step amplifies roundings near 0)
