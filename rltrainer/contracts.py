@@ -241,12 +241,19 @@ def _check_policy_output(where: str, result: Any) -> None:
     _check_metrics(where, metrics, "the metrics (second item)", "return loss, {'actor/pg_loss': loss.detach()}")
 
 
+#: The count metrics ``policy_step`` may return as tensors (a MoE policy's, per layer and expert):
+#: summed element by element over micro-batches, ranks and optimizer steps, then summarised into
+#: numbers (:func:`rltrainer.models.moe.summarize_routing_metrics`).
+COUNT_METRICS = frozenset({"moe/expert_tokens", "moe/router_entropy", "moe/routing_agreement"})
+
+
 def _check_metrics(where: str, metrics: Any, what: str, example: str) -> None:
     if not isinstance(metrics, Mapping):
         got = "None" if metrics is None else f"a {type(metrics).__name__}"
         raise HookContractError(f"{where} returned {got} as {what}; expected a dict of numbers, e.g. `{example}`.")
     for name, value in metrics.items():
         number = isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+        number = number or (name in COUNT_METRICS and isinstance(value, torch.Tensor))
         if not isinstance(name, str) or not number:
             got = (f"a tensor of shape [{', '.join(map(str, value.shape))}]" if isinstance(value, torch.Tensor)
                    else f"a {type(value).__name__}")

@@ -16,6 +16,7 @@ import torch
 
 from rltrainer.callbacks.learning_signal import signal_metrics
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.models.moe import summarize_routing_metrics
 from rltrainer.strategies.strategy import combine_metrics, is_extreme
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ def update_policy(module: RLModule, strategy: Strategy, batch: RolloutBatch, see
     out["training/optimizer_steps"] = float(len(parts))
     out["training/skipped_optimizer_steps"] = float(sum(not math.isfinite(p.get("actor/grad_norm", 0.0))
                                                         for p in parts))
-    return out
+    return summarize_routing_metrics(out)  # a MoE policy's per-layer, per-expert counts as numbers
 
 
 def check_skipped_steps(history: list[bool], metrics: dict[str, float], step: int, last: bool) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.data.batch import RolloutBatch
+from rltrainer.data.batch import RolloutBatch, routes_as_rows
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -251,11 +251,27 @@ class RLModule(torch.nn.Module):
         from rltrainer.models import response_log_probs
 
         temperature = micro_batch.meta.get("temperature") or 1.0
+        routes = self.route_kwargs(micro_batch)  # a MoE policy's replayed routes (R3)
         if stage == "old_log_prob":
-            return {"old_log_probs": response_log_probs(self.policy, micro_batch, temperature)[0]}
+            return {"old_log_probs": response_log_probs(self.policy, micro_batch, temperature, **routes)[0]}
         if stage == "ref":
-            return {"ref_log_probs": response_log_probs(self.ref_policy, micro_batch, temperature)[0]}
+            return {"ref_log_probs": response_log_probs(self.ref_policy, micro_batch, temperature, **routes)[0]}
         raise ValueError(f"{type(self).__name__}.compute_step has no stage {stage!r}; override it to add one")
+
+    def records_routes(self) -> bool:
+        """Whether the rollout engine records the experts each token went to, for a
+        mixture-of-experts policy (:attr:`~rltrainer.rollout.engine.RolloutEngine.return_routed_experts`;
+        the rows then carry ``routed_experts [N, P+T, L, K]``). Asked by the Trainer at setup.
+        Default: no; :class:`~rltrainer.modules.PolicyGradient` asks its routing part."""
+        return False
+
+    def route_kwargs(self, micro_batch: RolloutBatch) -> dict[str, Any]:
+        """The :func:`~rltrainer.models.response_log_probs` arguments for ``micro_batch``'s routes:
+        ``{"routed_experts": ..., "replay_routes": True}`` to replay them (routing replay, R3), or
+        nothing. Default: replay the rows' routes when they carry any."""
+        if "routed_experts" not in micro_batch:
+            return {}
+        return {"routed_experts": micro_batch["routed_experts"], "replay_routes": True}
 
     def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss. Required. Runs on every training rank, per micro-batch, with gradients.
@@ -364,6 +380,10 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["attention_mask"] = attention_mask  # [N, P+T]
     out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
     out["rollout_log_probs"] = gen.log_probs.float() * response_mask  # [N, T]
+    if gen.routed_experts is None and getattr(engine, "return_routed_experts", False):
+        raise RuntimeError(f"{type(engine).__name__} was asked to record the routed experts (return_routed_experts, "
+                           "for routing replay of a MoE policy) but returned none: its generate() must fill "
+                           "Generation.routed_experts. Use routing_replay='off' with this engine.")
     if gen.routed_experts is not None:  # a MoE policy's routes, laid out like input_ids
         out["routed_experts"] = routes_as_rows(gen.routed_experts, [len(p) for p in prompt_lists], P,
                                                response_mask.shape[1])  # [N, P+T, L, K]
@@ -375,18 +395,6 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["response_text"] = gen.text
     out["finish_reason"] = gen.finish_reason
     out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})
-    return out
-
-
-def routes_as_rows(routes: list[torch.Tensor], prompt_lengths: list[int], P: int, T: int) -> torch.Tensor:
-    """An engine's routes (:attr:`~rltrainer.rollout.engine.Generation.routed_experts`: per row
-    ``[p + t, L, K]``) as ``[N, P+T, L, K]`` int16, aligned with ``input_ids``: the prompt's tokens
-    end at column ``P``, the response's start there; -1 elsewhere."""
-    L, K = routes[0].shape[1:] if routes else (0, 0)
-    out = torch.full((len(routes), P + T, L, K), -1, dtype=torch.int16)
-    for i, (r, p) in enumerate(zip(routes, prompt_lengths)):
-        r = r[: p + T]
-        out[i, P - p : P - p + len(r)] = r.to(torch.int16)
     return out
 
 

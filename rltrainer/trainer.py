@@ -27,6 +27,7 @@ from rltrainer.interrupt import save_interrupted, stop_on_interrupt
 from rltrainer.loggers import (LogFlush, build_loggers, continue_logs, hyperparameters_of, log_hyperparameters,
                                log_versions, save_loggers)
 from rltrainer.loop import FitContext, batch_metrics, check_skipped_steps, training_step, validation_loop
+from rltrainer.models.moe import routing_shape
 from rltrainer.module import RLModule, check_hooks
 from rltrainer.pipelines import Pipeline, SyncRun, check_module_pipeline, prompt_batches, resolve_pipeline
 from rltrainer.plan import RunPlan, build_plan, log_plan
@@ -305,7 +306,10 @@ class Trainer(DeprecatedTrainerMethods):
         try:
             self.strategy.setup(module, seed=self.seed)
             self._is_setup = True
-            self.vocab_size = getattr(self.strategy.model_config(), "vocab_size", None)  # prompt ids are checked
+            config = self.strategy.model_config()
+            self.vocab_size = getattr(config, "vocab_size", None)  # prompt ids are checked
+            if module.records_routes() and routing_shape(config) is not None:  # a MoE policy's routes (R3)
+                self._engine_spec.return_routed_experts = True
             self.sync = self.strategy.connect(self._engine_spec, module.tokenizer, watchdog=self.watchdog,
                                               mode=self.pipeline.push_mode)
             self.engine = self.sync.engine

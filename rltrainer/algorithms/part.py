@@ -83,6 +83,7 @@ class Update:
     loss_agg_mode: str
     counts: dict[str, Any]
     is_weights: torch.Tensor | None = None  # [n, T] off-policy IS weights (a rollout correction)
+    routing: Any = None  # a MoE policy's rltrainer.models.moe.RoutingRecord of this forward (None: dense)
     loss: torch.Tensor | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
 

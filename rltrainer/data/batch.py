@@ -296,6 +296,18 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
     return RolloutBatch.concat(out)
 
 
+def routes_as_rows(routes: list[torch.Tensor], prompt_lengths: list[int], P: int, T: int) -> torch.Tensor:
+    """An engine's routes (:attr:`~rltrainer.rollout.engine.Generation.routed_experts`: per row
+    ``[p + t, L, K]``) as ``[N, P+T, L, K]`` int16, aligned with ``input_ids``: the prompt's tokens
+    end at column ``P``, the response's start there; -1 elsewhere."""
+    L, K = routes[0].shape[1:] if routes else (0, 0)
+    out = torch.full((len(routes), P + T, L, K), -1, dtype=torch.int16)
+    for i, (r, p) in enumerate(zip(routes, prompt_lengths)):
+        r = r[: p + T]
+        out[i, P - p : P - p + len(r)] = r.to(torch.int16)
+    return out
+
+
 def _to_numpy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     t = t.detach().cpu()
     return t.numpy() if t.dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2) else t

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rltrainer.data.batch import RolloutBatch
+from rltrainer.data.batch import RolloutBatch, routes_as_rows
 from rltrainer.envs.chat import ChatFormat
 from rltrainer.envs.environment import as_messages, as_step_result, check_environment, tool_methods, tool_schemas
 from rltrainer.envs.tools import parser_for, run_tool
@@ -63,6 +63,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     version: int | None = None  # the oldest weight version among its turns
+    routes: Any = None  # a MoE policy's routes of its last turn's request: [prompt + tokens so far, L, K]
     abandoned: bool = False  # its environment call timed out; its thread may still run
 
 
@@ -173,6 +174,8 @@ class MultiTurn:
         out["attention_mask"] = attention_mask
         out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
         out["rollout_log_probs"] = log_probs * model  # [N, T]
+        if episodes and all(e.routes is not None for e in episodes):  # observations after the last turn: -1
+            out["routed_experts"] = routes_as_rows([e.routes for e in episodes], [len(e.prompt) for e in episodes], P, T)
         fallback = getattr(runner.engine, "weight_version", -1)
         out["policy_version"] = torch.tensor([e.version if e.version is not None else fallback for e in episodes],
                                              dtype=torch.long)  # [N]
@@ -314,14 +317,16 @@ class _Runner:
             out[future] = group
         return out
 
-    def _turns(self, future: Future) -> list[tuple[list[int], list[float], bool, int]]:
-        """Each row of a finished request: its tokens, log-probs, whether it stopped, the version."""
+    def _turns(self, future: Future) -> list[tuple[list[int], list[float], bool, int, Any]]:
+        """Each row of a finished request: its tokens, log-probs, whether it stopped, the version, and
+        (a MoE policy's, recorded) the routes of its whole context and response."""
         gen = future.result()  # an engine's failure is the run's: it raises here
         self.gen_time_s += float(gen.metrics.get("gen_time_s", 0.0))
         version = gen.weight_version if gen.weight_version is not None else future.version  # type: ignore[attr-defined]
         lengths = gen.response_mask.sum(1).tolist()
+        routes = gen.routed_experts or [None] * len(lengths)
         return [(gen.response_ids[i, :k].tolist(), gen.log_probs[i, :k].tolist(), gen.finish_reason[i] == "stop",
-                 version) for i, k in enumerate(lengths)]
+                 version, routes[i]) for i, k in enumerate(lengths)]
 
     # -- one episode (environment threads) ---------------------------------------------------------
     def _start(self, e: Episode) -> None:
@@ -335,8 +340,10 @@ class _Runner:
         messages = as_messages(e.env.reset(e.row), f"{type(e.env).__name__}.reset")
         e.prompt = self._chat(e.tools).prompt(messages)
 
-    def _after_turn(self, e: Episode, tokens: list[int], log_probs: list[float], stopped: bool, version: int) -> None:
+    def _after_turn(self, e: Episode, tokens: list[int], log_probs: list[float], stopped: bool, version: int,
+                    routes: Any = None) -> None:
         """Append the model's turn; run its tool calls or ``step``; append the observation."""
+        e.routes = routes  # the turn's request ran the whole episode so far: its routes cover it
         e.tokens += tokens
         e.mask += [1] * len(tokens)
         e.log_probs += log_probs

@@ -8,9 +8,10 @@ entropies)."""
 from rltrainer.models.build import (ModelSpec, RandomInit, build_causal_lm, deferred_init, freeze, frozen_copy,
                                     init_from_config, load_pretrained, parameter_aliases, persistent_buffers,
                                     share_rng_state, source_key, state_tensors, take_weight_source)
-from rltrainer.models.log_probs import (chunkable_head, entropy_from_log_softmax, pad_columns, response_log_probs,
+from rltrainer.models.log_probs import (entropy_from_log_softmax, pad_columns, response_log_probs,
                                         token_log_probs, trim_padding_columns)
 from rltrainer.models.safetensors_io import SafetensorsWeights, write_safetensors
+from rltrainer.models.support import chunkable_head
 
 __all__ = ["ModelSpec", "RandomInit", "SafetensorsWeights", "build_causal_lm", "chunkable_head", "deferred_init",
            "entropy_from_log_softmax", "freeze", "frozen_copy", "init_from_config", "load_pretrained",

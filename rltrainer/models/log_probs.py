@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lm_head import chunked_log_probs, embedding_into_grad, head_forward
-from rltrainer.models.support import HeadOutput, head_output
+from rltrainer.models.moe import replaying
+from rltrainer.models.support import HeadOutput, chunkable_head
 from rltrainer.packing import packed_rows_for
 
 
@@ -25,6 +26,7 @@ def response_log_probs(
     chunk_tokens: int | None = None,
     padding_free: bool | None = None,
     routed_experts: torch.Tensor | None = None,
+    replay_routes: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of ``batch["responses"]`` under ``model``.
 
@@ -53,38 +55,46 @@ def response_log_probs(
     name): for a mixture-of-experts model, the experts to use for each token and decoder layer
     instead of its router's own top-k (routing replay, R3; -1: route as the router does), with the
     gate weights taken from the router's scores over those experts (:mod:`rltrainer.models.moe`).
+    With ``replay_routes=False`` they are only compared with the router's own choice (the
+    ``moe/routing_agreement`` of a :func:`~rltrainer.models.moe.recording`).
     """
     with embedding_into_grad(model):  # inside gradients_into_parameters only (the training step's)
         return _response_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens, padding_free,
-                                   routed_experts)
+                                   routed_experts, replay_routes)
 
 
 def _response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float, with_entropy: bool,
                         entropy_grad: bool, chunk_tokens: int | None, padding_free: bool | None,
-                        routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        routed_experts: torch.Tensor | None = None, replay_routes: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     responses = batch["responses"]  # [n, T]
     T = responses.shape[1]
     if padding_free is None:
         padding_free = getattr(batch, "padding_free", False)  # a plain dict of tensors runs padded
     if padding_free:
-        return _packed_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens)
+        return _packed_log_probs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens, routed_experts,
+                                 replay_routes)
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                   position_ids=batch["position_ids"])
     if chunk_tokens != 0 and hasattr(model, "lm_head_log_probs"):  # megatron's model: its own shapes
-        routes = {"routed_experts": routed_experts} if routed_experts is not None else {}
+        routes = {"routed_experts": routed_experts} if routed_experts is not None and replay_routes else {}
         log_probs, entropy = model.lm_head_log_probs(**inputs, targets=responses, temperature=temperature,
                                                      chunk_tokens=chunk_tokens, **routes)
         return log_probs, _entropy(entropy, with_entropy, entropy_grad)
+    width = inputs["input_ids"].shape[1]
     inputs, kept = trim_padding_columns(inputs, T)
     responses = responses[:, :kept]
     head = chunkable_head(model) if chunk_tokens != 0 else None
-    if head is not None:
-        with _head_returns_log_probs(model, *head, responses, temperature, chunk_tokens):
-            out = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits  # [n, kept, 2]
-        log_probs, entropy = out[..., 0], _entropy(out[..., 1], with_entropy, entropy_grad)
-    else:
-        logits = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits[:, :-1]  # P-1+t predicts t
-        log_probs, entropy = _log_probs_from_logits(logits, responses, temperature, with_entropy, entropy_grad)
+    start = width - T + kept - inputs["input_ids"].shape[1]  # the first column kept
+    routes = None if routed_experts is None else routed_experts[:, start : width - T + kept].flatten(0, 1)
+    with replaying(model, routes, inputs["attention_mask"].flatten().bool(), replay_routes):
+        if head is not None:
+            with _head_returns_log_probs(model, *head, responses, temperature, chunk_tokens):
+                out = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits  # [n, kept, 2]
+            log_probs, entropy = out[..., 0], _entropy(out[..., 1], with_entropy, entropy_grad)
+        else:
+            logits = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits[:, :-1]  # P-1+t predicts t
+            log_probs, entropy = _log_probs_from_logits(logits, responses, temperature, with_entropy, entropy_grad)
     return pad_columns(log_probs, T), None if entropy is None else pad_columns(entropy, T)
 
 
@@ -112,7 +122,8 @@ def pad_columns(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def _packed_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float, with_entropy: bool,
-                      entropy_grad: bool, chunk_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      entropy_grad: bool, chunk_tokens: int | None, routed_experts: torch.Tensor | None,
+                      replay_routes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_log_probs` on the rows packed into one sequence (:mod:`rltrainer.packing`)."""
     if hasattr(model, "lm_head_log_probs"):
         raise NotImplementedError(f"{type(model).__name__} computes its own log-probs (megatron's model) and takes "
@@ -120,14 +131,16 @@ def _packed_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: 
     packed = packed_rows_for(model, batch)
     targets = batch["responses"][packed.rows, packed.cols][None]  # [1, M]
     head = chunkable_head(model) if chunk_tokens != 0 else None
-    if head is not None:
-        with _head_returns_log_probs(model, *head, targets, temperature, chunk_tokens):
-            out = model(**packed.inputs, use_cache=False, logits_to_keep=packed.predictors).logits[0]  # [M, 2]
-        log_probs, entropy = out[:, 0], _entropy(out[:, 1], with_entropy, entropy_grad)
-    else:
-        logits = model(**packed.inputs, use_cache=False, logits_to_keep=packed.predictors).logits  # [1, M, V]
-        log_probs, entropy = _log_probs_from_logits(logits, targets, temperature, with_entropy, entropy_grad)
-        log_probs, entropy = log_probs[0], None if entropy is None else entropy[0]
+    routes = None if routed_experts is None else routed_experts[batch["attention_mask"].bool()]  # [L_packed, L, K]
+    with replaying(model, routes, None, replay_routes):
+        if head is not None:
+            with _head_returns_log_probs(model, *head, targets, temperature, chunk_tokens):
+                out = model(**packed.inputs, use_cache=False, logits_to_keep=packed.predictors).logits[0]  # [M, 2]
+            log_probs, entropy = out[:, 0], _entropy(out[:, 1], with_entropy, entropy_grad)
+        else:
+            logits = model(**packed.inputs, use_cache=False, logits_to_keep=packed.predictors).logits  # [1, M, V]
+            log_probs, entropy = _log_probs_from_logits(logits, targets, temperature, with_entropy, entropy_grad)
+            log_probs, entropy = log_probs[0], None if entropy is None else entropy[0]
     return packed.unpack(log_probs), None if entropy is None else packed.unpack(entropy)
 
 
@@ -149,19 +162,6 @@ def _entropy(entropy: torch.Tensor, with_entropy: bool, entropy_grad: bool) -> t
     if not with_entropy:
         return None
     return entropy if entropy_grad else entropy.detach()
-
-
-def chunkable_head(model: torch.nn.Module) -> tuple[torch.nn.Linear, HeadOutput] | None:
-    """``model``'s LM head, if :func:`response_log_probs` may replace it by the chunked one (a
-    plain bias-free ``nn.Linear``), and what the model does to its output before returning it as
-    logits (:func:`~rltrainer.models.support.head_output`: nothing, a factor, a soft-cap; found by
-    running the model once). ``None``: the full logits are used."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if type(head) is not torch.nn.Linear or head.bias is not None:
-        return None
-    output = head_output(model, head)
-    return None if output is None else (head, output)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from rltrainer.lm_head import head_forward
+from rltrainer.models.moe import suspended
+from rltrainer.packing import uses_flash_attention
 
 #: Layer types (transformers' ``config.layer_types``) whose masks keep packed rows apart.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -147,6 +149,19 @@ def fsdp_blocks(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
 
 
 # -- the LM head's output ------------------------------------------------------------------------
+def chunkable_head(model: torch.nn.Module) -> tuple[torch.nn.Linear, HeadOutput] | None:
+    """``model``'s LM head, if :func:`~rltrainer.models.response_log_probs` may replace it by the chunked one (a
+    plain bias-free ``nn.Linear``), and what the model does to its output before returning it as
+    logits (:func:`head_output`: nothing, a factor, a soft-cap; found by
+    running the model once). ``None``: the full logits are used."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    output = head_output(model, head)
+    return None if output is None else (head, output)
+
+
 def head_output(model: torch.nn.Module, head: torch.nn.Module) -> HeadOutput | None:
     """What ``model`` does to ``head``'s output before returning it as ``logits`` (:class:`HeadOutput`),
     found by running the model once on two tokens with the head replaced by a known ramp (kept on
@@ -234,8 +249,6 @@ def packing_problem(model: torch.nn.Module) -> str | None:
 
 
 def _probe_packing(model: torch.nn.Module) -> str | None:
-    from rltrainer.packing import uses_flash_attention
-
     types = set(getattr(base_config(model), "layer_types", None) or [])
     other = sorted(t for t in types - ATTENTION_LAYER_TYPES if isinstance(t, str))
     if other:
@@ -273,8 +286,6 @@ def check_fast_paths(model: torch.nn.Module, strategy: str, padding_free: bool) 
     sharded one calls it at the same point, since it runs forward passes) and raise if
     ``padding_free`` is asked of a model whose packed rows would mix. The LM head's answer only
     picks the path (:func:`head_output`)."""
-    from rltrainer.models.log_probs import chunkable_head
-
     chunkable_head(model)  # probed now, so no forward pass is added to the first step
     if padding_free:
         problem = packing_problem(model)
@@ -292,11 +303,12 @@ def _probe_ids(model: torch.nn.Module, length: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _evaluating(model: torch.nn.Module) -> Iterator[None]:
-    """No gradients, eval mode (then the previous mode again), the RNG untouched."""
+    """No gradients, eval mode (then the previous mode again), the RNG untouched, no routing replay
+    or record (:func:`rltrainer.models.moe.suspended`)."""
     training = model.training
     model.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), suspended(model):
             yield
     finally:
         model.train(training)

@@ -17,11 +17,12 @@ from rltrainer.algorithms.advantages import group_signal_metrics
 from rltrainer.algorithms.distill import Teacher
 from rltrainer.algorithms.part import STAGE_FIELDS, BaseModels, Part, Setup, Step, Update
 from rltrainer.algorithms.parts import (Advantage, Critic, KLPenalty, PolicyLoss, RewardModelScores, RolloutCorrection,
-                                        log_scores)
+                                        Routing, log_scores)
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.envs import as_multi_turn, env_reward
 from rltrainer.lora import adapter_disabled, apply_lora, check_lora_config
 from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
+from rltrainer.models.moe import recording
 from rltrainer.module import RLModule
 from rltrainer.modules.settings import Optimizer, Rewards, flat_signature, route_settings
 from rltrainer.rewards.manager import declares_correctness, reward_max_score
@@ -39,7 +40,8 @@ SIGNATURE_ORDER = (
     "lr_scheduler_kwargs", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef", "kl_estimator",
     "entropy_coef", "loss_agg_mode", "norm_adv_by_std", "advantage_estimator", "advantage_kwargs", "policy_loss",
     "policy_loss_kwargs", "update_epochs", "mini_batch_size", "rollout_correction", "rollout_correction_kwargs",
-    "model_seed", "teacher", "environment", "lora", "loss", "advantage", "correction", "kl", "critic")
+    "model_seed", "teacher", "environment", "lora", "routing_replay", "router_aux_loss_coef", "loss", "advantage",
+    "correction", "kl", "critic")
 
 
 class PolicyGradient(RLModule):
@@ -87,7 +89,8 @@ class PolicyGradient(RLModule):
 
     #: the part kinds in the order they are asked, with the class built from settings (None: optional)
     PARTS: ClassVar[dict[str, type[Part] | None]] = {
-        "correction": RolloutCorrection, "advantage": Advantage, "loss": PolicyLoss, "kl": KLPenalty, "critic": None}
+        "correction": RolloutCorrection, "advantage": Advantage, "loss": PolicyLoss, "kl": KLPenalty, "critic": None,
+        "routing": Routing}
     #: settings groups that are not parts of the algorithm
     GROUPS: ClassVar[dict[str, type]] = {"rewards": Rewards, "optimizer": Optimizer}
     #: a preset's defaults for routed settings (e.g. ``{"policy_loss": "gspo"}``)
@@ -296,13 +299,22 @@ class PolicyGradient(RLModule):
         if stage == "ref" and self.lora is not None:
             with adapter_disabled(self.policy):
                 temperature = micro_batch.meta.get("temperature") or 1.0
-                return {"ref_log_probs": response_log_probs(self.policy, micro_batch, temperature)[0]}
+                return {"ref_log_probs": response_log_probs(self.policy, micro_batch, temperature,
+                                                            **self.route_kwargs(micro_batch))[0]}
         models = dict(self.named_children())
         for part in self.parts.values():
             out = part.compute(models, micro_batch, stage)
             if out is not None:
                 return out
         return super().compute_step(micro_batch, stage)
+
+    def records_routes(self) -> bool:
+        """The routing part's ``routing_replay`` is ``"rollout"`` or ``"compare"``."""
+        return self.parts["routing"].records_routes
+
+    def route_kwargs(self, micro_batch: RolloutBatch) -> dict[str, Any]:
+        """The routing part's: the rows' ``routed_experts``, replayed (``"rollout"``) or compared."""
+        return self.parts["routing"].route_kwargs(micro_batch)
 
     def off_policy(self) -> bool:
         """The Trainer's ``off_policy`` (an async pipeline, or an engine whose log-probs differ)."""
@@ -348,13 +360,15 @@ class PolicyGradient(RLModule):
         meta = micro_batch.meta
         loss_part: PolicyLoss = self.parts["loss"]
         temperature = meta.get("temperature") or 1.0
-        log_probs, entropy = response_log_probs(self.policy, micro_batch, temperature, with_entropy=True,
-                                                entropy_grad=loss_part.entropy_coef != 0)
+        with recording(self.policy) as routing:  # a MoE policy's routers (None: dense)
+            log_probs, entropy = response_log_probs(self.policy, micro_batch, temperature, with_entropy=True,
+                                                    entropy_grad=loss_part.entropy_coef != 0,
+                                                    **self.route_kwargs(micro_batch))
         old_log_probs = micro_batch["old_log_probs"] if "old_log_probs" in micro_batch else log_probs.detach()
         counts = {"global_tokens": meta["global_tokens"], "global_rows": meta["global_rows"],
                   "max_response_length": self.sampling.max_new_tokens}
         u = Update(micro_batch, dict(self.named_children()), log_probs, entropy, old_log_probs,
-                   loss_part.loss_agg_mode, counts)
+                   loss_part.loss_agg_mode, counts, routing=routing)
         for part in self.parts.values():
             part.update(u)
         assert u.loss is not None, "the policy loss part adds the loss"

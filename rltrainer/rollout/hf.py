@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 from rltrainer.lm_head import head_forward, head_logits
 from rltrainer.lora import require_peft
-from rltrainer.models.log_probs import chunkable_head, token_log_probs
+from rltrainer.models.log_probs import token_log_probs
+from rltrainer.models.moe import capturing, take_routes
+from rltrainer.models.support import chunkable_head
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       stop_token_ids)
 
@@ -44,6 +46,7 @@ class _Chunk:
     ids: torch.Tensor  # [b, T_c] int64, pad after the end
     mask: torch.Tensor  # [b, T_c] int64
     log_probs: torch.Tensor  # [b, T_c] float32, 0 on padding
+    routes: list[torch.Tensor] | None = None  # with return_routed_experts: per row [p + t, L, K] int16
 
 
 @ENGINES.register("hf")
@@ -113,6 +116,12 @@ class HFEngine(RolloutEngine):
         with self.device:  # allocate directly on the device
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
+        if self.return_routed_experts:
+            if self.compile:
+                raise ValueError("HFEngine(compile=True) cannot record routed experts (return_routed_experts): its "
+                                 "routers' top-k is watched in eager mode. Use compile=False.")
+            with capturing(self.model):  # a model with no declared routers raises here, at setup
+                pass
         self._forward = torch.compile(self.model, dynamic=True) if self.compile else self.model
         self._head, self._head_output = (None, None) if self.compile else (chunkable_head(self.model) or (None, None))
         params = inspect.signature(self.model.forward).parameters
@@ -277,7 +286,12 @@ class HFEngine(RolloutEngine):
         stops = set(stop_ids.tolist())
         finish_reason = ["stop" if r and r[-1] in stops else "length" for r in responses]
         gen_tokens = int(sum(lengths))
+        routes = None
+        if self.return_routed_experts:  # each row's prompt and response tokens
+            routes = [r[: len(prompts[owner]) + n].cpu() for r, owner, n in
+                      zip((r for c in chunks for r in c.routes), owners, lengths)]
         return Generation(
+            routed_experts=routes,
             response_ids=ids,
             response_mask=mask,
             log_probs=log_probs,
@@ -327,8 +341,17 @@ class HFEngine(RolloutEngine):
     def _decode_chunk(self, prompts: Sequence[Sequence[int]], owners: list[int], sampling: SamplingParams,
                       stop_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None) -> _Chunk:
         """Decode the rows ``owners`` (prompt index per row; samples of one prompt adjacent)."""
+        with capturing(self._require_model()) if self.return_routed_experts else contextlib.nullcontext() as routing:
+            return self._decode(prompts, owners, sampling, stop_ids, pad_id, generator, routing)
+
+    def _decode(self, prompts: Sequence[Sequence[int]], owners: list[int], sampling: SamplingParams,
+                stop_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None, routing: Any) -> _Chunk:
         b, max_new = len(owners), sampling.max_new_tokens
-        logits, cache, attention_mask = self._prefill(prompts, owners, pad_id, max_new)  # [b, V], cache, [b, P]
+        # [b, V], cache, [b, P]; with routing, the prompts' routes [b, P, L, K] (left-padded)
+        logits, cache, attention_mask, prompt_routes = self._prefill(prompts, owners, pad_id, max_new, routing)
+        routes = None
+        if routing is not None:  # then one column a decode step
+            routes = torch.full((b, max_new, routing.layers, routing.top_k), -1, dtype=torch.int16, device=self.device)
         positions = attention_mask.sum(-1)  # [b] position of the next token
         out_ids = torch.full((b, max_new), pad_id, dtype=torch.long, device=self.device)
         out_mask = torch.zeros((b, max_new), dtype=torch.long, device=self.device)
@@ -354,13 +377,20 @@ class HFEngine(RolloutEngine):
             logits = self._forward(input_ids=tokens[:, None], attention_mask=attention_mask,
                                    position_ids=positions[:, None], use_cache=True,
                                    **{self._cache_kwarg: cache}).logits[:, -1]
+            if routes is not None:  # the routes of the tokens just sampled (response column `step`)
+                routes[live, step] = take_routes(routing, len(live), self.device)
             positions = positions + 1
         T = step + 1
-        return _Chunk(out_ids[:, :T], out_mask[:, :T], out_logp[:, :T])
+        rows = None
+        if routes is not None:
+            rows = [torch.cat([p, r]) for p, r in zip(prompt_routes, routes[:, :T])]  # [P + T, L, K], left-padded
+            rows = [r[len(r) - T - len(prompts[o]) :] for r, o in zip(rows, owners)]  # from the prompt's first token
+        return _Chunk(out_ids[:, :T], out_mask[:, :T], out_logp[:, :T], rows)
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], owners: list[int], pad_id: int,
-                 max_new_tokens: int) -> tuple[torch.Tensor, Any, torch.Tensor]:
-        """Run each distinct prompt once (left-padded), then share its cache with its samples."""
+    def _prefill(self, prompts: Sequence[Sequence[int]], owners: list[int], pad_id: int, max_new_tokens: int,
+                 routing: Any = None) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor | None]:
+        """Run each distinct prompt once (left-padded), then share its cache with its samples; with
+        ``routing`` (:func:`~rltrainer.models.moe.capturing`), also each row's prompt routes."""
         unique, inverse = torch.unique_consecutive(torch.tensor(owners), return_inverse=True)
         rows = [prompts[i] for i in unique.tolist()]
         P = max(len(p) for p in rows)
@@ -374,11 +404,15 @@ class HFEngine(RolloutEngine):
         logits = self._forward(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
                                use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache}).logits[:, -1]  # [u, V]
+        routes = None
+        if routing is not None:
+            routes = take_routes(routing, input_ids.numel(), self.device).unflatten(0, input_ids.shape)  # [u, P, L, K]
         if len(rows) < len(owners):
             inverse = inverse.to(self.device)
             cache.batch_select_indices(inverse)
             logits, attention_mask = logits[inverse], attention_mask[inverse]
-        return logits, cache, attention_mask
+            routes = None if routes is None else routes[inverse]
+        return logits, cache, attention_mask, routes
 
 
 def _preallocated_cache(config: Any, capacity: int) -> Any:

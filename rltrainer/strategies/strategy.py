@@ -356,7 +356,7 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
                              for _, metrics in outputs)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     grad_norm = (clip_fn or clip_gradients)(params, clip)
-    out = {k: float(v) for k, v in totals.items()}
+    out = {k: v.cpu() if isinstance(v, torch.Tensor) and v.dim() else float(v) for k, v in totals.items()}
     out["actor/grad_norm"] = grad_norm
     out["actor/lr"] = optimizers[0].param_groups[0]["lr"]
     stepped: list[str] = []
@@ -387,7 +387,9 @@ def combine_metrics(parts: Any) -> dict[str, Any]:
     ``/max`` takes the largest value, one ending in ``_min`` or ``/min`` the smallest, every other
     adds up (each part is already its share of the global count, see
     :func:`~rltrainer.algorithms.aggregation.masked_sum_over`). A name missing from a part is
-    skipped there."""
+    skipped there. A tensor with dimensions (counts, e.g. a MoE policy's tokens per expert and
+    layer) adds up element by element and is summarised into numbers after the update
+    (:func:`rltrainer.models.moe.summarize_routing_metrics`)."""
     out: dict[str, Any] = {}
     for part in parts:
         for k, v in part.items():

@@ -351,3 +351,69 @@ def test_async_with_a_bound_of_one_equals_one_step_off(tiny_config, bpe_tokenize
         assert torch.equal(a["responses"], b["responses"]), a["step"]
     for name, tensor in reference.items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+class RoutesGRPO(GRPO):
+    """Keeps, per trained batch, the rows' versions, tokens and routes (a MoE policy's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.records: list[dict] = []
+
+    def advantage_step(self, batch):
+        self.records.append({k: batch[k].clone() for k in ("policy_version", "input_ids", "attention_mask",
+                                                             "position_ids", "routed_experts")})
+        return super().advantage_step(batch)
+
+
+class WeightsPerVersion(Callback):
+    """The policy's weights at every version (0: before the first step; v: after step v's update)."""
+
+    def __init__(self):
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_fit_start(self, trainer, module):
+        self.weights[0] = {n: t.clone() for n, t in trainer.strategy.export_weights()}
+
+    def on_step_end(self, trainer, module, metrics):
+        self.weights[trainer.global_step] = {n: t.clone() for n, t in trainer.strategy.export_weights()}
+
+
+@pytest.mark.parametrize("pipeline", ["one_step_off", AsyncPipeline(max_staleness=1)], ids=["one_step_off", "async"])
+def test_moe_rows_keep_the_routes_of_the_weights_that_generated_them(pipeline, bpe_tokenizer, gsm8k_prompts,
+                                                                     ray_session):
+    """Off-policy rows of a MoE policy carry the routes their own version's weights chose (an ``hf``
+    replica in fp32 routes as the policy of that version does), not the trainer's current ones."""
+    from rltrainer.models import build_causal_lm
+    from rltrainer.models.moe import capturing, moe_of, take_routes
+    from rltrainer.testing.families import tiny_moe_config
+
+    config = tiny_moe_config(len(bpe_tokenizer))
+    m = RoutesGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6, lr=3e-3)
+    versions = WeightsPerVersion()
+    with trainer(split(), pipeline=pipeline, max_steps=3, callbacks=[versions]) as t:
+        t.fit(m, prompt_dataloader(gsm8k_prompts.select(range(4 * B)), batch_size=B))
+    model = build_causal_lm(config, seed=0)
+    lagged = differ = 0
+    for r in m.records:
+        for version in r["policy_version"].unique().tolist():
+            rows = r["policy_version"] == version
+            batch = {k: v[rows] for k, v in r.items()}
+            model.load_state_dict(versions.weights[version], strict=False)
+            with torch.no_grad(), capturing(model) as routing:
+                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      position_ids=batch["position_ids"])
+                own = take_routes(routing, batch["input_ids"].numel()).view(*batch["input_ids"].shape, 2, 2)
+            known = (batch["routed_experts"] >= 0).all(-1) & batch["attention_mask"].bool()[..., None]
+            same = (own.sort(-1).values == batch["routed_experts"].sort(-1).values).all(-1)
+            assert same[known].float().mean() >= 0.999, (version, same[known].float().mean())
+            lagged += version < max(versions.weights)
+            if version + 1 in versions.weights:  # the next version's weights route some tokens elsewhere
+                model.load_state_dict(versions.weights[version + 1], strict=False)
+                with torch.no_grad(), capturing(model) as routing:
+                    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          position_ids=batch["position_ids"])
+                    newer = take_routes(routing, batch["input_ids"].numel()).view(*batch["input_ids"].shape, 2, 2)
+                differ += int((newer.sort(-1).values != batch["routed_experts"].sort(-1).values).any(-1)[known].sum())
+    assert lagged and differ > 0
+    assert moe_of(model) is not None

@@ -49,14 +49,15 @@ def test_ppo_is_policy_gradient_with_a_critic_not_a_grpo():
                                                            ReinforcePlusPlus))
     ppo = make(PPO)
     assert isinstance(ppo.parts["critic"], Critic) and "critic" not in make().parts
-    assert list(make().parts) == ["correction", "advantage", "loss", "kl"]
+    assert list(make().parts) == ["correction", "advantage", "loss", "kl", "routing"]
 
 
 def test_the_signature_keeps_every_argument_and_default():
     """Every argument of today's constructors is still there, with its default, where the CLI and
     ``help()`` read it; the parts follow as arguments of their own."""
     grpo = inspect.signature(GRPO).parameters
-    assert list(grpo) == TODAYS_GRPO + ["loss", "advantage", "correction", "kl", "critic"]
+    assert list(grpo) == TODAYS_GRPO + ["routing_replay", "router_aux_loss_coef", "loss", "advantage", "correction", "kl",
+                                        "critic"]
     assert grpo["clip_ratio_high"].default == 0.2 and grpo["lr"].default == 1e-6 and grpo["model_seed"].default == 0
     ppo = inspect.signature(PPO).parameters
     assert (ppo["num_generations"].default, ppo["advantage_estimator"].default, ppo["critic_lr"].default) == (1, "gae",

@@ -9,7 +9,8 @@ own settings. (What a part is: :mod:`rltrainer.algorithms.part`.)
 - :class:`KLPenalty` (``kl=``): the KL-to-reference loss term;
 - :class:`Critic` (``critic=``, PPO's by default): a value model, its pass and its loss;
 - :class:`Teacher` (``teacher=``): on-policy distillation;
-- :class:`RewardModelScores` (made from a ``RewardModel`` in ``reward_funcs``): its scores.
+- :class:`RewardModelScores` (made from a ``RewardModel`` in ``reward_funcs``): its scores;
+- :class:`Routing`: a mixture-of-experts policy's routing replay (R3) and load-balancing loss.
 
 A part of your own: subclass :class:`~rltrainer.algorithms.part.Part` as a dataclass whose
 fields are its settings, and add it to a module's ``PARTS`` (``class Mine(PolicyGradient): PARTS =
@@ -23,7 +24,8 @@ from rltrainer.algorithms.parts.correction import RolloutCorrection
 from rltrainer.algorithms.parts.critic import Critic, build_value_model, response_values
 from rltrainer.algorithms.parts.loss import KLPenalty, PolicyLoss
 from rltrainer.algorithms.parts.reward_model import RewardModelScores, log_scores
+from rltrainer.algorithms.parts.routing import Routing
 
 __all__ = ["STAGE_FIELDS", "Advantage", "BaseModels", "Critic", "CriticAdvantage", "KLPenalty", "Part", "PolicyLoss",
-           "RewardModelScores", "RolloutCorrection", "Setup", "Step", "Teacher", "Update", "build_value_model",
+           "RewardModelScores", "RolloutCorrection", "Routing", "Setup", "Step", "Teacher", "Update", "build_value_model",
            "log_scores", "response_values"]
