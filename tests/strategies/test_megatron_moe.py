@@ -1,0 +1,184 @@
+"""strategy="megatron" with a mixture of experts (Qwen3-MoE, Mixtral) on CPU: megatron-core's
+MoE layer (router, all-to-all dispatcher, SequentialMLP experts) trains GRPO steps equal to the
+single-device transformers step, in process (EP=1) and over gloo with the experts split over two
+ranks (EP=2, Ray ranks); the weights leave in the names (and fused expert tensors) the transformers
+model has, and reach the ``hf`` engine bit-exactly.
+
+``single`` lists the dense families only (the transformers side of MoE training is another
+engineer's work, ``rltrainer.models.moe``); these tests lift its list on the instance, which is
+what that work will do, so that megatron is compared with transformers' own MoE forward.
+Routing replay: tests/strategies/megatron_moe_check.py (run by test_megatron_moe_replay below)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer.data.batch import RolloutBatch
+from rltrainer.models import build_causal_lm
+from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
+from rltrainer.testing import length_reward, prepared_batch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')")
+
+SCRIPT = Path(__file__).with_name("megatron_moe_check.py")
+
+
+def tiny_qwen3_moe(vocab_size, **overrides):
+    """8 experts of 32, top-2 renormalised (Qwen3-30B-A3B's ``norm_topk_prob=True``), q/k norms,
+    ``heads x head_dim = 64 != hidden = 32``, untied."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**{
+        "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 1024,
+        "tie_word_embeddings": False, "use_cache": False, **overrides})
+
+
+def tiny_mixtral(vocab_size, **overrides):
+    """4 experts of 32, top-2 (Mixtral always renormalises), tied embeddings."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**{
+        "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "max_position_embeddings": 1024, "tie_word_embeddings": True, "use_cache": False, **overrides})
+
+
+CONFIGS = {"qwen3_moe": tiny_qwen3_moe, "mixtral": tiny_mixtral,
+           "qwen3_moe-unnormalised": lambda v: tiny_qwen3_moe(v, norm_topk_prob=False)}
+
+
+class LayoutGRPO(GRPO):
+    """AdamW at ``eps=1e-6`` (see test_megatron_strategy.py's ``LayoutGRPO``): a gradient that
+    cancels to ~0 keeps a rounding residue that differs between layouts; at eps=1e-6 it moves a
+    weight by at most lr * 2e-9 / 1e-6 per step."""
+
+    def configure_optimizers(self):
+        out = super().configure_optimizers()
+        for group in out["optimizer"].param_groups:
+            group["eps"] = 1e-6
+        return out
+
+
+def make_module(config, tokenizer, **kwargs):
+    return LayoutGRPO(config, tokenizer, **{**dict(reward_funcs=length_reward, num_generations=4, max_new_tokens=8,
+                                                   lr=1e-3, kl_coef=0.05), **kwargs})
+
+
+def single_strategy(**kwargs):
+    single = SingleDeviceStrategy(device="cpu", **kwargs)
+    single.supported_model_types = None  # the transformers model itself (see the module docstring)
+    return single
+
+
+def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, micro_batch_size=5):
+    """Two GRPO steps on one batch: ``single`` and megatron (``devices`` ranks, ``ep`` expert-parallel);
+    returns their exports, initial and final, and both steps' metrics."""
+    config = CONFIGS[family](len(bpe_tokenizer))
+    prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])  # prompts of unequal length
+    single_module = make_module(config, bpe_tokenizer)
+    single = single_strategy(micro_batch_size=8)
+    single.setup(single_module, seed=7)
+    torch.manual_seed(0)
+    batch = prepared_batch(single_module, single, prompts)
+    strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep, micro_batch_size=micro_batch_size)
+    try:
+        strategy.setup(make_module(config, bpe_tokenizer), seed=7)
+        before = dict(strategy.export_weights())
+        ref = strategy.compute(batch, "ref")["ref_log_probs"]
+        metrics = [(single.train_step(batch), strategy.train_step(batch)) for _ in range(2)]
+        after = dict(strategy.export_weights())
+        layout = strategy._require_group().execute_all("training_layout") if devices > 1 else None
+    finally:
+        strategy.teardown()
+    return dict(single=single_module.policy, batch=batch, before=before, ref=ref, metrics=metrics, after=after,
+                layout=layout)
+
+
+def check_steps(out, atol):
+    single = dict(out["single"].named_parameters())
+    assert list(out["before"]) == list(out["after"]) and set(out["before"]) == set(single)  # HF names, fused experts
+    torch.testing.assert_close(out["ref"], out["batch"]["ref_log_probs"], rtol=0, atol=1e-5)
+    for m_single, m_meg in out["metrics"]:
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+            assert m_meg[key] == pytest.approx(m_single[key], rel=1e-4, abs=1e-6), key
+    for name, p in single.items():
+        assert not torch.equal(out["before"][name], out["after"][name]), name  # every tensor moved, router included
+        torch.testing.assert_close(out["after"][name], p.detach(), rtol=0, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_in_process_moe_steps_match_one_device(family, bpe_tokenizer, gsm8k_prompts):
+    """One in-process rank (EP=1): megatron's MoE layer with every expert local."""
+    out = compare_steps(family, 1, 1, bpe_tokenizer, gsm8k_prompts)
+    check_steps(out, atol=5e-6)
+
+
+@pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_steps_match_one_device(family, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """Two ranks, EP=2 (each holds half of every layer's experts; tokens go to them and back by
+    megatron-core's all-to-all over gloo; everything else data parallel): the GRPO steps, the
+    reference log-probs and the weights after two steps equal the single-device ones. The experts
+    step in an optimizer of their own (megatron's expert-data-parallel group)."""
+    out = compare_steps(family, 2, 2, bpe_tokenizer, gsm8k_prompts)
+    distributed = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+    for layout in out["layout"]:
+        assert layout["optimizers"] == [distributed, distributed]  # dense parameters, then experts
+    check_steps(out, atol=5e-6)
+
+
+@pytest.mark.parametrize("devices,ep,family", [(1, 1, "qwen3_moe"), (2, 2, "mixtral")], ids=["in-process", "ep2"])
+def test_moe_fit_syncs_hf_engine_exactly(devices, ep, family, bpe_tokenizer, gsm8k_prompts, request):
+    """A fit syncs every tensor, in the transformers model's own names (the fused experts), into
+    the ``hf`` engine bit-exactly, in several buckets."""
+    if devices > 1:
+        request.getfixturevalue("ray_session")
+        request.getfixturevalue("warm_ranks")
+    config = CONFIGS[family](len(bpe_tokenizer))
+    module = GRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8, lr=1e-3,
+                  kl_coef=0.05)
+    strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep, bucket_bytes=32 << 10)
+    with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=5) as trainer:
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+        assert trainer.callback_metrics["sync/buckets"] > 1
+        full = dict(strategy.export_weights())
+        assert set(full) == {n for n, _ in build_causal_lm(config, seed=0).named_parameters()}  # fused experts, gate
+        for replica in strategy.group.execute_all("engine_weights"):
+            assert replica.keys() >= full.keys()
+            for name, tensor in full.items():
+                assert torch.equal(replica[name], tensor), name
+
+
+def test_moe_replay_through_megatrons_router_on_two_expert_ranks():
+    """Routing replay (megatron_moe_check.py, two gloo ranks, EP=2): with given routes, megatron's
+    routers select exactly those experts (one route set differs from the router's own choice in
+    every token; -1 rows fall back to it), the response log-probs and entropies equal transformers'
+    replayed forward, the router weights still get gradients and every gradient equals
+    transformers'. Without routes, megatron routes as transformers does."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "qwen3_moe", "mixtral"], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {r["check"]: r for r in map(json.loads, (line for line in proc.stdout.splitlines()
+                                                       if line.startswith('{"check"')))}
+    assert sorted(results) == ["mixtral", "qwen3_moe"]
+    for check, r in results.items():
+        assert r["own_routes_equal"] and r["replayed_routes_equal"] and r["fallback_routes_equal"], check
+        assert r["replay_differs_from_own"] == 1.0, check  # every token's given experts differ from the router's
+        assert r["log_probs_max_abs_diff"] < 1e-5 and r["no_replay_max_abs_diff"] < 1e-5, check
+        assert r["replay_moved_log_probs"] > 1e-2, check  # the replay changed the function
+        assert min(r["router_grad_norms"]) > 0 and r["grad_names"], check
+        assert r["grad_max_rel_diff"] < 1e-5, check  # of each tensor's largest gradient (~1-10 here)
