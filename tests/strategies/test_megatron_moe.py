@@ -82,9 +82,9 @@ def single_strategy(**kwargs):
     return single
 
 
-def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, micro_batch_size=5):
-    """Two GRPO steps on one batch: ``single`` and megatron (``devices`` ranks, ``ep`` expert-parallel);
-    returns their exports, initial and final, and both steps' metrics."""
+def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, pp=1, micro_batch_size=5):
+    """Two GRPO steps on one batch: ``single`` and megatron (``devices`` ranks, ``ep`` expert-parallel,
+    ``pp`` stages); returns their exports, initial and final, and both steps' metrics."""
     config = CONFIGS[family](len(bpe_tokenizer))
     prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])  # prompts of unequal length
     single_module = make_module(config, bpe_tokenizer)
@@ -92,7 +92,8 @@ def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, micro_batch
     single.setup(single_module, seed=7)
     torch.manual_seed(0)
     batch = prepared_batch(single_module, single, prompts)
-    strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep, micro_batch_size=micro_batch_size)
+    strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
+                                micro_batch_size=micro_batch_size)
     try:
         strategy.setup(make_module(config, bpe_tokenizer), seed=7)
         before = dict(strategy.export_weights())
@@ -127,16 +128,18 @@ def test_in_process_moe_steps_match_one_device(family, bpe_tokenizer, gsm8k_prom
 
 
 @pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_expert_parallel_steps_match_one_device(family, bpe_tokenizer, gsm8k_prompts, ray_session):
-    """Two ranks, EP=2 (each holds half of every layer's experts; tokens go to them and back by
-    megatron-core's all-to-all over gloo; everything else data parallel): the GRPO steps, the
-    reference log-probs and the weights after two steps equal the single-device ones. The experts
-    step in an optimizer of their own (megatron's expert-data-parallel group)."""
-    out = compare_steps(family, 2, 2, bpe_tokenizer, gsm8k_prompts)
+@pytest.mark.parametrize("family,pp,ep", [("qwen3_moe", 1, 2), ("mixtral", 1, 2), ("qwen3_moe", 2, 1)],
+                         ids=["ep2-qwen3_moe", "ep2-mixtral", "pp2-qwen3_moe"])
+def test_expert_parallel_steps_match_one_device(family, pp, ep, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """Two ranks. EP=2: each holds half of every layer's experts, tokens go to them and back by
+    megatron-core's all-to-all over gloo, everything else is data parallel; the experts step in an
+    optimizer of their own (megatron's expert-data-parallel group). PP=2: one MoE layer per stage.
+    The GRPO steps, the reference log-probs and the weights after two steps equal the
+    single-device ones."""
+    out = compare_steps(family, 2, ep, bpe_tokenizer, gsm8k_prompts, pp=pp)
     distributed = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
-    for layout in out["layout"]:
-        assert layout["optimizers"] == [distributed, distributed]  # dense parameters, then experts
+    for layout in out["layout"]:  # with EP: dense parameters, then experts (their expert-data-parallel group)
+        assert layout["optimizers"] == [distributed] * (2 if ep > 1 else 1)
     check_steps(out, atol=5e-6)
 
 
@@ -182,3 +185,30 @@ def test_moe_replay_through_megatrons_router_on_two_expert_ranks():
         assert r["replay_moved_log_probs"] > 1e-2, check  # the replay changed the function
         assert min(r["router_grad_norms"]) > 0 and r["grad_names"], check
         assert r["grad_max_rel_diff"] < 1e-5, check  # of each tensor's largest gradient (~1-10 here)
+
+
+@pytest.mark.parametrize("family,options,error", [
+    ("qwen3_moe", {"tensor_model_parallel_size": 2}, r"tensor_model_parallel_size=2 with a mixture of experts.*"
+                                                      r"sequence parallelism"),
+    ("dense", {"expert_model_parallel_size": 2}, r"expert_model_parallel_size=2 .* dense qwen3 model"),
+    ("mixtral", {"expert_model_parallel_size": 3}, r"expert_model_parallel_size=3 must divide the policy's 4 experts"),
+    ("qwen3_moe", {"moe_grouped_gemm": True}, r"moe_grouped_gemm=True .*TEGroupedMLP.*this rank runs on cpu"),
+], ids=["tp2", "dense-ep2", "ep3", "grouped-gemm-on-cpu"])
+def test_what_megatron_does_not_run_with_experts_is_refused_at_setup(family, options, error, bpe_tokenizer):
+    """Each rank refuses right after ``configure_model``, before megatron-core starts (rank 0 of 2
+    here, with no process group: any collective would fail)."""
+    from rltrainer.strategies.megatron import MegatronWorker
+    from rltrainer.testing import tiny_qwen3_config
+
+    config = (tiny_qwen3_config(len(bpe_tokenizer), hidden_size=32) if family == "dense"
+              else CONFIGS[family](len(bpe_tokenizer)))
+    module = make_module(config, bpe_tokenizer)
+    worker = MegatronWorker(rank=0, world_size=2, device="cpu")
+    options = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "precision": "32-true", **options}
+    with pytest.raises((ValueError, NotImplementedError), match=error):
+        worker.setup(module, options, seed=0)
+
+
+def test_expert_parallel_size_must_divide_the_data_parallel_ranks():
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=4 must divide the data-parallel size, 2"):
+        MegatronStrategy(devices=4, pipeline_model_parallel_size=2, expert_model_parallel_size=4)

@@ -29,8 +29,8 @@ from rltrainer.strategies.megatron.cpu import cpu_attention_spec, host_split_siz
 
 
 def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_process: bool = True,
-              pp: int = 1, pre_process: bool = True, share_embeddings: bool | None = None, ep: int = 1
-              ) -> torch.nn.Module:
+              pp: int = 1, pre_process: bool = True, share_embeddings: bool | None = None, ep: int = 1,
+              grouped_gemm: bool = False) -> torch.nn.Module:
     """A megatron-core ``GPTModel`` (this rank's pipeline stage) with the architecture of a
     Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral transformers config, converted by
     :func:`megatron_config` (which refuses a field it cannot convert). Qwen3's q/k norms are
@@ -42,9 +42,11 @@ def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_pr
     A mixture of experts gets megatron-core's ``MoELayer`` in every layer: its ``TopKRouter``, the
     ``alltoall`` token dispatcher over ``ep`` expert-parallel ranks (the ``allgather`` one refuses
     ``variable_seq_lengths``: ``transformer_config.py:1827-1832``) and ``SequentialMLP`` experts
-    (``num_experts / ep`` local ``MLP`` modules, run one after another; ``moe_grouped_gemm=False``: megatron's
-    grouped GEMM needs Transformer Engine or the ``grouped_gemm`` package, CUDA kernels both), each
-    router with a :class:`RouteReplay`."""
+    (``num_experts / ep`` local ``MLP`` modules, run one after another), each router with a
+    :class:`RouteReplay`. ``grouped_gemm`` (GPU ranks with Transformer Engine only, not run in CI):
+    Transformer Engine's ``TEGroupedMLP`` instead (``moe_grouped_gemm=True``, the experts spec of
+    ``get_moe_module_spec(use_te=True)``: ``moe_module_specs.py:13-68``,
+    ``transformer_engine_spec_provider.py:61-72``), one grouped GEMM for all local experts."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -57,11 +59,15 @@ def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_pr
         **arch.transformer, use_cpu_initialization=on_cpu, params_dtype=dtype, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         variable_seq_lengths=True,  # micro-batches differ in length and rows
-        expert_model_parallel_size=ep, moe_grouped_gemm=False,
+        expert_model_parallel_size=ep, moe_grouped_gemm=bool(experts and grouped_gemm),
         moe_token_dispatcher_type="alltoall",  # the default ("allgather") refuses variable lengths
         calculate_per_token_loss=True)  # the hooks normalise by global counts: the schedule must not rescale
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
                                     qk_layernorm=config.qk_layernorm)
+    if experts and grouped_gemm:
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+        spec.submodules.mlp = get_moe_module_spec(use_te=True, num_experts=experts, moe_grouped_gemm=True)
     if on_cpu:
         spec.submodules.self_attention.submodules.core_attention = cpu_attention_spec()
     gpt_args = dict(arch.gpt) if share_embeddings is None else {

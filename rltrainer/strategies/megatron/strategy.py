@@ -30,6 +30,10 @@ class MegatronStrategy(WorkerGroupStrategy):
             stays data parallel over those ranks. A mixture of experts trains at
             ``tensor_model_parallel_size=1`` (megatron-core's MoE layer needs sequence parallelism
             under tensor parallelism).
+        moe_grouped_gemm: run each rank's experts as Transformer Engine's ``TEGroupedMLP`` (one
+            grouped GEMM) instead of megatron-core's ``SequentialMLP`` (one expert after another);
+            GPU ranks with Transformer Engine only (refused elsewhere). Its weight layout is
+            tested; the model itself has not run in this project's CI (no GPU).
         use_distributed_optimizer: step with megatron-core's distributed optimizer (each
             data-parallel rank keeps and steps a shard of the optimizer state and main parameters,
             gradients are reduce-scattered and the updated parameters all-gathered); ``False``:
@@ -51,7 +55,7 @@ class MegatronStrategy(WorkerGroupStrategy):
 
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                 use_distributed_optimizer: bool = True,
+                 moe_grouped_gemm: bool = False, use_distributed_optimizer: bool = True,
                  overlap_grad_reduce: bool = False, grad_reduce_in_fp32: bool = True,
                  ddp_bucket_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(devices=devices, num_nodes=num_nodes, **kwargs)
@@ -74,7 +78,7 @@ class MegatronStrategy(WorkerGroupStrategy):
             raise ValueError(f"ddp_bucket_size must be a positive number of elements or None, got {ddp_bucket_size!r}")
         self.tp, self.pp = tp, pp
         self.options.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            expert_model_parallel_size=ep,
+                            expert_model_parallel_size=ep, moe_grouped_gemm=bool(moe_grouped_gemm),
                             use_distributed_optimizer=bool(use_distributed_optimizer),
                             overlap_grad_reduce=bool(overlap_grad_reduce),
                             grad_reduce_in_fp32=bool(grad_reduce_in_fp32), ddp_bucket_size=ddp_bucket_size)

@@ -84,11 +84,13 @@ class MegatronWorker(TrainingWorker):
 
         self.options = options
         tp, pp = options["tensor_model_parallel_size"], options["pipeline_model_parallel_size"]
-        ep = options.get("expert_model_parallel_size", 1)
+        ep, grouped = options.get("expert_model_parallel_size", 1), options.get("moe_grouped_gemm", False)
         torch.manual_seed(seed)
         with deferred_init(init_random_here=self.rank == 0):
             module.configure_model()
         check_architectures(module, pp, tp, ep)  # every rank refuses alike, before megatron-core is set up
+        if grouped:
+            check_grouped_gemm(self.device)
         if pp > 1 and getattr(module, "critic", None) is not None:
             raise NotImplementedError(
                 f"pipeline_model_parallel_size={pp} runs one pipelined model per hook call; {type(module).__name__} "
@@ -97,7 +99,8 @@ class MegatronWorker(TrainingWorker):
             cpu_shims()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  expert_model_parallel_size=ep)
-        self.layout, self.stage = MegatronLayout(tp=tp, pp=pp, ep=ep), parallel_state.get_pipeline_model_parallel_rank()
+        self.layout = MegatronLayout(tp=tp, pp=pp, ep=ep, grouped_experts=grouped)
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self._coords = [(0, 0, 0)] * self.world_size
         dist.all_gather_object(self._coords, (self.stage, parallel_state.get_tensor_model_parallel_rank(),
                                               parallel_state.get_expert_model_parallel_rank()))
@@ -221,7 +224,8 @@ class MegatronWorker(TrainingWorker):
             config, tied = critic_trunk_config(config), False
         gpt = build_gpt(config, self.layout.tp, self.device.type == "cpu", dtype, post_process=post_process,
                         pp=self.layout.pp, pre_process=pre_process, share_embeddings=tied,
-                        ep=self.layout.ep if is_moe(config) else 1).to(self.device)
+                        ep=self.layout.ep if is_moe(config) else 1,
+                        grouped_gemm=self.layout.grouped_experts).to(self.device)
         self._load(gpt, reads, config, skip={"decoder.final_layernorm.weight"} if critic_trunk else set())
         trainable = {n: p.requires_grad for n, p in hf_model.named_parameters()}
         for mname, param in gpt.named_parameters():  # frozen in transformers -> frozen here
@@ -480,6 +484,18 @@ def check_architectures(module: RLModule, pp: int = 1, tp: int = 1, ep: int = 1)
                 f"pipeline_model_parallel_size={pp}: the schedule passes the policy's hidden states "
                 f"(hidden_size={policy_hidden}) between stages, and {name} has hidden_size={hidden}. Use "
                 "pipeline_model_parallel_size=1 for a model of another size (e.g. a larger teacher).")
+
+
+def check_grouped_gemm(device: torch.device) -> None:
+    """``moe_grouped_gemm=True`` runs Transformer Engine's ``TEGroupedMLP``: CUDA ranks with
+    Transformer Engine installed only."""
+    import importlib.util
+
+    if device.type != "cuda" or importlib.util.find_spec("transformer_engine") is None:
+        where = f"this rank runs on {device.type}" if device.type != "cuda" else "Transformer Engine is not installed"
+        raise ValueError(f"moe_grouped_gemm=True runs the experts as Transformer Engine's TEGroupedMLP (grouped GEMM "
+                         f"CUDA kernels), and {where}. Use moe_grouped_gemm=False (megatron-core's SequentialMLP: "
+                         "the experts one after another, on any device).")
 
 
 class HFReads:
