@@ -212,3 +212,54 @@ def test_what_megatron_does_not_run_with_experts_is_refused_at_setup(family, opt
 def test_expert_parallel_size_must_divide_the_data_parallel_ranks():
     with pytest.raises(ValueError, match=r"expert_model_parallel_size=4 must divide the data-parallel size, 2"):
         MegatronStrategy(devices=4, pipeline_model_parallel_size=2, expert_model_parallel_size=4)
+
+
+def test_moe_checkpoint_saved_at_ep2_resumes_at_ep1(bpe_tokenizer, gsm8k_prompts, tmp_path, ray_session, warm_ranks):
+    """A checkpoint holds the fused HF expert tensors (weights and Adam's moments, gathered over the
+    expert-parallel ranks, each expert's moments over its expert-data-parallel group): saved at EP=2,
+    resumed at EP=1 (the same two ranks, every expert's optimizer state now split over the two
+    data-parallel ranks), the next step equals the EP=2 run's, and so do the
+    weights and moments it saves (weights within 1e-5, moments within 1e-3 of their norm, as in
+    test_megatron_checkpoint.py)."""
+    from rltrainer import ModelCheckpoint
+    from rltrainer.callbacks import Callback
+    from rltrainer.models import SafetensorsWeights
+
+    class Metrics(Callback):
+        def __init__(self) -> None:
+            self.steps = {}
+
+        def on_step_end(self, trainer, module, metrics):
+            self.steps[trainer.global_step] = dict(metrics)
+
+    def saved(path):
+        files = SafetensorsWeights(str(path / "training"))
+        return {name: files.read(name) for name in files.names()}
+
+    config = CONFIGS["qwen3_moe"](len(bpe_tokenizer))
+
+    def run(root, devices, ep, max_steps, ckpt=None):
+        module = GRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=4, max_new_tokens=8,
+                      lr=1e-3, kl_coef=0.05)
+        metrics = Metrics()
+        with Trainer(strategy=MegatronStrategy(devices=devices, expert_model_parallel_size=ep), max_steps=max_steps,
+                     logger=False, enable_progress_bar=False, seed=6, default_root_dir=root,
+                     callbacks=[metrics, ModelCheckpoint(dirpath=root, every_n_steps=1, keep=5)]) as trainer:
+            trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2), ckpt_path=ckpt)
+        return metrics.steps
+
+    full = run(tmp_path / "ep2", 2, 2, max_steps=2)
+    step1 = saved(tmp_path / "ep2" / "step=1.ckpt")
+    assert step1["policy/weight/model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 64, 32)
+    assert "policy/exp_avg_sq/model.layers.1.mlp.experts.down_proj" in step1
+    resumed = run(tmp_path / "ep1", 2, 1, max_steps=2, ckpt=tmp_path / "ep2" / "step=1.ckpt")
+    assert list(resumed) == [2]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr"):
+        assert resumed[2][key] == pytest.approx(full[2][key], rel=1e-4, abs=1e-6), key
+    got, want = saved(tmp_path / "ep1" / "step=2.ckpt"), saved(tmp_path / "ep2" / "step=2.ckpt")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        if "/weight/" in name:
+            torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
+        else:
+            assert (got[name] - tensor).norm() / tensor.norm().clamp_min(1e-30) < 1e-3, name

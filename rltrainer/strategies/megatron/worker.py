@@ -429,17 +429,9 @@ class MegatronWorker(TrainingWorker):
     def _checkpoint_models(self) -> dict[str, Any]:
         from megatron.core import parallel_state
 
-        moe = [n for n, m in self.module.trainable_models().items() if is_moe(getattr(m, "config", None))]
-        if moe:
-            raise NotImplementedError(
-                f"Checkpoints of a mixture of experts ({', '.join(moe)}) on strategy='megatron': its files hold whole "
-                "HF tensors, and an expert's weight is one part of its layer's fused experts.gate_up_proj / down_proj "
-                "(gathered over the expert-parallel group, with the optimizer state of the expert-data-parallel "
-                "group), which the checkpoint code does not assemble yet. Export the weights instead "
-                "(strategy.export_weights()), or train it with strategy='fsdp2'.")
-
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        return {name: checkpoint.ModelTensors(model, self.layout, self.stage, tp_rank)
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        return {name: checkpoint.ModelTensors(model, self.layout, self.stage, tp_rank, ep_rank)
                 for name, model in self.module.trainable_models().items()}
 
 
