@@ -263,3 +263,86 @@ def test_moe_checkpoint_saved_at_ep2_resumes_at_ep1(bpe_tokenizer, gsm8k_prompts
             torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
         else:
             assert (got[name] - tensor).norm() / tensor.norm().clamp_min(1e-30) < 1e-3, name
+
+
+class ReplayingGRPO(LayoutGRPO):
+    """Its reference log-probs replay the batch's ``routed_experts`` (what the algorithms pass once
+    they replay routes; ``response_log_probs(routed_experts=...)`` is the contract)."""
+
+    def compute_step(self, micro_batch, stage):
+        from rltrainer.models import response_log_probs
+
+        if stage != "ref":
+            return super().compute_step(micro_batch, stage)
+        temperature = micro_batch.meta.get("temperature") or 1.0
+        return {"ref_log_probs": response_log_probs(self.ref_policy, micro_batch, temperature,
+                                                    routed_experts=micro_batch["routed_experts"])[0]}
+
+
+def replayed_log_probs(model, batch, routes, temperature):
+    """transformers' forward with each router replaying ``routes [N, P+T, L, K]`` (softmax over all
+    experts, the given ones' scores, renormalised as the config says; -1: its own top-k): the
+    response tokens' log-probs ``[N, T]``, 0 on padding."""
+    import torch.nn.functional as F
+
+    from rltrainer.strategies.megatron.config import renormalised
+
+    def replay(router, given):
+        def forward(hidden):
+            logits = F.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            chosen = torch.where((given >= 0).all(-1, keepdim=True), given, probs.topk(router.top_k, dim=-1).indices)
+            weights = probs.gather(1, chosen)
+            if renormalised(model.config):
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(logits.dtype), chosen
+        return forward
+
+    for layer, block in enumerate(model.model.layers):
+        block.mlp.gate.forward = replay(block.mlp.gate, routes[:, :, layer].reshape(-1, routes.shape[-1]).long())
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"]).logits
+    finally:
+        for block in model.model.layers:
+            del block.mlp.gate.forward
+    T = batch["responses"].shape[1]
+    log_probs = (logits[:, -T - 1:-1].float() / temperature).log_softmax(-1)
+    return log_probs.gather(-1, batch["responses"][..., None])[..., 0] * batch["response_mask"]
+
+
+@pytest.mark.usefixtures("warm_ranks")
+@pytest.mark.parametrize("pp,ep", [(1, 2), (2, 1)], ids=["ep2", "pp2"])
+def test_batch_routes_reach_megatrons_routers_through_the_strategy(pp, ep, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """The batch field ``routed_experts`` travels with its rows into each rank's micro-batches and
+    megatron's schedule (EP=2; PP=2: each stage's routers take their own layers' routes): the
+    reference log-probs replaying random routes (-1 on padding and in one row's response) equal
+    transformers' replayed forward, and differ from the unreplayed ones."""
+    config = CONFIGS["qwen3_moe"](len(bpe_tokenizer))
+    prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])
+    single_module = make_module(config, bpe_tokenizer)
+    single = single_strategy(micro_batch_size=8)
+    single.setup(single_module, seed=7)
+    torch.manual_seed(0)
+    batch = prepared_batch(single_module, single, prompts)
+    n, columns = batch["input_ids"].shape
+    generator = torch.Generator().manual_seed(3)
+    routes = torch.stack([torch.randperm(config.num_experts, generator=generator)[:2]
+                          for _ in range(n * columns * config.num_hidden_layers)])
+    routes = routes.view(n, columns, config.num_hidden_layers, 2).to(torch.int16)
+    routes[~batch["attention_mask"].bool()] = -1
+    routes[1, -4:] = -1  # the router's own choice
+    batch["routed_experts"] = routes
+    temperature = batch.meta.get("temperature") or 1.0
+    want = replayed_log_probs(single_module.ref_policy, batch, routes, temperature)
+    strategy = MegatronStrategy(devices=2, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
+                                micro_batch_size=2)
+    try:
+        strategy.setup(ReplayingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=4,
+                                     max_new_tokens=8, lr=1e-3, kl_coef=0.05), seed=7)
+        got = strategy.compute(batch, "ref")["ref_log_probs"]
+    finally:
+        strategy.teardown()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert (got - batch["ref_log_probs"]).abs().max() > 1e-2  # replaying changed them
