@@ -139,12 +139,12 @@ def save(directory: Path, models: dict[str, ModelTensors], optimizer: Any, sched
     for model_name, tensors in models.items():
         params = dict(tensors.params())
         for name, experts in tensors.units():
+            group = experts or [params[name]]  # a parameter, or a layer's local experts
             # every rank alike (collectives), whether it steps a slice of the parameter or not
-            for kind in ["weight", *kinds] if (experts or [params.get(name)])[0].requires_grad else ["weight"]:
+            for kind in ["weight", *kinds] if group[0].requires_grad else ["weight"]:
                 parts = [param.detach() if kind == "weight" else _model_space(
-                    param, slots.get(id(param)), kind, config.use_distributed_optimizer)
-                    for param in experts or [params[name]]]
-                local = parts[0] if experts is None else _ep_gather(torch.stack(parts))  # [E, ...]
+                    param, slots.get(id(param)), kind, config.use_distributed_optimizer) for param in group]
+                local = parts[0] if experts is None else gather_experts(torch.stack(parts))  # [E, ...]
                 for hf, tensor in tensors.to_hf(name, _tp_gather(local, tp)).items():
                     owner = written.index(min(written))  # the rank of the stage that has written least
                     written[owner] += tensor.numel() * tensor.element_size()
@@ -192,8 +192,9 @@ def _model_space(param: torch.Tensor, slot: tuple[Any, torch.Tensor, slice | Non
     return flat.view(param.shape)
 
 
-def _ep_gather(local: torch.Tensor) -> torch.Tensor:
-    """A layer's local experts' stack ``[E / ep, ...]`` -> all of its experts ``[E, ...]``."""
+def gather_experts(local: torch.Tensor) -> torch.Tensor:
+    """A layer's local experts' stack ``[E / ep, ...]`` -> all of its experts ``[E, ...]``, over the
+    expert-parallel group (in its rank order, which is the experts' order)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 

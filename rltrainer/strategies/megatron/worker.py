@@ -368,7 +368,7 @@ class MegatronWorker(TrainingWorker):
         from megatron.core import parallel_state
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
-        tp, ep = self.layout.tp, self.layout.ep
+        tp = self.layout.tp
         params = dict(self.module.policy.gpt.named_parameters())
         config = self.module.policy.config
         out: dict[str, torch.Tensor] = {}
@@ -378,11 +378,7 @@ class MegatronWorker(TrainingWorker):
                 if source in params:
                     local = params[source].detach().contiguous()
                 else:  # a stack of experts: [E / ep, ...] here, [E, ...] over the expert-parallel group
-                    local = stack_experts({n: p.detach() for n, p in params.items()}, source)
-                    if ep > 1:
-                        experts = [torch.empty_like(local) for _ in range(ep)]
-                        dist.all_gather(experts, local, group=parallel_state.get_expert_model_parallel_group())
-                        local = torch.cat(experts)
+                    local = checkpoint.gather_experts(stack_experts({n: p.detach() for n, p in params.items()}, source))
                 parts = [torch.empty_like(local) for _ in range(tp)]
                 dist.all_gather(parts, local, group=tp_group)
                 full = hf_from_megatron(source, parts, config, self.layout, stage)
