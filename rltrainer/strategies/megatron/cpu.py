@@ -17,7 +17,7 @@ def cpu_shims() -> None:
     the global memory buffer, pipeline receive buffers, the MoE router's weight and the all-to-all
     dispatcher's receive buffers) and synchronises after pipeline sends; in a CPU-only worker
     process, make those the CPU and a no-op. The MoE all-to-all dispatcher copies its token counts
-    to the host on a side stream (``token_dispatcher.py:449-450, 862-899``: ``torch.cuda.Stream()``,
+    to the host on a side stream (``token_dispatcher.py:444-445, 862-899``: ``torch.cuda.Stream()``,
     ``current_stream``, ``stream``, ``record_event().synchronize()``): on a CPU the counts are
     there already, so the stream is one that does nothing."""
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]

@@ -87,7 +87,7 @@ def _without_te_router_gemm() -> None:
     (lines 22-39; the ``except ImportError`` branch leaves it undefined): without Transformer Engine,
     on a GPU as on a CPU, the router's forward raises ``NameError: name 'te_general_gemm' is not
     defined``. Define it as ``None``, as that branch means to: the router then takes its
-    ``torch.mm`` path (lines 1195-1196, 1233-1234)."""
+    ``torch.mm`` path (lines 1195-1196, 1235-1236)."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
