@@ -2,9 +2,9 @@
 (``expert_model_parallel_size=2``; each rank runs its own rows, tokens reach their experts by
 megatron's all-to-all), a ``GPTModel`` built by the library's ``build_gpt`` and filled by
 ``megatron_shard``, against the single-device transformers model whose routers replay the same
-routes (the reference below: softmax over all experts, the given experts' scores, renormalised when
-the config renormalises; -1: the router's own top-k). Prints one JSON line per check. Run by
-tests/strategies/test_megatron_moe.py; runnable alone:
+routes (the reference below, independent of ``rltrainer.models.moe``: softmax over all experts, the
+given experts' scores, renormalised when the config renormalises; -1: the router's own top-k).
+Prints one JSON line per check. Run by tests/strategies/test_megatron_moe.py; runnable alone:
 
     python tests/strategies/megatron_moe_check.py [qwen3_moe] [mixtral]
 
@@ -19,7 +19,6 @@ summed over the ranks, experts gathered over them), converted to transformers' n
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 from typing import Any
@@ -97,7 +96,6 @@ def reference(family: str) -> dict[str, Any]:
     log-probs, entropies and gradients."""
     from transformers import AutoModelForCausalLM
 
-    from rltrainer.models import response_log_probs
     from rltrainer.strategies.megatron.config import renormalised
 
     config = hf_config(family)
@@ -110,8 +108,11 @@ def reference(family: str) -> dict[str, Any]:
     routing = HFRouting(model, renormalised(config))
     batch = inputs()
 
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        return response_log_probs(model, batch, TEMPERATURE, with_entropy=True, entropy_grad=True, chunk_tokens=0)
+    def run() -> tuple[torch.Tensor, torch.Tensor]:  # the full logits (not rltrainer's own MoE replay)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, -RESPONSE - 1:-1] / TEMPERATURE
+        log_p = logits.float().log_softmax(-1)
+        return log_p.gather(-1, batch["responses"][..., None])[..., 0], -(log_p.exp() * log_p).sum(-1)
 
     own_lp, _ = run()
     own = {layer: c.view(ROWS, SEQ, -1) for layer, c in routing.chosen.items()}
@@ -144,7 +145,8 @@ def rank_check(rank: int, world: int, family: str, ref: dict[str, Any]) -> dict[
     from rltrainer.models import response_log_probs
     from rltrainer.strategies.megatron.layouts import (MegatronLayout, expert_stack, hf_from_megatron, megatron_shard,
                                                        stack_experts, state_reader)
-    from rltrainer.strategies.megatron.models import MegatronCausalLM, build_gpt, rotate_back, rotate_left, routers
+    from rltrainer.strategies.megatron.models import MegatronCausalLM, build_gpt, rotate_back, rotate_left
+    from rltrainer.strategies.megatron.routing import routers
 
     config, layout = ref["config"], MegatronLayout(ep=world)
     gpt = build_gpt(config, tp=1, on_cpu=True, dtype=torch.float32, ep=world)

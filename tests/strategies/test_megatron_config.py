@@ -190,7 +190,8 @@ def test_other_families_and_experts_are_refused():
 def test_mixtures_of_experts_convert_to_megatron_moe(config, pre_softmax):
     """Renormalised top-k weights: megatron's softmax over the top-k logits (moe_router_pre_softmax
     False, moe_utils.py:713-716); not renormalised: the softmax over all experts, then top-k (True,
-    :709-711). No load-balancing loss: transformers adds its own only to a labels loss."""
+    :709-711). Megatron's own load-balancing loss off: the Routing part adds transformers' (from the
+    routers' record, test_megatron_moe.py)."""
     t = megatron_config(config).transformer
     experts = 8 if config.model_type == "qwen3_moe" else 4
     assert (t["num_moe_experts"], t["moe_router_topk"], t["moe_ffn_hidden_size"], t["ffn_hidden_size"]) == (

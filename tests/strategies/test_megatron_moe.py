@@ -1,13 +1,14 @@
 """strategy="megatron" with a mixture of experts (Qwen3-MoE, Mixtral) on CPU: megatron-core's
 MoE layer (router, all-to-all dispatcher, SequentialMLP experts) trains GRPO steps equal to the
-single-device transformers step, in process (EP=1) and over gloo with the experts split over two
-ranks (EP=2, Ray ranks); the weights leave in the names (and fused expert tensors) the transformers
-model has, and reach the ``hf`` engine bit-exactly.
+single-device transformers step (``rltrainer.models.moe``), in process (EP=1) and over gloo with the
+experts split over two ranks (EP=2, Ray ranks), replaying the ``hf`` engine's routes on both sides;
+its routers fill the same ``moe/*`` metrics and load-balancing loss; the weights leave in the names
+(and fused expert tensors) the transformers model has, and reach the ``hf`` engine bit-exactly.
 
-``single`` lists the dense families only (the transformers side of MoE training is another
-engineer's work, ``rltrainer.models.moe``); these tests lift its list on the instance, which is
-what that work will do, so that megatron is compared with transformers' own MoE forward.
-Routing replay: tests/strategies/megatron_moe_check.py (run by test_megatron_moe_replay below)."""
+The load-balancing loss is one forward's (transformers' ``load_balancing_loss_func`` over a
+micro-batch), so it depends on how rows fall into micro-batches: the layout comparisons set
+``router_aux_loss_coef=0``, and the loss is compared where both sides run one micro-batch.
+Routing replay through megatron's router, token by token: megatron_moe_check.py."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import build_causal_lm
+from rltrainer.rollout.hf import HFEngine
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
-from rltrainer.testing import length_reward, prepared_batch
+from rltrainer.testing import length_reward
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')")
@@ -57,6 +59,9 @@ def tiny_mixtral(vocab_size, **overrides):
 
 CONFIGS = {"qwen3_moe": tiny_qwen3_moe, "mixtral": tiny_mixtral,
            "qwen3_moe-unnormalised": lambda v: tiny_qwen3_moe(v, norm_topk_prob=False)}
+#: the moe/* count metrics, [L, E] or [L, 2], summed over micro-batches and ranks (the load-balancing
+#: loss, moe/aux_loss, is one forward's)
+COUNTED = ("moe/expert_tokens", "moe/router_entropy", "moe/routing_agreement")
 
 
 class LayoutGRPO(GRPO):
@@ -73,29 +78,40 @@ class LayoutGRPO(GRPO):
 
 def make_module(config, tokenizer, **kwargs):
     return LayoutGRPO(config, tokenizer, **{**dict(reward_funcs=length_reward, num_generations=4, max_new_tokens=8,
-                                                   lr=1e-3, kl_coef=0.05), **kwargs})
+                                                   lr=1e-3, kl_coef=0.05, router_aux_loss_coef=0.0), **kwargs})
 
 
-def single_strategy(**kwargs):
-    single = SingleDeviceStrategy(device="cpu", **kwargs)
-    single.supported_model_types = None  # the transformers model itself (see the module docstring)
-    return single
+def batch_with_routes(module, strategy, prompts):
+    """One step's batch as the loop lays it out (``rltrainer.testing.prepared_batch``), rolled out by
+    an ``hf`` engine that records its routes (``routed_experts``), as the Trainer asks it to for a
+    module that replays them; the compute stages replay them."""
+    engine = HFEngine()
+    engine.return_routed_experts = module.records_routes()
+    engine = strategy.connect_engine(engine, module.tokenizer)
+    strategy.sync_weights(engine)
+    batch = module.reward_step(module.rollout_step(prompts, engine))
+    for stage in module.compute_stages():
+        batch = batch.union(strategy.compute(batch, stage))
+    batch = module.advantage_step(batch)
+    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
+    return batch
 
 
-def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, pp=1, micro_batch_size=5):
-    """Two GRPO steps on one batch: ``single`` and megatron (``devices`` ranks, ``ep`` expert-parallel,
-    ``pp`` stages); returns their exports, initial and final, and both steps' metrics."""
+def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, micro_batch_size=5, single_micro_batch_size=8,
+                  **module_kwargs):
+    """Two GRPO steps on one batch (with the engine's routes): ``single`` and megatron (``devices``
+    ranks, ``ep`` expert-parallel); returns their exports, initial and final, and both steps' metrics."""
     config = CONFIGS[family](len(bpe_tokenizer))
     prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])  # prompts of unequal length
-    single_module = make_module(config, bpe_tokenizer)
-    single = single_strategy(micro_batch_size=8)
+    single_module = make_module(config, bpe_tokenizer, **module_kwargs)
+    single = SingleDeviceStrategy(device="cpu", micro_batch_size=single_micro_batch_size)
     single.setup(single_module, seed=7)
     torch.manual_seed(0)
-    batch = prepared_batch(single_module, single, prompts)
-    strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
-                                micro_batch_size=micro_batch_size)
+    batch = batch_with_routes(single_module, single, prompts)
+    assert batch["routed_experts"].shape[2:] == (config.num_hidden_layers, config.num_experts_per_tok)
+    strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep, micro_batch_size=micro_batch_size)
     try:
-        strategy.setup(make_module(config, bpe_tokenizer), seed=7)
+        strategy.setup(make_module(config, bpe_tokenizer, **module_kwargs), seed=7)
         before = dict(strategy.export_weights())
         ref = strategy.compute(batch, "ref")["ref_log_probs"]
         metrics = [(single.train_step(batch), strategy.train_step(batch)) for _ in range(2)]
@@ -107,13 +123,21 @@ def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, pp=1, micro
                 layout=layout)
 
 
-def check_steps(out, atol):
+def check_steps(out, atol, keys=("actor/pg_loss", "actor/kl_loss", "actor/grad_norm")):
+    """The exports (names, every tensor moved, within ``atol``), the reference log-probs, ``keys``
+    of both steps' metrics, and the routing counts (the experts' tokens and the agreement with the
+    engine exactly, the routers' entropy sums within 1e-5 relative)."""
     single = dict(out["single"].named_parameters())
     assert list(out["before"]) == list(out["after"]) and set(out["before"]) == set(single)  # HF names, fused experts
     torch.testing.assert_close(out["ref"], out["batch"]["ref_log_probs"], rtol=0, atol=1e-5)
     for m_single, m_meg in out["metrics"]:
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        for key in keys:
             assert m_meg[key] == pytest.approx(m_single[key], rel=1e-4, abs=1e-6), key
+        for key in COUNTED:
+            torch.testing.assert_close(m_meg[key], m_single[key], rtol=1e-5 if key == "moe/router_entropy" else 0,
+                                       atol=0, msg=key)
+    agreement = out["metrics"][1][0]["moe/routing_agreement"]  # [L, 2]: tokens whose router picks the engine's, of all
+    assert (agreement[:, 0] < agreement[:, 1]).all()  # the second step replays routes its router no longer picks
     for name, p in single.items():
         assert not torch.equal(out["before"][name], out["after"][name]), name  # every tensor moved, router included
         torch.testing.assert_close(out["after"][name], p.detach(), rtol=0, atol=atol,
@@ -122,31 +146,43 @@ def check_steps(out, atol):
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_in_process_moe_steps_match_one_device(family, bpe_tokenizer, gsm8k_prompts):
-    """One in-process rank (EP=1): megatron's MoE layer with every expert local."""
+    """One in-process rank (EP=1): megatron's MoE layer with every expert local, replaying the
+    engine's routes in the reference log-probs and the update; the routing metrics sum alike."""
     out = compare_steps(family, 1, 1, bpe_tokenizer, gsm8k_prompts)
     check_steps(out, atol=5e-6)
 
 
+def test_load_balancing_loss_matches_one_device(bpe_tokenizer, gsm8k_prompts):
+    """With ``router_aux_loss_coef=0.1`` (both sides one micro-batch of the 12 rows), megatron's
+    routers give the Routing part the load-balancing loss transformers' give: the same
+    ``moe/aux_loss``, and its gradient moves the weights alike."""
+    out = compare_steps("qwen3_moe", 1, 1, bpe_tokenizer, gsm8k_prompts, micro_batch_size=16,
+                        single_micro_batch_size=16, router_aux_loss_coef=0.1)
+    assert out["metrics"][0][0]["moe/aux_loss"] > 0.1
+    check_steps(out, atol=5e-6, keys=("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "moe/aux_loss"))
+
+
 @pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
-@pytest.mark.parametrize("family,pp,ep", [("qwen3_moe", 1, 2), ("mixtral", 1, 2), ("qwen3_moe", 2, 1)],
-                         ids=["ep2-qwen3_moe", "ep2-mixtral", "pp2-qwen3_moe"])
-def test_expert_parallel_steps_match_one_device(family, pp, ep, bpe_tokenizer, gsm8k_prompts, ray_session):
-    """Two ranks. EP=2: each holds half of every layer's experts, tokens go to them and back by
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_steps_match_one_device(family, bpe_tokenizer, gsm8k_prompts, ray_session):
+    """Two ranks, EP=2: each holds half of every layer's experts, tokens go to them and back by
     megatron-core's all-to-all over gloo, everything else is data parallel; the experts step in an
-    optimizer of their own (megatron's expert-data-parallel group). PP=2: one MoE layer per stage.
-    The GRPO steps, the reference log-probs and the weights after two steps equal the
-    single-device ones."""
-    out = compare_steps(family, 2, ep, bpe_tokenizer, gsm8k_prompts, pp=pp)
+    optimizer of their own (megatron's expert-data-parallel group). The GRPO steps replaying the
+    engine's routes, the reference log-probs, the routing metrics (summed over the ranks) and the
+    weights after two steps equal the single-device ones."""
+    out = compare_steps(family, 2, 2, bpe_tokenizer, gsm8k_prompts)
     distributed = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
-    for layout in out["layout"]:  # with EP: dense parameters, then experts (their expert-data-parallel group)
-        assert layout["optimizers"] == [distributed] * (2 if ep > 1 else 1)
+    for layout in out["layout"]:  # dense parameters, then experts (their expert-data-parallel group)
+        assert layout["optimizers"] == [distributed, distributed]
     check_steps(out, atol=5e-6)
 
 
 @pytest.mark.parametrize("devices,ep,family", [(1, 1, "qwen3_moe"), (2, 2, "mixtral")], ids=["in-process", "ep2"])
 def test_moe_fit_syncs_hf_engine_exactly(devices, ep, family, bpe_tokenizer, gsm8k_prompts, request):
-    """A fit syncs every tensor, in the transformers model's own names (the fused experts), into
-    the ``hf`` engine bit-exactly, in several buckets."""
+    """A fit (GRPO's defaults: the engine records routes, the update replays them, the config's
+    load-balancing loss) reports the routing metrics from megatron's routers and syncs every tensor,
+    in the transformers model's own names (the fused experts), into the ``hf`` engine bit-exactly,
+    in several buckets."""
     if devices > 1:
         request.getfixturevalue("ray_session")
         request.getfixturevalue("warm_ranks")
@@ -156,7 +192,9 @@ def test_moe_fit_syncs_hf_engine_exactly(devices, ep, family, bpe_tokenizer, gsm
     strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep, bucket_bytes=32 << 10)
     with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=5) as trainer:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
-        assert trainer.callback_metrics["sync/buckets"] > 1
+        m = trainer.callback_metrics
+        assert m["sync/buckets"] > 1
+        assert m["moe/aux_loss"] > 0 and 0 < m["moe/routing_agreement"] <= 1 and m["moe/expert_share/max"] > 0
         full = dict(strategy.export_weights())
         assert set(full) == {n for n, _ in build_causal_lm(config, seed=0).named_parameters()}  # fused experts, gate
         for replica in strategy.group.execute_all("engine_weights"):
@@ -193,7 +231,9 @@ def test_moe_replay_through_megatrons_router_on_two_expert_ranks():
     ("dense", {"expert_model_parallel_size": 2}, r"expert_model_parallel_size=2 .* dense qwen3 model"),
     ("mixtral", {"expert_model_parallel_size": 3}, r"expert_model_parallel_size=3 must divide the policy's 4 experts"),
     ("qwen3_moe", {"moe_grouped_gemm": True}, r"moe_grouped_gemm=True .*TEGroupedMLP.*this rank runs on cpu"),
-], ids=["tp2", "dense-ep2", "ep3", "grouped-gemm-on-cpu"])
+    ("mixtral", {"pipeline_model_parallel_size": 2}, r"pipeline_model_parallel_size=2 with a mixture-of-experts "
+                                                     r"policy .*load_balancing_loss_func"),
+], ids=["tp2", "dense-ep2", "ep3", "grouped-gemm-on-cpu", "pp2"])
 def test_what_megatron_does_not_run_with_experts_is_refused_at_setup(family, options, error, bpe_tokenizer):
     """Each rank refuses right after ``configure_model``, before megatron-core starts (rank 0 of 2
     here, with no process group: any collective would fail)."""
@@ -265,67 +305,20 @@ def test_moe_checkpoint_saved_at_ep2_resumes_at_ep1(bpe_tokenizer, gsm8k_prompts
             assert (got[name] - tensor).norm() / tensor.norm().clamp_min(1e-30) < 1e-3, name
 
 
-class ReplayingGRPO(LayoutGRPO):
-    """Its reference log-probs replay the batch's ``routed_experts`` (what the algorithms pass once
-    they replay routes; ``response_log_probs(routed_experts=...)`` is the contract)."""
-
-    def compute_step(self, micro_batch, stage):
-        from rltrainer.models import response_log_probs
-
-        if stage != "ref":
-            return super().compute_step(micro_batch, stage)
-        temperature = micro_batch.meta.get("temperature") or 1.0
-        return {"ref_log_probs": response_log_probs(self.ref_policy, micro_batch, temperature,
-                                                    routed_experts=micro_batch["routed_experts"])[0]}
-
-
-def replayed_log_probs(model, batch, routes, temperature):
-    """transformers' forward with each router replaying ``routes [N, P+T, L, K]`` (softmax over all
-    experts, the given ones' scores, renormalised as the config says; -1: its own top-k): the
-    response tokens' log-probs ``[N, T]``, 0 on padding."""
-    import torch.nn.functional as F
-
-    from rltrainer.strategies.megatron.config import renormalised
-
-    def replay(router, given):
-        def forward(hidden):
-            logits = F.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-            chosen = torch.where((given >= 0).all(-1, keepdim=True), given, probs.topk(router.top_k, dim=-1).indices)
-            weights = probs.gather(1, chosen)
-            if renormalised(model.config):
-                weights = weights / weights.sum(-1, keepdim=True)
-            return logits, weights.to(logits.dtype), chosen
-        return forward
-
-    for layer, block in enumerate(model.model.layers):
-        block.mlp.gate.forward = replay(block.mlp.gate, routes[:, :, layer].reshape(-1, routes.shape[-1]).long())
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           position_ids=batch["position_ids"]).logits
-    finally:
-        for block in model.model.layers:
-            del block.mlp.gate.forward
-    T = batch["responses"].shape[1]
-    log_probs = (logits[:, -T - 1:-1].float() / temperature).log_softmax(-1)
-    return log_probs.gather(-1, batch["responses"][..., None])[..., 0] * batch["response_mask"]
-
-
 @pytest.mark.usefixtures("warm_ranks")
-@pytest.mark.parametrize("pp,ep", [(1, 2), (2, 1)], ids=["ep2", "pp2"])
-def test_batch_routes_reach_megatrons_routers_through_the_strategy(pp, ep, bpe_tokenizer, gsm8k_prompts, ray_session):
-    """The batch field ``routed_experts`` travels with its rows into each rank's micro-batches and
-    megatron's schedule (EP=2; PP=2: each stage's routers take their own layers' routes): the
-    reference log-probs replaying random routes (-1 on padding and in one row's response) equal
-    transformers' replayed forward, and differ from the unreplayed ones."""
+def test_random_routes_reach_megatrons_routers_through_the_strategy(bpe_tokenizer, gsm8k_prompts, ray_session):
+    """Routes unlike the router's own choice (random experts per token and layer; -1 on padding and
+    in one row's response), as a batch field: they travel with their rows into each EP=2 rank's
+    micro-batches and megatron's schedule, and the reference log-probs replaying them equal the
+    single-device transformers ones replaying them (``rltrainer.models.moe``), far from the
+    unreplayed ones."""
     config = CONFIGS["qwen3_moe"](len(bpe_tokenizer))
     prompts = RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(3)])
     single_module = make_module(config, bpe_tokenizer)
-    single = single_strategy(micro_batch_size=8)
+    single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)
     single.setup(single_module, seed=7)
     torch.manual_seed(0)
-    batch = prepared_batch(single_module, single, prompts)
+    batch = batch_with_routes(single_module, single, prompts)  # ref log-probs replaying the engine's routes
     n, columns = batch["input_ids"].shape
     generator = torch.Generator().manual_seed(3)
     routes = torch.stack([torch.randperm(config.num_experts, generator=generator)[:2]
@@ -334,15 +327,12 @@ def test_batch_routes_reach_megatrons_routers_through_the_strategy(pp, ep, bpe_t
     routes[~batch["attention_mask"].bool()] = -1
     routes[1, -4:] = -1  # the router's own choice
     batch["routed_experts"] = routes
-    temperature = batch.meta.get("temperature") or 1.0
-    want = replayed_log_probs(single_module.ref_policy, batch, routes, temperature)
-    strategy = MegatronStrategy(devices=2, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
-                                micro_batch_size=2)
+    want = single.compute(batch, "ref")["ref_log_probs"]
+    strategy = MegatronStrategy(devices=2, expert_model_parallel_size=2, micro_batch_size=2)  # 3 micro-batches a rank
     try:
-        strategy.setup(ReplayingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=4,
-                                     max_new_tokens=8, lr=1e-3, kl_coef=0.05), seed=7)
+        strategy.setup(make_module(config, bpe_tokenizer), seed=7)
         got = strategy.compute(batch, "ref")["ref_log_probs"]
     finally:
         strategy.teardown()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert (got - batch["ref_log_probs"]).abs().max() > 1e-2  # replaying changed them
+    assert (got - batch["ref_log_probs"]).abs().max() > 1e-2  # unlike the engine's routes

@@ -21,7 +21,8 @@ So ``policy_step`` and ``compute_step`` run unchanged: changing FSDP2 to Megatro
 algorithm. Weights leave in HF names (:func:`megatron_to_hf`), so any engine takes them. A mixture
 of experts runs megatron-core's MoE layer, its experts split over ``expert_model_parallel_size``
 data-parallel ranks, and replays given routes through megatron's router (``routed_experts``, see
-:class:`~rltrainer.strategies.megatron.models.RouteReplay`).
+:class:`~rltrainer.strategies.megatron.routing.RouteReplay`; its routers fill the ``moe/*``
+metrics and load-balancing loss of the ``Routing`` part as transformers' do).
 
 The hooks run inside megatron-core's forward-backward schedule (``get_forward_backward_func``:
 no pipelining at ``pipeline_model_parallel_size=1``, 1F1B otherwise). On the last stage a hook
@@ -62,6 +63,7 @@ Where each job lives:
 - :mod:`~rltrainer.strategies.megatron.config`: a transformers config -> megatron-core settings, or an error.
 - :mod:`~rltrainer.strategies.megatron.models`: ``GPTModel`` behind the transformers call.
 - :mod:`~rltrainer.strategies.megatron.layouts`: HF <-> megatron weight layouts (pure tensors).
+- :mod:`~rltrainer.strategies.megatron.routing`: a mixture of experts' routers: replay and record.
 - :mod:`~rltrainer.strategies.megatron.cpu`: the shims that run megatron-core on CPU ranks.
 
 megatron-core itself is imported only inside functions: importing this package needs none of it.

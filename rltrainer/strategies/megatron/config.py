@@ -24,9 +24,11 @@ megatron-core's softmax over the top-k logits (``moe_router_pre_softmax=False``:
 ``norm_topk_prob=False`` is the softmax over all experts, then top-k
 (``moe_router_pre_softmax=True``): megatron-core 0.16.1 ``transformer/moe/moe_utils.py``
 ``topk_routing_with_score_function`` lines 709-716, transformers ``Qwen3MoeTopKRouter`` /
-``MixtralTopKRouter``. No load-balancing loss (``moe_router_load_balancing_type="none"``, no z-loss,
-jitter, capacity, token dropping, expert bias, group-limited routing or top-k scaling: their
-defaults): transformers adds its auxiliary loss only to a ``labels`` loss, which RL never computes.
+``MixtralTopKRouter``. Megatron-core's own load-balancing losses are off
+(``moe_router_load_balancing_type="none"``; no z-loss, jitter, capacity, token dropping, expert
+bias, group-limited routing or top-k scaling: their defaults): the ``Routing`` part adds
+transformers' ``load_balancing_loss_func`` from the routers' record, which megatron's routers fill
+(:mod:`~rltrainer.strategies.megatron.routing`).
 Refused: dense layers among the sparse ones (Qwen3-MoE's ``mlp_only_layers``,
 ``decoder_sparse_step``), a sliding window, Mixtral's ``router_jitter_noise`` (it scales the
 experts' input too, megatron's ``moe_input_jitter_eps`` only the router's), and a renormalised

@@ -4,7 +4,6 @@
 - :func:`build_gpt`: a ``GPTModel`` (one pipeline stage, one tensor-parallel slice, a mixture of
   experts' expert-parallel share) with a transformers config's architecture
   (:func:`~rltrainer.strategies.megatron.config.megatron_config`).
-- :class:`RouteReplay`: routing replay through megatron-core's router (each token's given experts).
 - :class:`MegatronCausalLM`: ``model(input_ids, attention_mask, position_ids, logits_to_keep)``
   answered with full-vocabulary logits, and ``lm_head_log_probs`` (the response tokens' log-probs
   and entropies from the vocabulary-parallel head in chunks, no logits gathered);
@@ -15,9 +14,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +23,7 @@ import torch
 from rltrainer.lm_head import chunked_log_probs
 from rltrainer.strategies.megatron.config import megatron_config
 from rltrainer.strategies.megatron.cpu import cpu_attention_spec, host_split_sizes
+from rltrainer.strategies.megatron.routing import attach_routing, replaying, router_class, without_te_router_gemm
 
 
 def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_process: bool = True,
@@ -42,9 +40,10 @@ def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_pr
     A mixture of experts gets megatron-core's ``MoELayer`` in every layer: its ``TopKRouter``, the
     ``alltoall`` token dispatcher over ``ep`` expert-parallel ranks (the ``allgather`` one refuses
     ``variable_seq_lengths``: ``transformer_config.py:1827-1832``) and ``SequentialMLP`` experts
-    (``num_experts / ep`` local ``MLP`` modules, run one after another), each router with a
-    :class:`RouteReplay`. ``grouped_gemm`` (GPU ranks with Transformer Engine only, not run in CI):
-    Transformer Engine's ``TEGroupedMLP`` instead (``moe_grouped_gemm=True``, the experts spec of
+    (``num_experts / ep`` local ``MLP`` modules, run one after another), its routers replaying and
+    recording (:func:`~rltrainer.strategies.megatron.routing.router_class`). ``grouped_gemm`` (GPU
+    ranks with Transformer Engine only, not run in CI): Transformer Engine's ``TEGroupedMLP``
+    instead (``moe_grouped_gemm=True``, the experts spec of
     ``get_moe_module_spec(use_te=True)``: ``moe_module_specs.py:13-68``,
     ``transformer_engine_spec_provider.py:61-72``), one grouped GEMM for all local experts."""
     from megatron.core.models.gpt import GPTModel
@@ -54,7 +53,7 @@ def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_pr
     arch = megatron_config(hf_config)
     experts = arch.transformer.get("num_moe_experts")
     if experts:
-        _without_te_router_gemm()
+        without_te_router_gemm()
     config = TransformerConfig(
         **arch.transformer, use_cpu_initialization=on_cpu, params_dtype=dtype, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
@@ -68,99 +67,17 @@ def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_pr
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
         spec.submodules.mlp = get_moe_module_spec(use_te=True, num_experts=experts, moe_grouped_gemm=True)
+    if experts:
+        spec.submodules.mlp.submodules.router = router_class()
     if on_cpu:
         spec.submodules.self_attention.submodules.core_attention = cpu_attention_spec()
     gpt_args = dict(arch.gpt) if share_embeddings is None else {
         **arch.gpt, "share_embeddings_and_output_weights": share_embeddings}
     gpt = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
                    **gpt_args)
-    for router in routers(gpt).values():
-        router.router_replay = RouteReplay()
     if on_cpu and experts:
         host_split_sizes(gpt)
     return gpt
-
-
-def _without_te_router_gemm() -> None:
-    """megatron-core 0.16.1's MoE router calls ``te_general_gemm`` when it is not ``None``
-    (``transformer/moe/moe_utils.py:1192, 1225``), a name only its Transformer Engine import defines
-    (lines 22-39; the ``except ImportError`` branch leaves it undefined): without Transformer Engine,
-    on a GPU as on a CPU, the router's forward raises ``NameError: name 'te_general_gemm' is not
-    defined``. Define it as ``None``, as that branch means to: the router then takes its
-    ``torch.mm`` path (lines 1195-1196, 1235-1236)."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-def routers(gpt: torch.nn.Module) -> dict[int, Any]:
-    """This stage's megatron-core ``TopKRouter`` modules by decoder layer, counted from 0 over the whole
-    model (a router's ``layer_number`` is global and 1-based: ``transformer_layer.py:280, 371-372``)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    return {m.layer_number - 1: m for m in gpt.modules() if isinstance(m, TopKRouter)}
-
-
-class RouteReplay:
-    """Routing replay through megatron-core 0.16.1's own hook: ``topk_routing_with_score_function``
-    (``transformer/moe/moe_utils.py:698-707``) asks a router's ``router_replay`` for the top-k of
-    its scores (``get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)``).
-    Megatron-core's ``RouterReplay`` (``router_replay.py``) replays whole layers from one global
-    list of instances; this one replays per token and per model, and keeps the router's own choice
-    where a token has none.
-
-    With ``routes [tokens, K]`` set (in the router's token order: sequence-major, ``[s * b]``), a
-    token's experts are its row, and their weights are the router's scores gathered there: the
-    softmax over all experts (``moe_router_pre_softmax``), or the top-k logits that megatron then
-    renormalises by a softmax over them; so the router's weight still gets its gradient. A row
-    holding any -1 (no route recorded) takes the router's own top-k. Without routes: the router's
-    own top-k, as megatron computes it. (Megatron's fused router, ``moe_router_fusion``, would skip
-    this hook; it is off.)"""
-
-    def __init__(self) -> None:
-        self.routes: torch.Tensor | None = None  # [tokens, K] int64
-
-    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
-                        group_topk: int | None = None, default_compute_topk: Any = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        own_values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if self.routes is None:
-            return own_values, own
-        if self.routes.shape != own.shape:
-            raise ValueError(f"routed_experts give {tuple(self.routes.shape)} routes (tokens, experts per token) to a "
-                             f"router that sees {tuple(own.shape)}")
-        routes = self.routes.to(scores.device)
-        routes = torch.where((routes >= 0).all(-1, keepdim=True), routes, own)  # [tokens, K]
-        return scores.gather(1, routes), routes
-
-
-@contextlib.contextmanager
-def replaying(gpt: torch.nn.Module, routed_experts: torch.Tensor | None, pads: torch.Tensor) -> Iterator[None]:
-    """Within it, ``gpt``'s routers take ``routed_experts [b, s, L, K]`` (aligned with the input
-    ids; -1: the router's own choice) as their top-k, after the same rotation as the input ids
-    (:func:`rotate_left`'s ``pads``). ``None``: nothing is replayed."""
-    if routed_experts is None:
-        yield
-        return
-    if not gpt.config.num_moe_experts:
-        raise ValueError("routed_experts (routing replay) given to a dense model: it has no experts to route to")
-    by_layer = routers(gpt)
-    b, s = routed_experts.shape[:2]
-    layers, k = gpt.config.num_layers, gpt.config.moe_router_topk
-    if routed_experts.dim() != 4 or routed_experts.shape[2:] != (layers, k):
-        raise ValueError(f"routed_experts must be [rows, columns, num_hidden_layers={layers}, num_experts_per_tok={k}]"
-                         f" aligned with input_ids, got {tuple(routed_experts.shape)}")
-    steps = torch.arange(s, device=routed_experts.device)
-    index = ((steps[None] + pads.to(routed_experts.device)[:, None]) % s)[:, :, None, None]
-    rotated = routed_experts.gather(1, index.expand(-1, -1, layers, k))  # [b, s, L, K] left-aligned
-    try:
-        for layer, router in by_layer.items():  # the router sees tokens sequence-major: [s * b, K]
-            router.router_replay.routes = rotated[:, :, layer].transpose(0, 1).reshape(s * b, k).long()
-        yield
-    finally:
-        for router in by_layer.values():
-            router.router_replay.routes = None
 
 
 class StageOutput(BaseException):  # noqa: N818 (not an error: a control-flow signal, like GeneratorExit)
@@ -204,30 +121,36 @@ class MegatronCausalLM(torch.nn.Module):
         self.gpt = gpt
         self.config = config
         self.slot = slot
+        attach_routing(self, gpt)  # a mixture of experts: rltrainer.models.moe.recording records its routers
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, use_cache: bool = False, logits_to_keep: int = 0,
-                routed_experts: torch.Tensor | None = None, **kwargs: Any) -> SimpleNamespace:
-        """``routed_experts [b, s, L, K]``: a mixture of experts' routes to replay (see :class:`RouteReplay`)."""
+                routed_experts: torch.Tensor | None = None, replay_routes: bool = True, **kwargs: Any
+                ) -> SimpleNamespace:
+        """``routed_experts [b, s, L, K]``: a mixture of experts' routes to replay (or, with
+        ``replay_routes=False``, to compare the routers' choice with; see
+        :mod:`~rltrainer.strategies.megatron.routing`)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         _, _, pads = rotate_left(input_ids, attention_mask)
-        out = self._stage_output(input_ids, attention_mask, routed_experts)  # [b, s, V/tp]
+        out = self._stage_output(input_ids, attention_mask, routed_experts, replay_routes)  # [b, s, V/tp]
         logits = rotate_back(gather_from_tensor_model_parallel_region(out)[..., : self.config.vocab_size], pads)
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
     def _stage_output(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                      routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+                      routed_experts: torch.Tensor | None = None, replay_routes: bool = True) -> torch.Tensor:
         """The GPT's output ``[b, s, ...]`` on left-aligned rows (:func:`rotate_left`), its routers
-        replaying ``routed_experts`` if given; a stage before the last raises :class:`StageOutput`
-        with its hidden states ``[s, b, H]``."""
+        replaying ``routed_experts`` if given (:func:`~rltrainer.strategies.megatron.routing.replaying`);
+        a stage before the last raises :class:`StageOutput` with its hidden states ``[s, b, H]``."""
         ids, positions, pads = rotate_left(input_ids, attention_mask)
+        s = ids.shape[1]
+        index = (torch.arange(s, device=ids.device)[None] + pads[:, None]) % s  # [b, s] each column's source
         if not self.gpt.pre_process:
             if self.slot is None or self.slot.input_tensor is None:
                 raise RuntimeError("A pipeline stage after the first runs only inside megatron's schedule "
                                    "(MegatronWorker.run_micro_batches), which hands it the previous stage's output")
             self.gpt.set_input_tensor(self.slot.input_tensor)
-        with replaying(self.gpt, routed_experts, pads):
+        with replaying(self.gpt, routed_experts, index, attention_mask, replay_routes):
             out = self.gpt(ids, positions, attention_mask=None)
         if not self.gpt.post_process:
             raise StageOutput(out)
@@ -235,14 +158,15 @@ class MegatronCausalLM(torch.nn.Module):
 
     def lm_head_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                           position_ids: torch.Tensor | None, targets: torch.Tensor, temperature: float = 1.0,
-                          chunk_tokens: int | None = None, routed_experts: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_tokens: int | None = None, routed_experts: torch.Tensor | None = None,
+                          replay_routes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies ``[n, T]`` of the last ``T`` tokens ``targets [n, T]`` of
         ``input_ids``, from the final hidden states and this rank's vocabulary rows of the output
         layer, in chunks (:func:`~rltrainer.lm_head.chunked_log_probs`, reduced over the
         tensor-parallel group): the full-vocabulary logits are neither built nor gathered.
         ``routed_experts [n, s, L, K]`` (aligned with ``input_ids``): a mixture of experts' routes
-        to replay (routing replay, R3: see :class:`RouteReplay`)."""
+        to replay (routing replay, R3), or with ``replay_routes=False`` to compare the routers'
+        choice with (:mod:`~rltrainer.strategies.megatron.routing`)."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
@@ -251,7 +175,7 @@ class MegatronCausalLM(torch.nn.Module):
                                       "over the sequence; call the model for full logits instead")
         head, captured = getattr(self.gpt, "output_layer", None), {}
         if head is None:  # a stage before the last: raises StageOutput
-            return self._stage_output(input_ids, attention_mask, routed_experts)
+            return self._stage_output(input_ids, attention_mask, routed_experts, replay_routes)
 
         def hidden_out(input_: torch.Tensor, weight: torch.Tensor | None = None, **kwargs: Any) -> tuple:
             captured["weight"] = head.weight if weight is None else weight
@@ -260,7 +184,7 @@ class MegatronCausalLM(torch.nn.Module):
         _, _, pads = rotate_left(input_ids, attention_mask)
         head.forward = hidden_out  # type: ignore[method-assign]
         try:
-            hidden = self._stage_output(input_ids, attention_mask, routed_experts)  # [n, s, H]
+            hidden = self._stage_output(input_ids, attention_mask, routed_experts, replay_routes)  # [n, s, H]
         finally:
             del head.forward
         n, T = targets.shape

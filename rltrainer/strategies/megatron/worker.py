@@ -438,8 +438,9 @@ def check_architectures(module: RLModule, pp: int = 1, tp: int = 1, ep: int = 1)
     ``pp=1`` it runs as a critic-style trunk, see :func:`~rltrainer.rewards.model.sequence_scores`)
     or a model whose hidden size is not the policy's (a larger teacher). A mixture of experts runs
     at ``tp=1`` (megatron-core's ``MoELayer`` trains with tensor parallelism only under sequence
-    parallelism, ``moe_layer.py:379-383``, which these models do not run); ``ep`` expert-parallel
-    ranks need a mixture-of-experts policy whose experts they divide."""
+    parallelism, ``moe_layer.py:379-383``, which these models do not run) and ``pp=1`` (the routing
+    record spans every layer); ``ep`` expert-parallel ranks need a mixture-of-experts policy whose
+    experts they divide."""
     if getattr(module, "policy", None) is None:
         raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
     check_model_type(module.policy, "megatron", SUPPORTED_MODEL_TYPES)
@@ -450,6 +451,13 @@ def check_architectures(module: RLModule, pp: int = 1, tp: int = 1, ep: int = 1)
                          f"{', '.join(sorted(MOE_MODEL_TYPES))}). Use expert_model_parallel_size=1.")
     if ep > 1 and policy.num_experts % ep:
         raise ValueError(f"expert_model_parallel_size={ep} must divide the policy's {policy.num_experts} experts")
+    if pp > 1 and is_moe(policy):
+        raise NotImplementedError(
+            f"pipeline_model_parallel_size={pp} with a mixture-of-experts policy ({policy.model_type}): the routing "
+            "metrics and load-balancing loss (the Routing part's, transformers' load_balancing_loss_func over every "
+            "layer's routers together) are computed with the loss, on the last stage, which holds only its own "
+            "layers' routers. Use pipeline_model_parallel_size=1 and split the experts with "
+            "expert_model_parallel_size, or strategy='fsdp2'.")
     for name, model in module.named_children():
         if not (hasattr(model, "config") and any(True for _ in model.parameters())):
             continue
