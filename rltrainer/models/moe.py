@@ -250,6 +250,13 @@ def moe_of(model: torch.nn.Module) -> MoERouting | None:
     return routing
 
 
+def set_routing(model: torch.nn.Module, routing: MoERouting) -> None:
+    """Make ``routing`` ``model``'s (what :func:`moe_of` returns): for a model whose routers are not
+    transformers' (megatron's, :mod:`rltrainer.strategies.megatron.routing`), which fill its record
+    themselves."""
+    model.__dict__[_STATE] = routing
+
+
 def declared_routers(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module, int]]:
     """``(decoder layer, name, module, index of the logits in its output)`` of each router the model
     declares for ``output_router_logits`` (transformers' ``_can_record_outputs``)."""

@@ -124,7 +124,7 @@ def attach_routing(model: torch.nn.Module, gpt: torch.nn.Module) -> None:
     if not config.num_moe_experts:
         return
     state = moe.MoERouting([], config.num_layers, config.num_moe_experts, config.moe_router_topk)
-    model.__dict__[moe._STATE] = state  # where moe_of finds a model's routing (no public setter in moe.py)
+    moe.set_routing(model, state)
     for layer, router in routers(gpt).items():
         router.router_replay.layer, router.router_replay.state = layer, state
 
