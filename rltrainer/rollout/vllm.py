@@ -26,7 +26,8 @@ a layer from all of its tensors, so :meth:`VLLMEngine.weight_groups` names the o
 together, as vLLM's own ``load_weights`` places them in a dry run (``q/k/v_proj`` into ``qkv_proj``,
 ``gate/up_proj`` into ``gate_up_proj``, a weight with its bias, a MoE layer's experts into its
 ``FusedMoE``), and a tied input embedding is loaded as ``lm_head.weight`` too where vLLM keeps a
-separate copy of the head (its CPU build repacks it). Sleep: ``sleep(level)`` / ``wake_up()`` map onto ``LLM.sleep`` / ``LLM.wake_up``
+separate copy of the head (its CPU build repacks it). Sleep: ``sleep(level)`` / ``wake_up()`` map
+onto ``LLM.sleep`` / ``LLM.wake_up``
 (weights first, then the KV cache). Level 1 keeps a CPU copy of the weights; level 2 discards them,
 so it sets ``weights_discarded`` and the next sync sends every weight.
 
@@ -326,14 +327,15 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
 
     def _setup_routes(self, model_config: Any, platform: VLLMPlatform) -> None:
         """``return_routed_experts``: ``L`` and ``K`` from the config, then vLLM's capture or ours."""
+        from rltrainer.models.moe import routing_shape
         from rltrainer.rollout.vllm_routes import RouteRecorder, moe_layer_ids
 
-        top_k = getattr(model_config, "num_experts_per_tok", None)
-        if not top_k:
-            raise ValueError(f"VLLMEngine(return_routed_experts=True) needs a mixture-of-experts policy; its config "
-                             f"({type(model_config).__name__}) has no num_experts_per_tok. Leave return_routed_experts "
-                             "off for a dense policy.")
-        self._route_shape = (int(model_config.num_hidden_layers), int(top_k))
+        shape = routing_shape(model_config)
+        if shape is None:
+            raise ValueError(f"VLLMEngine.return_routed_experts is set, but the policy's config "
+                             f"({type(model_config).__name__}) has no experts (num_experts_per_tok and a number of "
+                             "experts). Leave return_routed_experts off for a dense policy.")
+        self._route_shape = (shape[0], shape[2])  # (L, K)
         if platform.route_capture == "rltrainer":
             self._recorder = RouteRecorder(*self._route_shape)
             self._recorder.attach(self.llm)

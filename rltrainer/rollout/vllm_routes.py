@@ -54,7 +54,8 @@ def padded(rows: np.ndarray | torch.Tensor | None, length: int, num_layers: int,
     return out
 
 
-def completion_routes(outputs: Sequence[Any], num_layers: int, top_k: int, moe_layers: Sequence[int]) -> list[torch.Tensor]:
+def completion_routes(outputs: Sequence[Any], num_layers: int, top_k: int,
+                      moe_layers: Sequence[int]) -> list[torch.Tensor]:
     """vLLM's own ``CompletionOutput.routed_experts`` (``"vllm"`` capture), in the order of
     :func:`~rltrainer.rollout.vllm.generation_from_outputs`, each padded to ``[p + t, L, K]``."""
     routes = []
@@ -120,7 +121,7 @@ class RouteRecorder:
                 router = module.router
                 if module.is_monolithic or not isinstance(router, BaseRouter):
                     raise ValueError(
-                        f"VLLMEngine(return_routed_experts=True) records routes through vLLM's router callback, which "
+                        f"VLLMEngine.return_routed_experts records routes through vLLM's router callback, which "
                         f"this MoE layer ({module.layer_name}: router {type(router).__name__}, monolithic kernel "
                         f"{module.is_monolithic}) does not call. Use a vLLM whose own capture runs on this machine "
                         "(vLLM 0.33 on a GPU), or an unquantized model.")
@@ -129,8 +130,8 @@ class RouteRecorder:
                 continue
             layers.append(int(module.layer_id))
         if not layers:
-            raise ValueError("VLLMEngine(return_routed_experts=True): vLLM's model has no MoE layer to record routes "
-                             "from; set return_routed_experts only for a mixture-of-experts policy.")
+            raise ValueError("VLLMEngine.return_routed_experts is set, but vLLM's model has no MoE layer to record "
+                             "routes from; set it only for a mixture-of-experts policy.")
         forward = runner._model_forward
         runner._model_forward = partial(self._forward, runner, forward)
         return sorted(set(layers))

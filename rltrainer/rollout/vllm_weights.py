@@ -23,11 +23,12 @@ Which names travel together is vLLM's business too: vLLM rebuilds each of its la
 its tensors arrived in a session (layerwise reload), so every name that feeds a layer must be in the
 same sync and the same bucket. :func:`loading_layers` finds out by running the model's own
 ``load_weights`` on meta tensors with every parameter's ``weight_loader`` replaced by a recorder (no
-value is read or written; a name vLLM's loader writes around its ``weight_loader`` would never
-reach vLLM through a weight update, :func:`written_directly`, and is refused), and :func:`groups_by_layer` joins the names that reach one layer: ``q/k/v``
-into ``qkv_proj``, DeepSeek's ``q_a_proj`` and ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``,
-and a MoE layer's ``gate_up_proj`` and ``down_proj`` into its ``FusedMoE`` (``w13_weight`` and
-``w2_weight`` live in one module).
+value is read or written), and :func:`groups_by_layer` joins the names that reach one layer:
+``q/k/v`` into ``qkv_proj``, DeepSeek's ``q_a_proj`` and ``kv_a_proj_with_mqa`` into
+``fused_qkv_a_proj``, and a MoE layer's ``gate_up_proj`` and ``down_proj`` into its ``FusedMoE``
+(``w13_weight`` and ``w2_weight`` live in one module). A name vLLM's loader writes around its
+``weight_loader`` would never reach vLLM through a weight update (:func:`written_directly`): the
+engine refuses the policy.
 
 This module imports transformers when a :class:`CheckpointForm` is built; the recorder runs in
 vLLM's worker (``LLM.apply_model``).

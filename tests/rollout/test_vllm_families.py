@@ -26,7 +26,9 @@ failing must fail with the message recorded there, so the file cannot go stale):
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -88,7 +90,8 @@ def expected_vllm(policy: dict[str, torch.Tensor], name: str, config) -> torch.T
     head is the embedding)."""
     hf = name.replace(".routed_experts.", ".").replace(".block_sparse_moe.", ".mlp.")
     llama4 = config.model_type == "llama4_text"
-    for vllm_name, ours in ((".experts.w13_weight", ".experts.gate_up_proj"), (".experts.w2_weight", ".experts.down_proj")):
+    for vllm_name, ours in ((".experts.w13_weight", ".experts.gate_up_proj"),
+                            (".experts.w2_weight", ".experts.down_proj")):
         if hf.endswith(vllm_name):
             tensor = policy[hf.replace(vllm_name, ours)]
             return tensor.transpose(-1, -2) if llama4 else tensor
@@ -300,3 +303,35 @@ def check_routes(engine, model, tokenizer, record, record_property) -> None:
     greedy = engine.generate(long[:2], SamplingParams(n=3, max_new_tokens=4, temperature=0.0, stop_token_ids=[]))
     assert len(greedy.routed_experts) == 6 and all(torch.equal(r, greedy.routed_experts[0])
                                                    for r in greedy.routed_experts[:3])  # one sample, repeated
+
+
+REFUSAL = """
+import os, sys, tempfile
+from transformers import AutoConfig
+from vllm.engine.arg_utils import EngineArgs
+folder = tempfile.mkdtemp()
+AutoConfig.for_model("qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8,
+                     num_experts_per_tok=2, architectures=["Qwen3MoeForCausalLM"]).save_pretrained(folder)
+for v2 in (None, "1"):
+    if v2:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = v2
+    try:
+        EngineArgs(model=folder, skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
+                   enable_return_routed_experts=True).create_engine_config()
+        print("ACCEPTED")
+    except Exception as exc:
+        print("REFUSED", " ".join(str(exc).split()))
+"""
+
+
+def test_the_cpu_build_refuses_its_own_route_capture(vllm_python):
+    """Why the engine records routes itself on CPU (``VLLMPlatform.route_capture``): vLLM's
+    ``enable_return_routed_experts`` needs Model Runner V2, which needs Triton. A CPU build that
+    takes it fails here, and the engine should then use it."""
+    out = subprocess.run([vllm_python, "-c", REFUSAL], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("REFUSED", "ACCEPTED"))]
+    assert len(lines) == 2, out.stderr[-2000:]
+    for line, message in zip(lines, RECORD["own_route_capture_refused"]):
+        assert line.startswith("REFUSED") and message in line, line

@@ -14,11 +14,11 @@ import torch
 from rltrainer.rollout.vllm import VLLMEngine, VLLMPlatform
 from rltrainer.rollout.vllm_weights import CheckpointForm, groups_by_layer, loading_layers, unplaced, written_directly
 from rltrainer.testing import tiny_qwen2_config
-from rltrainer.testing.families import tiny_family_config
+from rltrainer.testing.families import tiny_config
 
 
 def test_fused_experts_become_checkpoint_names_as_views():
-    form = CheckpointForm(tiny_family_config("qwen3_moe", 64))
+    form = CheckpointForm(tiny_config("qwen3_moe", 64))
     assert not form.identity
     gate_up = torch.randn(8, 64, 64)  # [E, 2I, H]: gate_proj then up_proj of each expert
     down = torch.randn(8, 64, 32)  # [E, H, I]
@@ -34,10 +34,11 @@ def test_fused_experts_become_checkpoint_names_as_views():
 
 
 def test_mixtral_gets_its_checkpoint_names_and_a_dense_family_passes_through():
-    mixtral = CheckpointForm(tiny_family_config("mixtral", 64))
+    mixtral = CheckpointForm(tiny_config("mixtral", 64))
     out = dict(mixtral.convert([("model.layers.0.mlp.gate.weight", torch.zeros(8, 64)),
                                 ("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 64, 64))]))
-    assert "model.layers.0.block_sparse_moe.gate.weight" in out and "model.layers.0.block_sparse_moe.experts.7.w2.weight" in out
+    assert {"model.layers.0.block_sparse_moe.gate.weight",
+            "model.layers.0.block_sparse_moe.experts.7.w2.weight"} <= set(out)
     dense = CheckpointForm(tiny_qwen2_config(64))
     weights = [("model.norm.weight", torch.zeros(64))]
     assert dense.identity and dense.convert(weights) == weights
@@ -160,10 +161,10 @@ def test_the_engine_refuses_weights_vllm_would_write_around_its_update_session()
 
 
 def test_a_sync_loads_checkpoint_names():
-    engine = engine_on(NamedFake(), tiny_family_config("qwen3_moe", 64))
+    engine = engine_on(NamedFake(), tiny_config("qwen3_moe", 64))
     calls = []
-    engine.llm = SimpleNamespace(update_weights=lambda info: calls.append([n for n, _ in info["update_info"]["weights"]]),
-                                 start_weight_update=lambda: None, finish_weight_update=lambda: None,
-                                 reset_prefix_cache=lambda: None)
+    sent = lambda info: calls.append([n for n, _ in info["update_info"]["weights"]])  # noqa: E731
+    engine.llm = SimpleNamespace(update_weights=sent, start_weight_update=lambda: None,
+                                 finish_weight_update=lambda: None, reset_prefix_cache=lambda: None)
     engine.update_weights([("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 64, 32))])
     assert calls == [[f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(8)]]
