@@ -7,7 +7,8 @@ weights: under ``sync`` every step's rows come from the weights being trained, a
 log-probs of them equal the engine's (``rollout_corr/kl`` ~ 0, the k1 estimate over the step's
 tokens); after ``fit`` the engine's greedy tokens and log-probs are the final policy's, whatever the
 pipeline. With ``weight_sync_delta`` (a bf16 engine) vLLM's own parameters are the policy's, bit for
-bit, after every step's sync.
+bit, after every step's sync. A mixture-of-experts policy trains on the routes the engine recorded
+(routing replay).
 """
 
 from __future__ import annotations
