@@ -115,7 +115,8 @@ def _hf_engine(config: Any, tokenizer: Any) -> None:
 
 
 def vllm_outcomes(path: Path) -> tuple[str | None, dict[str, dict[str, Any]]]:
-    """``(the vLLM build, family -> its record: "status" and, unless it works, "message")`` from
+    """``(the vLLM build, family -> its record: "status" and, unless it works, "message" and
+    possibly "why", which the table shows with the message)`` from
     ``path`` (the JSON object the module docstring describes); ``(None, {})`` without the file."""
     if not path.is_file():
         return None, {}
@@ -129,7 +130,11 @@ def vllm_cell(record: dict[str, Any] | None, notes: list[str]) -> str:
         return NOT_RUN
     if record["status"] == "works":
         return "works"
-    return f"{record['status']} ({_note('vLLM: ' + record.get('message', 'no message recorded'), notes)})"
+    message = record.get("message", "no message recorded")
+    said = f"vLLM: {message}"
+    if record.get("why"):  # a refusal's message is rltrainer's (its part the test matches); vLLM's own is quoted
+        said = f"vLLM: {record['why']}" + (f" (vLLM: \"{message}\")" if record["status"] == "fails" else "")
+    return f"{record['status']} ({_note(said, notes)})"
 
 
 def _refusal(call: Callable[[], None]) -> str | None:
