@@ -3,7 +3,9 @@ callable, frozen copies, the deferred build of sharded strategies), their safete
 and written tensor by tensor (:mod:`~rltrainer.models.safetensors_io`) in the form the hub stores
 (:mod:`~rltrainer.models.checkpoint_form`: MoE experts one by one), and the teacher-forced
 forward over response tokens (:mod:`~rltrainer.models.log_probs`: per-token log-probs and
-entropies)."""
+entropies), what the trainer checks on a model (:mod:`~rltrainer.models.support`), a
+mixture-of-experts model's routers, routing replay and routing metrics (:mod:`~rltrainer.models.moe`),
+and the hub's checkpoint form of fused tensors (:mod:`~rltrainer.models.checkpoint_form`)."""
 
 from rltrainer.models.build import (ModelSpec, RandomInit, build_causal_lm, deferred_init, freeze, frozen_copy,
                                     init_from_config, load_pretrained, parameter_aliases, persistent_buffers,

@@ -41,8 +41,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> list[dict[str, float]]:
     from rltrainer.testing.families import tiny_moe_config
 
     tokenizer = load_tokenizer("gsm8k-bpe4k")
-    config = tiny_moe_config(len(tokenizer), hidden_size=args.hidden_size, head_dim=32, num_attention_heads=4,
-                             num_key_value_heads=2)
+    config = tiny_moe_config(len(tokenizer), hidden_size=args.hidden_size)  # heads of 32 (vLLM's CPU attention)
     rows = load_rows(str(data_path("gsm8k", "train.jsonl"))).select(range(args.batch_size * (args.steps + 2)))
     prompts = prepare_gsm8k(rows, tokenizer, max_prompt_length=args.max_prompt_length)
     module = GRPO(config, tokenizer, reward_funcs=length_reward, num_generations=args.group_size,
