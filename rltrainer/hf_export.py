@@ -10,6 +10,9 @@ shards or megatron's tensor x pipeline layout, converted back by
 bucket in memory besides the model. A LoRA policy exports merged (``lora="merged"``: plain HF
 weights) or as the adapter alone (``lora="adapter"``: ``adapter_config.json`` and
 ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained(base, path)`` loads).
+The tensors are written in the hub's checkpoint form, as ``save_pretrained`` writes them
+(:func:`to_checkpoint_form`: a mixture of experts' fused ``[E, ...]`` tensors one expert at a time;
+loading that form back by parameter name: :mod:`rltrainer.models.checkpoint_form`).
 
 The directory appears only when complete: it is written under a temporary name beside it, then
 renamed. The command line that exports a checkpoint is :mod:`rltrainer.export`.
@@ -63,6 +66,55 @@ def write_shards(weights: Iterable[tuple[str, torch.Tensor]], out: Path, max_sha
     return index
 
 
+# -- the hub's checkpoint form ------------------------------------------------------------------------
+def to_checkpoint_form(weights: Iterable[tuple[str, torch.Tensor]],
+                       config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` (in-memory names and tensors of a model built from ``config``) as its hub
+    checkpoint stores them: what ``save_pretrained`` writes, one tensor (or one expert) at a time.
+    A checkpoint tensor made from several in-memory ones is yielded once all of them have come."""
+    from transformers.core_model_loading import WeightConverter, apply_converters, revert_weight_conversion
+
+    model = _meta_model(config)
+    conversions = _saved_conversions(model)
+    if not conversions:
+        yield from weights
+        return
+    model._weight_conversions = conversions  # revert_weight_conversion reads them here, instead of each call
+    converters = [c.reverse_transform() for c in conversions[::-1] if isinstance(c, WeightConverter)]
+    waiting: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # checkpoint tensor -> its in-memory parts so far
+    for name, tensor in weights:
+        target, pattern = apply_converters(name, converters)
+        parts = next((len(c.source_patterns) for c in converters if pattern in c.source_patterns), 1)
+        if parts > 1:
+            waiting.setdefault(target, {})[pattern] = (name, tensor)
+            if len(waiting[target]) < parts:
+                continue
+            group = dict(waiting.pop(target).values())
+        else:
+            group = {name: tensor}
+        yield from revert_weight_conversion(model, group).items()
+    if waiting:
+        missing = {target: sorted(parts) for target, parts in waiting.items()}
+        raise ValueError(f"The export stream ended before every part of these checkpoint tensors came: {missing}")
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    """The model ``config`` builds, on the meta device (its structure decides the mappings)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
+
+
+def _saved_conversions(model: torch.nn.Module) -> list[Any]:
+    """The transforms ``save_pretrained`` reverts for a model not loaded by ``from_pretrained``
+    (transformers' ``revert_weight_conversion``: no legacy renamings, no prefix changes)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    return [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+
+
 # -- the directory ----------------------------------------------------------------------------------
 def export_dir(path: str | Path) -> Path:
     """``path`` as a directory to export into: new, or empty (an export is never mixed with files
@@ -109,7 +161,9 @@ def save_pretrained_dir(weights: Iterable[tuple[str, torch.Tensor]], config: Any
     """Write a transformers model directory from a stream of HF-named tensors: shards, config (its
     ``dtype`` set to the weights'), generation config, tokenizer. Tied weights come once (the
     input embedding), as ``named_parameters`` gives them; ``lm_head.weight`` is dropped if the
-    config ties it."""
+    config ties it. The tensors are written in the hub checkpoint's form, as ``save_pretrained``
+    writes them (a mixture of experts' fused tensors one expert at a time:
+    :func:`to_checkpoint_form`), so vLLM, SGLang and other tools load the export."""
     with staged(path) as tmp:
         tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
         seen: list[torch.dtype] = []
@@ -122,7 +176,7 @@ def save_pretrained_dir(weights: Iterable[tuple[str, torch.Tensor]], config: Any
                     seen.append(tensor.dtype)
                 yield name, tensor
 
-        write_shards(stream(), tmp, max_shard_bytes)
+        write_shards(to_checkpoint_form(stream(), config), tmp, max_shard_bytes)
         config = copy.deepcopy(config)
         config.dtype = dtype or (seen[0] if seen else torch.float32)
         config.use_cache = True  # training turns the cache off; generation wants it

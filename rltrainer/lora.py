@@ -86,6 +86,12 @@ def apply_lora(model: torch.nn.Module, config: Any, seed: int = 0) -> torch.nn.M
         if isinstance(layer, LoraLayer) and not isinstance(layer, Linear):
             raise ValueError(f"LoRA on {name} ({type(layer).__name__}): only linear layers are supported; "
                              "choose target_modules among the attention and MLP projections.")
+        base = getattr(layer, "base_layer", None)
+        if isinstance(layer, Linear) and type(base).forward is not torch.nn.Linear.forward:
+            # peft adds the adapter's product to whatever the layer returns (Llama 4's router: a tuple)
+            raise ValueError(f"LoRA on {name}: its layer is a {type(base).__name__}, an nn.Linear with a forward of "
+                             "its own (a mixture of experts' router), which an adapter cannot wrap as a linear map. "
+                             "Leave it out of target_modules: name the attention and MLP projections.")
         if isinstance(layer, Linear):
             a, b = layer.lora_A[_ADAPTER], layer.lora_B[_ADAPTER]
             dtype = a.weight.dtype

@@ -380,6 +380,10 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
     out["attention_mask"] = attention_mask  # [N, P+T]
     out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
     out["rollout_log_probs"] = gen.log_probs.float() * response_mask  # [N, T]
+    if gen.routed_experts is None and getattr(engine, "return_routed_experts", False):
+        raise RuntimeError(f"{type(engine).__name__} was asked to record the routed experts (return_routed_experts, "
+                           "for routing replay of a MoE policy) but returned none: its generate() must fill "
+                           "Generation.routed_experts. Use routing_replay='off' with this engine.")
     if gen.routed_experts is not None:  # a MoE policy's routes, laid out like input_ids
         out["routed_experts"] = routes_as_rows(gen.routed_experts, [len(p) for p in prompt_lists], P,
                                                response_mask.shape[1])  # [N, P+T, L, K]

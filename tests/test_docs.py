@@ -104,3 +104,20 @@ def test_the_grpo_signature_on_the_algorithms_page_is_the_real_one() -> None:
     assert written == list(real), f"algorithms.md lists GRPO's arguments as {written}; they are {list(real)}"
     wrong = {name: (value, real[name].default) for name, value in defaults.items() if real[name].default != value}
     assert not wrong, f"algorithms.md gives GRPO defaults that differ (page, real): {wrong}"
+
+
+def test_the_model_families_table_is_the_one_the_checks_give() -> None:
+    """gpus.md's "Model families per strategy" table is rendered from the family configs, the
+    strategies' and engines' own checks, megatron's rules and vLLM's recorded outcomes
+    (rltrainer.testing.family_table): a change to any of them fails here until the page is
+    regenerated."""
+    import difflib
+
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip('megatron-core is not installed (the table has its column): pip install -e ".[dev]"')
+    from rltrainer.testing.family_table import page_table, render
+
+    page, rendered = page_table(), render()
+    diff = "\n".join(difflib.unified_diff(page.splitlines(), rendered.splitlines(), "gpus.md", "rendered", lineterm=""))
+    assert page == rendered, ("the family table in .ci/docs/pages/gpus.md is not the one the checks give; "
+                              f"regenerate it: python -m rltrainer.testing.family_table --write\n{diff}")

@@ -7,6 +7,8 @@
   or a new registry, appears without editing a page.
 - ``<!-- include tests/benchmarks/README.md -->`` includes a file of the repository (its first
   heading dropped), so the benchmark figures live in one place.
+- ``<!-- vllm-families -->`` becomes the table of model families on the vLLM CPU build, from
+  ``tests/rollout/vllm_families.json`` (which ``tests/rollout/test_vllm_families.py`` checks).
 - The images of ``tests/benchmarks/figures/`` are copied into the site (``figures/``).
 - Sphinx roles left in the docstrings (``:class:`Name```) are shown as code in the API pages.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import re
 import sys
 from pathlib import Path
@@ -26,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = re.compile(r"^(?P<name>[A-Z][A-Z_]*)\s*(?::[^=]+)?=\s*Registry\(", re.M)
 INCLUDE = re.compile(r"^<!-- include (?P<path>[\w./-]+) -->$", re.M)
 FIGURES = "tests/benchmarks/figures"
+VLLM_FAMILIES = "tests/rollout/vllm_families.json"
 #: A Sphinx role the docstrings use (``:class:`~rltrainer.data.RolloutBatch```), as mkdocstrings renders it.
 ROLE = re.compile(r":(?:mod|class|func|meth|attr|data|exc|obj):<code>(~?)([^<]*)</code>")
 SENTENCE_END = re.compile(r"(?<!\bal)(?<!\bDr)(?<!\bvs)\.\s(?=[A-Z])")  # not "et al. 2024", "Dr. GRPO"
@@ -90,6 +94,23 @@ def registry_tables() -> str:
     return "\n".join(out)
 
 
+def vllm_family_table() -> str:
+    """One row per family: works (with the tolerances its test holds it to), or what stops it."""
+    record = json.loads((ROOT / VLLM_FAMILIES).read_text())
+    out = [f"| family (`model_type`) | on {record['engine']} | checked to |", "| --- | --- | --- |"]
+    for family, entry in record["families"].items():
+        if entry["status"] == "works":
+            checked = f"log-probs within {entry['log_prob_atol']} of the trainer's (bf16)"
+            if "route_agreement" in entry:
+                checked += (f"; routes equal transformers' in >= {entry['route_agreement']:.0%} of (token, layer), "
+                            f"misses within {entry['route_tie']} (router logits) of a tie")
+            status = "works" + (f" ({entry['why']})" if "why" in entry else "")
+        else:
+            status, checked = f"{entry['status']}: `{entry['message']}`", cell(entry["why"])
+        out.append(f"| `{family}` | {cell(status)} | {checked} |")
+    return "\n".join(out)
+
+
 def include(match: re.Match) -> str:
     text = (ROOT / match["path"]).read_text()
     return re.sub(r"\A# [^\n]*\n", "", text)  # the page has its own title
@@ -98,6 +119,8 @@ def include(match: re.Match) -> str:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     if "<!-- registries -->" in markdown:
         markdown = markdown.replace("<!-- registries -->", registry_tables())
+    if "<!-- vllm-families -->" in markdown:
+        markdown = markdown.replace("<!-- vllm-families -->", vllm_family_table())
     return INCLUDE.sub(include, markdown)
 
 

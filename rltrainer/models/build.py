@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from rltrainer.lora import base_name
+from rltrainer.models.checkpoint_form import ConvertedWeights, converted_weights
 from rltrainer.models.safetensors_io import SafetensorsWeights, find_tensor
+from rltrainer.models.support import config_problem
 
 ModelSpec = str | Any | Callable[[], torch.nn.Module]
 
@@ -34,6 +36,9 @@ def build_causal_lm(spec: ModelSpec, dtype: torch.dtype | None = None, seed: int
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
     if isinstance(spec, PretrainedConfig):
+        problem = config_problem(spec)
+        if problem is not None:  # transformers' own error lists every config it builds
+            raise ValueError(f"model={type(spec).__name__}(...): the {problem}")
         if seed is not None:
             torch.manual_seed(seed)
         config = copy.deepcopy(spec)
@@ -88,7 +93,7 @@ def deferred_init(init_random_here: bool) -> Iterator[None]:
         _DEFERRED.reset(token)
 
 
-def take_weight_source(model: torch.nn.Module) -> SafetensorsWeights | RandomInit | None:
+def take_weight_source(model: torch.nn.Module) -> WeightSource | None:
     """The weight source :func:`build_causal_lm` attached to ``model`` (``None`` if none), detached
     from it so that its memory goes once the strategy has loaded every model sharing it."""
     return model.__dict__.pop(_SOURCE_ATTR, None)
@@ -127,7 +132,10 @@ def init_from_config(config: Any, dtype: torch.dtype | None = None, auto_class: 
     return _with_source(_from_config(config, dtype, auto_class, meta=True), RandomInit(state))
 
 
-def source_key(source: SafetensorsWeights | RandomInit, aliases: list[str], shape: tuple[int, ...]) -> str:
+WeightSource = SafetensorsWeights | ConvertedWeights | RandomInit  # where a deferred model's weights come from
+
+
+def source_key(source: WeightSource, aliases: list[str], shape: tuple[int, ...]) -> str:
     """The tensor of ``source`` holding a parameter (``aliases``: its names, tied ones included) of
     shape ``shape``; raises, naming the tensor, if there is none or it has another shape."""
     key = source.find(aliases)
@@ -158,6 +166,26 @@ def parameter_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     return {name: names[id(param)] for name, param in model.named_parameters()}
 
 
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors that make up ``model``'s weights, by name: its parameters (a tied one once, as
+    ``named_parameters`` gives it), then the buffers its checkpoint stores (persistent ones, e.g.
+    DeepSeek-V3's router ``e_score_correction_bias``; not RoPE tables, which are computed). What
+    weight sync sends and the HF export writes: an engine or a reloaded model built from the config
+    would otherwise keep its own initial value of such a buffer."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for owner, module in model.named_modules():
+        for leaf, buffer in module._buffers.items():
+            if buffer is not None and leaf not in module._non_persistent_buffers_set:
+                tensors[f"{owner}.{leaf}" if owner else leaf] = buffer
+    return tensors
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers of :func:`state_tensors`."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {name: t for name, t in state_tensors(model).items() if name not in params}
+
+
 def _from_config(config: Any, dtype: torch.dtype | None, auto_class: Any = None, meta: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -184,7 +212,7 @@ def _parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _with_source(model: torch.nn.Module, source: SafetensorsWeights | RandomInit) -> torch.nn.Module:
+def _with_source(model: torch.nn.Module, source: WeightSource) -> torch.nn.Module:
     model.__dict__[_SOURCE_ATTR] = source
     return model
 
@@ -199,7 +227,8 @@ def _checkpoint_on_meta(spec: str, dtype: torch.dtype | None, auto_class: Any = 
     dtype = dtype or getattr(config, "dtype", None) or weights.dtype()  # from_pretrained's dtype="auto"
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    return _with_source(_from_config(config, dtype, auto_class, meta=True).eval(), weights)  # from_pretrained returns eval()
+    model = _from_config(config, dtype, auto_class, meta=True).eval()  # from_pretrained returns eval()
+    return _with_source(model, converted_weights(weights, model))  # experts stored one by one: as loaded
 
 
 def _checkpoint_dir(spec: str) -> str:

@@ -77,7 +77,7 @@ def _response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                   position_ids=batch["position_ids"])
     if chunk_tokens != 0 and hasattr(model, "lm_head_log_probs"):  # megatron's model: its own shapes
-        routes = {"routed_experts": routed_experts} if routed_experts is not None and replay_routes else {}
+        routes = {"routed_experts": routed_experts, "replay_routes": replay_routes} if routed_experts is not None else {}
         log_probs, entropy = model.lm_head_log_probs(**inputs, targets=responses, temperature=temperature,
                                                      chunk_tokens=chunk_tokens, **routes)
         return log_probs, _entropy(entropy, with_entropy, entropy_grad)

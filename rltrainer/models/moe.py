@@ -85,24 +85,27 @@ class RoutingRecord:
         self.entropy = torch.zeros(layers, 2)
         self.agreement = torch.zeros(layers, 2)
         self.compared = False
-        self._probs: torch.Tensor | None = None  # [E] summed router probabilities over layers and tokens, with grad
+        self._logits: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per router call: logits, real tokens
         self._counts = torch.zeros(experts)  # [E] assignments over layers and tokens
         self._rows = 0.0
 
     def add(self, layer: int, logits: torch.Tensor, own: torch.Tensor, used: torch.Tensor,
             engine: torch.Tensor | None, valid: torch.Tensor | None) -> None:
-        probs = torch.softmax(logits.float(), dim=-1)  # [t, E]
-        weight = valid.to(probs.dtype)[:, None] if valid is not None else None
-        self._probs = _added(self._probs, (probs * weight if weight is not None else probs).sum(0))
+        """One router call's ``logits [t, E]`` (kept, with their graph, for :meth:`aux_loss`: nothing
+        differentiable is computed here, inside a layer that activation checkpointing may recompute
+        without the record), the experts it chose (``own``) and used, the engine's (``engine``), and
+        its real tokens (``valid [t]``, ``None``: all)."""
+        self._logits.append((logits, valid))
         with torch.no_grad():
+            probs = torch.softmax(logits.float(), dim=-1)  # [t, E]
             keep = valid if valid is not None else torch.ones(len(used), dtype=torch.bool, device=used.device)
             counts = torch.bincount(used[keep].reshape(-1).long(), minlength=self.experts).float().cpu()
             self.expert_tokens[layer] += counts
             self._counts += counts
             real = float(keep.sum())
             self._rows += real
-            log_p = probs.detach().clamp_min(1e-30).log()
-            self.entropy[layer] += torch.tensor([float(-(probs.detach() * log_p).sum(-1)[keep].sum()), real])
+            log_p = probs.clamp_min(1e-30).log()
+            self.entropy[layer] += torch.tensor([float(-(probs * log_p).sum(-1)[keep].sum()), real])
             if engine is not None:
                 known = keep & (engine >= 0).all(-1)
                 same = (own.sort(-1).values == engine.to(own.dtype).sort(-1).values).all(-1)
@@ -114,20 +117,21 @@ class RoutingRecord:
         ``load_balancing_loss_func``): ``f_e`` the share of (token, layer) assignments to expert
         ``e`` among the experts used, ``P_e`` the mean router probability of ``e``; differentiable
         in the router logits. 0 if no router ran."""
-        if self._probs is None or not self._rows:
+        if not self._logits or not self._rows:
             return torch.zeros(())
-        f = self._counts.to(self._probs.device) / self._rows
-        return self.experts * (f * self._probs / self._rows).sum()
+        probs = None  # [E] the router probabilities summed over layers and real tokens
+        for logits, valid in self._logits:
+            p = torch.softmax(logits.float(), dim=-1)
+            p = (p * valid.to(p.dtype)[:, None] if valid is not None else p).sum(0)
+            probs = p if probs is None else probs + p
+        f = self._counts.to(probs.device) / self._rows
+        return self.experts * (f * probs / self._rows).sum()
 
     def metrics(self) -> dict[str, torch.Tensor]:
         out = {"moe/expert_tokens": self.expert_tokens.clone(), "moe/router_entropy": self.entropy.clone()}
         if self.compared:
             out["moe/routing_agreement"] = self.agreement.clone()
         return out
-
-
-def _added(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    return value if total is None else total + value
 
 
 class MoERouting:
@@ -244,6 +248,13 @@ def moe_of(model: torch.nn.Module) -> MoERouting | None:
             routing = MoERouting(routers, *shape)
     model.__dict__[_STATE] = routing
     return routing
+
+
+def set_routing(model: torch.nn.Module, routing: MoERouting) -> None:
+    """Make ``routing`` ``model``'s (what :func:`moe_of` returns): for a model whose routers are not
+    transformers' (megatron's, :mod:`rltrainer.strategies.megatron.routing`), which fill its record
+    themselves."""
+    model.__dict__[_STATE] = routing
 
 
 def declared_routers(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module, int]]:

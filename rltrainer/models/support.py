@@ -87,14 +87,9 @@ def check_causal_lm(model: torch.nn.Module, strategy: str) -> None:
         raise ValueError(f"{where}; the policy is a {type(model).__name__} with no transformers config. Build it with "
                          "rltrainer.models.build_causal_lm (a hub id, a path or a PretrainedConfig), or "
                          "AutoModelForCausalLM, so that the rollout engines can build it from its config.")
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    text = base_config(model)
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"{where}; the policy's config is a {type(config).__name__} (model_type="
-                         f"{config.model_type!r}), which AutoModelForCausalLM does not build, so no rollout engine can "
-                         "build it. Use the causal LM of that family (for a vision-language model, its text config, "
-                         "e.g. Gemma3TextConfig) or register the config with AutoModelForCausalLM.register.")
+    problem = config_problem(config)
+    if problem is not None:
+        raise ValueError(f"{where}; the policy's {problem}")
     forward = inspect.signature(_inner_forward(model)).parameters
     missing = [a for a in ("attention_mask", "position_ids", "logits_to_keep") if a not in forward
                and not any(p.kind is p.VAR_KEYWORD for p in forward.values())]
@@ -104,16 +99,38 @@ def check_causal_lm(model: torch.nn.Module, strategy: str) -> None:
                          "positions). Use a transformers version whose model of this family takes them.")
 
 
+def config_problem(config: Any) -> str | None:
+    """Why no rollout engine can build a model from ``config`` (``AutoModelForCausalLM.from_config``,
+    as the engines do), or ``None``. The config itself must be one AutoModelForCausalLM builds: a
+    vision-language config whose text config is (Llava's, Qwen2-VL's) builds no engine."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    return (f"config is a {type(config).__name__} (model_type={config.model_type!r}), which AutoModelForCausalLM "
+            "does not build, so no rollout engine can build it. Use the causal LM of that family (for a "
+            "vision-language model, its language model with its text config, e.g. Gemma3ForCausalLM with "
+            "Gemma3TextConfig) or register the config with AutoModelForCausalLM.register.")
+
+
 def base_config(model: torch.nn.Module) -> Any:
     """The config of ``model``'s text decoder (``get_text_config``)."""
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def class_name(model: torch.nn.Module) -> str:
+    """The name of ``model``'s class; FSDP2's ``fully_shard`` swaps it for a subclass named
+    ``FSDP<name>``, which is not the name a user knows."""
+    cls = type(model)
+    wrapped = cls.__bases__[-1]
+    return wrapped.__name__ if cls.__name__ == f"FSDP{wrapped.__name__}" else cls.__name__
+
+
 def check_activation_checkpointing(model: torch.nn.Module, name: str) -> None:
     """Raise if ``model`` (the module's ``name``) cannot checkpoint its layers' activations."""
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"activation_checkpointing=True: {name} is a {type(model).__name__}, which transformers marks "
+        raise ValueError(f"activation_checkpointing=True: {name} is a {class_name(model)}, which transformers marks "
                          "supports_gradient_checkpointing=False. Turn activation_checkpointing off for it.")
 
 
@@ -274,7 +291,7 @@ def check_fast_paths(model: torch.nn.Module, strategy: str, padding_free: bool) 
         problem = packing_problem(model)
         if problem is not None:
             raise ValueError(f"strategy={strategy!r} with padding_free=True packs each micro-batch's rows into one "
-                             f"sequence, but {type(model).__name__} cannot keep packed rows apart: {problem}. Use "
+                             f"sequence, but {class_name(model)} cannot keep packed rows apart: {problem}. Use "
                              "padding_free=False for this model (its rows then run padded).")
 
 

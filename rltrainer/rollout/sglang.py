@@ -157,6 +157,11 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
         index = torch.device(device).index if device is not None and torch.device(device).index is not None else 0
         if device is not None and torch.device(device).type == "cuda":
             self._check_visible_gpus(index)
+        if self.return_routed_experts:
+            raise ValueError("SGLangEngine does not record routed experts yet (SGLang's own "
+                             "enable_return_routed_experts is not wired here), so routing replay has no routes for "
+                             "this MoE policy. Use routing_replay='off' (GRPO(..., routing_replay='off')), or the "
+                             "'vllm' or 'hf' engine, which record them.")
         try:
             import sglang
         except ImportError as exc:

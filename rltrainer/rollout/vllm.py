@@ -19,11 +19,15 @@ on CPU, 1 GiB unless given), whether CUDA graphs / ``torch.compile`` are worth t
 Weights: every sync is one session of vLLM's public weight-transfer API (``LLM.start_weight_update``,
 ``LLM.update_weights`` per bucket, ``LLM.finish_weight_update``, then the prefix cache is reset)
 through a backend that takes the tensors already in this process
-(:mod:`rltrainer.rollout.vllm_backend`). vLLM rebuilds a layer from all of its tensors, so
-:meth:`VLLMEngine.weight_groups` names the ones that travel together (``q/k/v_proj`` into
-``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``, a weight with its bias), and a tied input
-embedding is loaded as ``lm_head.weight`` too where vLLM keeps a separate copy of the head (its CPU
-build repacks it). Sleep: ``sleep(level)`` / ``wake_up()`` map onto ``LLM.sleep`` / ``LLM.wake_up``
+(:mod:`rltrainer.rollout.vllm_backend`). Buckets carry the policy's own names and tensors
+(transformers 5's fused experts among them); the engine puts each in the checkpoint form vLLM's
+loaders take, by transformers' own reversal (:mod:`rltrainer.rollout.vllm_weights`). vLLM rebuilds
+a layer from all of its tensors, so :meth:`VLLMEngine.weight_groups` names the ones that travel
+together, as vLLM's own ``load_weights`` places them in a dry run (``q/k/v_proj`` into ``qkv_proj``,
+``gate/up_proj`` into ``gate_up_proj``, a weight with its bias, a MoE layer's experts into its
+``FusedMoE``), and a tied input embedding is loaded as ``lm_head.weight`` too where vLLM keeps a
+separate copy of the head (its CPU build repacks it). Sleep: ``sleep(level)`` / ``wake_up()`` map
+onto ``LLM.sleep`` / ``LLM.wake_up``
 (weights first, then the KV cache). Level 1 keeps a CPU copy of the weights; level 2 discards them,
 so it sets ``weights_discarded`` and the next sync sends every weight.
 
@@ -33,6 +37,10 @@ samples). Greedy with ``n > 1``, which vLLM refuses, is one greedy sample per pr
 
 The engine starts from random weights (``load_format="dummy"``) built from the policy's config:
 the real weights arrive through :meth:`VLLMEngine.update_weights`, like every engine's.
+
+Routes (``return_routed_experts``, a mixture-of-experts policy): each row's experts per token and
+layer, recorded by vLLM itself on GPUs (0.33) or by the engine in its process on the CPU build, which
+then turns prefix caching off (:mod:`rltrainer.rollout.vllm_routes`; :class:`VLLMPlatform` decides).
 
 Log-probs come with ``logprobs_mode="processed_logprobs"``: after temperature, so that they equal
 the ``hf`` engine's ``log softmax(logits / temperature)`` when top-k / top-p are off (with them
@@ -53,6 +61,7 @@ the changed tensors, bucket by bucket, and runs on gloo as well.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import tempfile
@@ -62,9 +71,10 @@ from typing import Any
 
 import torch
 
-from rltrainer.rollout.adapters import AdapterFiles, LoadsAdaptersFromDisk
+from rltrainer.rollout.adapters import AdapterFiles, LoadsAdaptersFromDisk, is_adapter_tensor
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       gpu_engine_files, missing_engine, stop_token_ids)
+from rltrainer.rollout.vllm_weights import CheckpointForm
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +151,14 @@ class VLLMPlatform:
     device_type: str
     sleep_mode: bool
 
+    @property
+    def route_capture(self) -> str:
+        """Who records routed experts (``return_routed_experts``): ``"vllm"`` (vLLM 0.33 on GPUs:
+        ``enable_return_routed_experts``, its Model Runner V2 capture) or ``"rltrainer"`` (the CPU
+        build, whose own capture needs Model Runner V2 and so Triton: the engine records in its
+        process, :class:`~rltrainer.rollout.vllm_routes.RouteRecorder`)."""
+        return "rltrainer" if self.on_cpu else "vllm"
+
     @classmethod
     def current(cls) -> VLLMPlatform:
         from vllm.platforms import current_platform
@@ -161,9 +179,14 @@ class VLLMPlatform:
         CPU no chunked prefill (``max_len``: the longest sequence). A chunked prefill makes vLLM
         rewind a seeded request's generator (``Generator.set_offset``), which CPU generators refuse
         ("CPU Generator does not use offset"), so the CPU build schedules whole prompts, as vLLM
-        itself does there for MLA models."""
+        itself does there for MLA models. With ``return_routed_experts``: vLLM's capture
+        (``route_capture == "vllm"``), or no prefix caching where the engine records them itself."""
         eager = engine.enforce_eager if engine.enforce_eager is not None else self.on_cpu  # compiling: ~36 s on CPU
         kwargs: dict[str, Any] = {"enforce_eager": eager, "enable_sleep_mode": engine.enable_sleep_mode and self.sleep_mode}
+        if engine.return_routed_experts and self.route_capture == "vllm":
+            kwargs["enable_return_routed_experts"] = True  # it keeps routes per cached block (prefix caching on)
+        elif engine.return_routed_experts:
+            kwargs["enable_prefix_caching"] = False  # a cached prompt block is not run again: no routes for it
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes or 1 << 30
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 4096))
@@ -233,6 +256,11 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         self._in_update = False  # inside start_weight_update / finish_weight_update
         self._session = False  # vLLM's weight-transfer session is open (once a chunk for the model came)
         self._facts: dict[str, Any] = {}
+        self._checkpoint: CheckpointForm | None = None  # the policy's tensors as vLLM's loaders take them
+        self._groups: dict[tuple[str, ...], list[list[str]]] = {}  # weight_groups' answers, by the names asked
+        self._recorder: Any = None  # the CPU build's RouteRecorder (return_routed_experts)
+        self._route_shape = (0, 0)  # (L, K)
+        self._moe_layers: list[int] = []
         self._tied = False
         self._model_dir: tempfile.TemporaryDirectory | None = None
 
@@ -269,6 +297,8 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
             log.warning("vLLM on %s has no sleep mode: VLLMEngine.sleep() and wake_up() do nothing here (the engine "
                         "keeps its memory while the policy trains).", platform.device_type)
         self.tokenizer = tokenizer
+        # before the LLM: vLLM's Transformers backend (Olmo2 in 0.32) patches transformers' classes in place
+        self._checkpoint = CheckpointForm(model_config)
         self._tied = bool(getattr(model_config, "tie_word_embeddings", False))
         self._model_dir = gpu_engine_files("vllm", device, model_config, tokenizer, devices=(platform.device_type,))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the model in this process
@@ -292,6 +322,26 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         self.llm.init_weight_transfer_engine({"init_info": {}})
         self._facts = self.llm.apply_model(vllm_backend.model_facts)[0]
+        if self.return_routed_experts:
+            self._setup_routes(model_config, platform)
+
+    def _setup_routes(self, model_config: Any, platform: VLLMPlatform) -> None:
+        """``return_routed_experts``: ``L`` and ``K`` from the config, then vLLM's capture or ours."""
+        from rltrainer.models.moe import routing_shape
+        from rltrainer.rollout.vllm_routes import RouteRecorder, moe_layer_ids
+
+        shape = routing_shape(model_config)
+        if shape is None:
+            raise ValueError(f"VLLMEngine.return_routed_experts is set, but the policy's config "
+                             f"({type(model_config).__name__}) has no experts (num_experts_per_tok and a number of "
+                             "experts). Leave return_routed_experts off for a dense policy.")
+        self._route_shape = (shape[0], shape[2])  # (L, K)
+        if platform.route_capture == "rltrainer":
+            self._recorder = RouteRecorder(*self._route_shape)
+            self._recorder.attach(self.llm)
+            self._moe_layers = self._recorder.moe_layers
+        else:
+            self._moe_layers = self.llm.apply_model(moe_layer_ids)[0]
 
     @property
     def ranks_per_replica(self) -> int:
@@ -313,14 +363,26 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         adapter = self._current_adapter()
         lora = {"lora_request": adapter} if adapter is not None else {}
         start = time.perf_counter()
+        if self._recorder is not None:
+            self._recorder.begin()
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
                                     vllm_sampling_params(sampling, stop, len(prompts)), use_tqdm=False, **lora)
         elapsed = time.perf_counter() - start
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         generation = generation_from_outputs(outputs, pad, self.tokenizer)
+        if self.return_routed_experts:
+            generation.routed_experts = self._routes(outputs)
         tokens = generation.metrics["gen_tokens"]
         generation.metrics.update(gen_time_s=elapsed, tokens_per_s=tokens / max(elapsed, 1e-9))
         return generation
+
+    def _routes(self, outputs: Sequence[Any]) -> list[torch.Tensor]:
+        """Each completion's ``[p + t, L, K]`` routes (:mod:`rltrainer.rollout.vllm_routes`)."""
+        from rltrainer.rollout.vllm_routes import completion_routes
+
+        if self._recorder is not None:
+            return self._recorder.take(outputs)
+        return completion_routes(outputs, *self._route_shape, self._moe_layers)
 
     # -- LoRA: the adapter as a LoRARequest (vllm/lora/request.py; LLMEngine.add_lora / remove_lora) --
     def _current_adapter(self) -> Any:
@@ -341,9 +403,38 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
 
     # -- weights: one vLLM weight-transfer session per sync (rltrainer.rollout.vllm_backend) --------
     def weight_groups(self, names: Sequence[str]) -> list[list[str]]:
-        """The names of each vLLM module that gets more than one (fused ``q/k/v_proj``,
-        ``gate/up_proj``; a weight and its bias): vLLM rebuilds a module from all of them."""
-        return fused_groups(names, self._facts.get("packed_modules_mapping", {}))
+        """The names that reach one vLLM layer, found by vLLM's own ``load_weights`` on meta tensors in
+        checkpoint form (:mod:`rltrainer.rollout.vllm_weights`): fused ``q/k/v_proj``,
+        ``gate/up_proj``, a weight and its bias, a MoE layer's experts. vLLM rebuilds a layer from
+        all of them; LoRA adapter tensors travel apart (they are loaded from disk)."""
+        key = tuple(names)
+        if key not in self._groups:
+            self._groups[key] = self._find_groups([n for n in names if not is_adapter_tensor(n)])
+        return [list(g) for g in self._groups[key]]
+
+    def _find_groups(self, names: list[str]) -> list[list[str]]:
+        import transformers
+
+        from rltrainer.rollout.vllm_weights import groups_by_layer, loading_layers, unplaced, written_directly
+
+        if self._checkpoint is None:
+            raise RuntimeError("VLLMEngine.weight_groups before setup")
+        self._checkpoint.check_names(names, transformers.__version__)
+        feeds = [list(self._with_head(feed)) for feed in self._checkpoint.meta_feeds(names)]
+        layers = self.llm.apply_model(functools.partial(loading_layers, feeds=feeds))[0]
+        lost = written_directly(names, layers)
+        if lost:
+            raise ValueError(
+                f"vLLM's load_weights for {self._checkpoint.architecture} writes {len(lost)} of the policy's weights "
+                f"straight into its parameters (first: {lost[:3]}) instead of through their weight_loader, so vLLM's "
+                "weight-update session (layerwise reload, which every sync runs) never sees them: the engine would "
+                "keep its start-up values for them and generate with another model. This vLLM cannot take weight "
+                "syncs for this architecture; use rollout='hf' (or SGLang on GPUs).")
+        missed = unplaced(names, layers)
+        if missed:
+            log.warning("vLLM's load_weights placed %d of the policy's weights nowhere in a dry run (they travel "
+                        "alone; a real sync raises if vLLM refuses them): %s", len(missed), "; ".join(missed[:3]))
+        return groups_by_layer(names, layers)
 
     def start_weight_update(self) -> None:
         """vLLM's session opens with the first chunk for the model: a sync that brings the model
@@ -364,7 +455,8 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
                 yield name, tensor
 
         base = self._adapter.split(counted()) if self._adapter is not None else counted()
-        chunk = list(self._with_head(base))  # the adapter's tensors stay in self._adapter
+        assert self._checkpoint is not None, "update_weights before setup"
+        chunk = list(self._with_head(self._checkpoint.convert(base)))  # the adapter's tensors stay in self._adapter
         try:
             if chunk:
                 if not self._session:
@@ -420,20 +512,6 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
             self._model_dir = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def fused_groups(names: Sequence[str], packed_modules: dict[str, list[str]]) -> list[list[str]]:
-    """Group HF weight names by the vLLM module that holds them: ``...self_attn.q_proj.weight``,
-    ``k_proj`` and ``v_proj`` (and their biases) by ``...self_attn.qkv_proj`` when
-    ``packed_modules`` (vLLM's ``packed_modules_mapping``) fuses them. Groups of one are left out."""
-    fused_of = {part: fused for fused, parts in packed_modules.items() for part in parts}
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        module = name.rpartition(".")[0]
-        parent, _, leaf = module.rpartition(".")
-        key = f"{parent}.{fused_of.get(leaf, leaf)}" if parent else fused_of.get(leaf, leaf)
-        groups.setdefault(key, []).append(name)
-    return [group for group in groups.values() if len(group) > 1]
 
 
 def _export_launcher_env() -> None:

@@ -16,7 +16,8 @@ to its checkpoint form, buffers what arrives and re-runs the layer's post-load p
 all of its tensors are in (the CPU build repacks linear weights there). So a fused layer
 (``qkv_proj``, ``gate_up_proj``) may arrive over several chunks of one session, but it must arrive
 whole: a layer given only some of its tensors is rebuilt from those alone
-(:meth:`~rltrainer.rollout.vllm.VLLMEngine.weight_groups` tells the sender which names go together).
+(:meth:`~rltrainer.rollout.vllm.VLLMEngine.weight_groups` tells the sender which names go together,
+and :mod:`rltrainer.rollout.vllm_weights` puts them in checkpoint form first).
 
 This module imports vLLM; :mod:`rltrainer.rollout.vllm` imports it only when an engine is set up.
 """
@@ -96,10 +97,9 @@ def register() -> str:
 
 
 def model_facts(model: Any) -> dict[str, Any]:
-    """What the adapter needs to know of the worker's model (run through ``LLM.apply_model``): the
-    fused modules (``packed_modules_mapping``) and whether the LM head keeps weights of its own
-    beside the input embedding (the CPU build does, even when the config ties them)."""
+    """What the adapter needs to know of the worker's model (run through ``LLM.apply_model``):
+    whether the LM head keeps weights of its own beside the input embedding (the CPU build does,
+    even when the config ties them)."""
     inner = getattr(model, "model", None)
     head, embed = getattr(model, "lm_head", None), getattr(inner, "embed_tokens", None)
-    return {"packed_modules_mapping": {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {})).items()},
-            "separate_lm_head": head is not None and embed is not None and head is not embed}
+    return {"separate_lm_head": head is not None and embed is not None and head is not embed}

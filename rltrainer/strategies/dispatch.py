@@ -197,6 +197,7 @@ class WorkerGroupStrategy(Strategy):
         else:
             self.transport = ColocatedTransport(self.group, dtype)
         self.remote_engine = RemoteEngine(group, tokenizer, dtype, ranks_per_replica=k)
+        self.remote_engine.return_routed_experts = engine.return_routed_experts  # what its replicas were asked
         return self.remote_engine
 
     def _split_transport(self, rollout: WorkerGroup, dtype: torch.dtype | None) -> WeightTransport:

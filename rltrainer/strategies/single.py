@@ -12,6 +12,7 @@ import torch
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lora import LoraView
+from rltrainer.models import state_tensors
 from rltrainer.models.support import check_causal_lm, check_fast_paths
 from rltrainer.strategies.strategy import (STRATEGIES, Strategy, autocast_context, load_local_training_state, local_training_state, normalize_optimizers,
                                           param_dtype, run_compute, run_train_step)
@@ -109,7 +110,7 @@ class SingleDeviceStrategy(Strategy):
 
     def export_weights(self, dtype: torch.dtype | None = None,
                        only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        params = {n: p.detach() for n, p in self.module.policy.named_parameters()}
+        params = {n: t.detach() for n, t in state_tensors(self.module.policy).items()}  # persistent buffers too
         view = self._view
         names = list(view.specs) if view is not None else list(params)
         names = self.versions.changed(names) if only_changed else names
@@ -122,7 +123,7 @@ class SingleDeviceStrategy(Strategy):
     def weight_names(self) -> list[str]:
         if self._view is not None:
             return list(self._view.specs)
-        return [n for n, _ in self.module.policy.named_parameters()]
+        return list(state_tensors(self.module.policy))
 
     def model_config(self) -> Any:
         return self.module.policy.config

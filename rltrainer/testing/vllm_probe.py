@@ -1,9 +1,11 @@
 """A vLLM engine whose weights a test can read: ``Worker.engine_weights`` reads an engine's ``.model``,
 which vLLM does not have; :class:`InspectableVLLMEngine` lends one that copies vLLM's own parameters
-(vLLM's names and fused layout: ``qkv_proj``, ``gate_up_proj``, a padded vocabulary) through
-``LLM.apply_model``. The CPU build packs a linear layer's weight for oneDNN and leaves the parameter
-empty; its weight is then read back as the layer computes with it, from the product with an identity
-matrix (exact: one non-zero product per output). For tests: a copy of the whole model per call."""
+(vLLM's names and fused layout: ``qkv_proj``, ``gate_up_proj``, a padded vocabulary, a MoE layer's
+experts as its ``FusedMoE`` holds them, ``w13_weight [E, 2I, H]`` and ``w2_weight [E, H, I]``)
+through ``LLM.apply_model``. The CPU build packs a linear layer's weight for oneDNN (a MoE router's
+``GateLinear`` too) and leaves the parameter empty; its weight is then read back as the layer
+computes with it, from the product with an identity matrix (exact: one non-zero product per
+output). For tests: a copy of the whole model per call."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def vllm_parameters(model: Any) -> dict[str, torch.Tensor]:
     out = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
     for prefix, module in model.named_modules():
         weight, method = getattr(module, "weight", None), getattr(module, "quant_method", None)
-        inputs = getattr(module, "input_size_per_partition", None)
+        inputs = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
         if weight is None or method is None or inputs is None or weight.numel():
             continue
         eye = torch.eye(inputs, dtype=getattr(module, "params_dtype", weight.dtype), device=weight.device)

@@ -99,7 +99,8 @@ def test_replay_routes_exactly_as_given_and_the_router_still_learns(family):
 
 def test_replay_is_the_same_packed_and_under_activation_checkpointing():
     """Packed rows take the same routes (their tokens in packed order); a layer recomputed in the
-    backward replays the forward's routes, so the gradients equal those without checkpointing."""
+    backward replays the forward's routes (and the record adds nothing it would have to save), so
+    the gradients, the load-balancing loss's included, equal those without checkpointing."""
     config = tiny_config("qwen3_moe", VOCAB)
     batch = rows(1)
     shifted = (own_routes(build_causal_lm(config, seed=0), batch) + 3) % 8
@@ -109,8 +110,9 @@ def test_replay_is_the_same_packed_and_under_activation_checkpointing():
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
-        log_probs, _ = response_log_probs(model, batch, routed_experts=shifted, padding_free=padding_free)
-        (log_probs * batch["response_mask"]).sum().backward()
+        with recording(model) as record:  # its load-balancing loss in the backward too
+            log_probs, _ = response_log_probs(model, batch, routed_experts=shifted, padding_free=padding_free)
+        ((log_probs * batch["response_mask"]).sum() + record.aux_loss()).backward()
         results.append((log_probs.detach() * batch["response_mask"], {n: p.grad for n, p in model.named_parameters()}))
     for log_probs, grads in results[1:]:
         torch.testing.assert_close(log_probs, results[0][0], rtol=1e-5, atol=1e-5)

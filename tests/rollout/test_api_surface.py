@@ -179,6 +179,60 @@ def test_vllm_surface(vllm):
     fields = vllm.fields("vllm/outputs.py", "CompletionOutput") | (
         {a.arg for a in completion.args.args} if completion else set())
     assert {"index", "text", "token_ids", "logprobs", "finish_reason"} <= fields
+    qwen3_moe = "vllm/model_executor/models/qwen3_moe.py"
+    mixtral = "vllm/model_executor/models/mixtral.py"
+    for path, cls in ((qwen3_moe, "Qwen3MoeForCausalLM"), (mixtral, "MixtralForCausalLM")):
+        accepts(vllm.method(path, cls, "load_weights"), "weights")
+
+
+def test_vllm_weight_form_and_groups_surface(vllm):
+    """rltrainer/rollout/vllm_weights.py: the dry run replaces each parameter's ``weight_loader``
+    (what the loaders call, falling back to ``default_weight_loader``); vLLM's weight update restores a
+    layer on the meta device and counts what its wrapped loaders take, so a loader that copies into
+    the parameter itself (gpt-oss's experts and sinks) is lost and refused; MoE layers take
+    per-expert checkpoint names (and fused ones in some models)."""
+    reload = vllm.text("vllm/model_executor/model_loader/reload/layerwise.py")
+    assert "restore_layer_on_meta(layer, info)" in reload
+    assert "tensor.weight_loader = make_online_process_loader" in reload
+    assert 'return getattr(tensor, "weight_loader", default_weight_loader)' in reload
+    other = ast.unparse(vllm.method("vllm/model_executor/models/gpt_oss.py", "GptOssModel", "_load_weights_other"))
+    assert "param.copy_(narrow_weight)" in other  # around the weight_loader: what VLLMEngine.weight_groups refuses
+    experts = vllm.text("vllm/model_executor/layers/fused_moe/routed_experts.py")
+    assert "def get_expert_mapping(" in experts and "include_fused" in experts
+
+
+def test_vllm_routes_surface(vllm):
+    """rltrainer/rollout/vllm_routes.py: vLLM's own capture (GPUs) and what the CPU build's recorder
+    hooks into, in both versions."""
+    engine_args = vllm.fields("vllm/engine/arg_utils.py", "EngineArgs")
+    assert {"enable_return_routed_experts", "enable_prefix_caching"} <= engine_args
+    assert "routed_experts" in vllm.fields("vllm/outputs.py", "CompletionOutput")
+    accepts(vllm.method("vllm/outputs.py", "RequestOutput", "__init__"), "request_id", "prompt_token_ids", "outputs")
+    config = vllm.text("vllm/config/vllm.py")
+    assert "AuxOutput Connector requires Model Runner V2" in config  # the CPU build's V1 runner: our recorder
+    assert "Model Runner V2 requires Triton" in config and "AuxOutput Connector requires prefix caching." in config
+    capturer = vllm.text("vllm/model_executor/layers/fused_moe/routed_experts_capturer.py")
+    assert "self.device_buffer = torch.zeros(" in capturer  # a dense layer's columns stay 0: padded to -1
+    assert 'self.output_dtype_name = "uint8" if num_experts <= 256 else "uint16"' in capturer
+    assert "module.router.set_capture_fn(capture_fn)" in capturer
+    assert "partial(capturer.capture, module.layer_id)" in capturer
+    assert {"layer_id", "capture_fn"} <= vllm.fields(
+        "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py", "RoutedExpertsCaptureSource")
+    router = "vllm/model_executor/layers/fused_moe/router/base_router.py"
+    accepts(vllm.method(router, "BaseRouter", "set_capture_fn"), "capture_fn")
+    assert "self.capture_fn(topk_ids)" in ast.unparse(vllm.method(router, "BaseRouter", "_select_experts"))
+    runner = "vllm/model_executor/layers/fused_moe/runner/moe_runner.py"
+    vllm.method(runner, "MoERunner", "layer_id"), vllm.method(runner, "MoERunner", "is_monolithic")
+    assert "MoERunner" in vllm.text("vllm/model_executor/layers/fused_moe/layer.py")
+    accepts(vllm.method("vllm/v1/engine/output_processor.py", "OutputProcessor", "add_request"), "request", "prompt",
+            "parent_req", "request_index")
+    model_runner = "vllm/v1/worker/gpu_model_runner.py"
+    accepts(vllm.method(model_runner, "GPUModelRunner", "_model_forward"), "input_ids", "positions")
+    execute = ast.unparse(vllm.method(model_runner, "GPUModelRunner", "execute_model"))
+    assert "self._model_forward(input_ids=input_ids, positions=positions" in execute
+    prepare = ast.unparse(vllm.method(model_runner, "GPUModelRunner", "_prepare_inputs"))
+    assert "self.query_start_loc.np[1:num_reqs + 1] = cu_num_tokens" in prepare
+    assert 'child_req_id = f"{index}_{self.request_id}"' in vllm.text("vllm/v1/engine/parallel_sampling.py")
 
 
 def test_sglang_surface(sglang):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rltrainer.rollout import ENGINES, SamplingParams
-from rltrainer.rollout.sglang import generation_from_sglang, sglang_requests
+from rltrainer.rollout.sglang import SGLangEngine, generation_from_sglang, sglang_requests
 from rltrainer.rollout.vllm import generation_from_outputs
 
 
@@ -414,3 +414,12 @@ def test_sglang_lora_refuses_the_broadcast_transport():
     with pytest.raises(ValueError, match="broadcast"):  # and the engine's own hooks refuse as a backstop
         engine.receive_weights([("w", "float32", (2,))], last=True)
     engine.teardown()
+
+
+def test_sglang_refuses_to_record_routes_before_it_starts(tiny_config, bpe_tokenizer):
+    """Routing replay asks the engine for routes (a MoE policy); SGLang's adapter does not record
+    them yet, and says so at setup, with what to use instead."""
+    engine = SGLangEngine()
+    engine.return_routed_experts = True
+    with pytest.raises(ValueError, match=r"does not record routed experts.*routing_replay='off'"):
+        engine.setup(tiny_config, bpe_tokenizer)

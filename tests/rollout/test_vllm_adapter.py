@@ -1,7 +1,8 @@
 """The vLLM adapter's own logic, without vLLM (a recording fake ``LLM``): the platform decisions in
-one place, one weight-transfer session per sync, the fused groups, the tied head, sleep on a
+one place, one weight-transfer session per sync, the tied head, sleep on a
 platform without sleep mode, the refusals at setup, and the engine's own Python environment.
-The real engine: test_vllm_engine.py."""
+The weights' form and groups: test_vllm_weights.py; routes: test_vllm_routes.py. The real engine:
+test_vllm_engine.py and test_vllm_families.py."""
 
 from __future__ import annotations
 
@@ -12,14 +13,10 @@ import pytest
 import torch
 
 from rltrainer.rollout.engine import ModelFiles
-from rltrainer.rollout.vllm import VLLMEngine, VLLMPlatform, fused_groups
+from rltrainer.rollout.vllm import VLLMEngine, VLLMPlatform
 from rltrainer.rollout.vllm_env import ENV_VAR, resolve_python
-
-QWEN2 = [f"model.layers.0.{m}" for m in ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
-                                          "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
-                                          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                          "mlp.down_proj.weight", "input_layernorm.weight", "self_attn.q_norm.weight")]
-PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+from rltrainer.rollout.vllm_weights import CheckpointForm
+from rltrainer.testing import tiny_qwen2_config
 
 
 class FakeLLM:
@@ -37,7 +34,8 @@ class FakeLLM:
 def engine_with(platform: VLLMPlatform, tied: bool = False, separate_head: bool = False, **kwargs) -> VLLMEngine:
     engine = VLLMEngine(**kwargs)
     engine.llm, engine.platform = FakeLLM(), platform
-    engine._facts = {"packed_modules_mapping": PACKED, "separate_lm_head": separate_head}
+    engine._facts = {"separate_lm_head": separate_head}
+    engine._checkpoint = CheckpointForm(tiny_qwen2_config(64))  # a dense family: names pass as they are
     engine._tied = tied
     return engine
 
@@ -45,12 +43,6 @@ def engine_with(platform: VLLMPlatform, tied: bool = False, separate_head: bool 
 def names_sent(llm: FakeLLM) -> list[list[str]]:
     return [[n for n, _ in kw["update_info"]["weights"]] for name, args, _ in llm.calls if name == "update_weights"
             for kw in args]
-
-
-def test_fused_modules_and_their_biases_are_groups():
-    groups = fused_groups(QWEN2, PACKED)
-    assert groups == [QWEN2[:6], ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]]
-    assert fused_groups(["lm_head.weight", "model.norm.weight"], PACKED) == []  # one tensor per module
 
 
 def test_the_platform_decides_memory_eager_mode_and_sleep():

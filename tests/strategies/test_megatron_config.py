@@ -15,7 +15,7 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from rltrainer.strategies.megatron.config import megatron_config
 
@@ -38,6 +38,15 @@ def qwen2(**kw):
 
 def qwen3(**kw):
     return Qwen3Config(**{**SIZES, "head_dim": 32, **kw})
+
+
+def qwen3_moe(**kw):
+    return Qwen3MoeConfig(**{**SIZES, "head_dim": 32, "moe_intermediate_size": 24, "num_experts": 8,
+                             "num_experts_per_tok": 2, **kw})
+
+
+def mixtral(**kw):
+    return MixtralConfig(**{**SIZES, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2, **kw})
 
 
 def angles(config, gpt):
@@ -138,6 +147,17 @@ REFUSED = [
     # a linear factor whose reciprocal is inexact: the angles differ in the last bits
     (lambda: llama(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 3.0}),
      "rope_parameters=", "differ by up to"),
+    # mixtures of experts: dense layers among the sparse ones (Qwen3MoeDecoderLayer.__init__)
+    (lambda: qwen3_moe(mlp_only_layers=[1]), r"mlp_only_layers=\[1\]", "a sparse MoE block in every layer"),
+    (lambda: qwen3_moe(decoder_sparse_step=2), "decoder_sparse_step=2", "1: a sparse MoE block in every layer"),
+    (lambda: qwen3_moe(use_sliding_window=True, sliding_window=16), "sliding_window=16", "None"),
+    (lambda: mixtral(sliding_window=16), "sliding_window=16", "None"),
+    # MixtralSparseMoeBlock.forward scales the hidden states both the router and the experts read
+    (lambda: mixtral(router_jitter_noise=0.1), "router_jitter_noise=0.1", "the router's only"),
+    # transformer_config.py:1636-1641: megatron refuses top-1 without moe_router_pre_softmax
+    (lambda: mixtral(num_experts_per_tok=1), r"num_experts_per_tok=\(1, True\)", "1 only with norm_topk_prob=False"),
+    (lambda: qwen3_moe(num_experts_per_tok=1, norm_topk_prob=True), r"num_experts_per_tok=\(1, True\)",
+     "2 or more experts per token"),
 ]
 
 
@@ -150,16 +170,35 @@ def test_unconvertible_field_is_refused_naming_it(make, field, supported):
 
 
 def test_other_families_and_experts_are_refused():
-    from transformers import GPT2Config, Qwen3MoeConfig
+    """Qwen2-MoE (shared experts) is a family of its own, refused by model_type."""
+    from transformers import GPT2Config, Qwen2MoeConfig
 
-    with pytest.raises(ValueError, match=r"model_type='gpt2'.*llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*llama, mixtral, qwen2, qwen3, qwen3_moe"):
         megatron_config(GPT2Config(n_embd=32, n_layer=1, n_head=2))
-    with pytest.raises(ValueError, match=r"model_type='qwen3_moe'"):
-        megatron_config(Qwen3MoeConfig(**SIZES))
+    with pytest.raises(ValueError, match=r"model_type='qwen2_moe'"):
+        megatron_config(Qwen2MoeConfig(**SIZES))
     moe_llama = llama()
     moe_llama.num_local_experts = 8  # a field a dense family does not read, set by hand: refused all the same
     with pytest.raises(ValueError, match=r"num_local_experts=8.*no experts"):
         megatron_config(moe_llama)
+
+
+@pytest.mark.parametrize("config,pre_softmax", [(qwen3_moe(norm_topk_prob=True), False),
+                                                 (qwen3_moe(norm_topk_prob=False), True), (mixtral(), False),
+                                                 (qwen3_moe(num_experts_per_tok=1), True)],
+                         ids=["qwen3_moe-renormalised", "qwen3_moe", "mixtral", "qwen3_moe-top1"])
+def test_mixtures_of_experts_convert_to_megatron_moe(config, pre_softmax):
+    """Renormalised top-k weights: megatron's softmax over the top-k logits (moe_router_pre_softmax
+    False, moe_utils.py:713-716); not renormalised: the softmax over all experts, then top-k (True,
+    :709-711). Megatron's own load-balancing loss off: the Routing part adds transformers' (from the
+    routers' record, test_megatron_moe.py)."""
+    t = megatron_config(config).transformer
+    experts = 8 if config.model_type == "qwen3_moe" else 4
+    assert (t["num_moe_experts"], t["moe_router_topk"], t["moe_ffn_hidden_size"], t["ffn_hidden_size"]) == (
+        experts, config.num_experts_per_tok, 24, 24)
+    assert t["moe_router_pre_softmax"] is pre_softmax and t["moe_router_score_function"] == "softmax"
+    assert (t["moe_router_load_balancing_type"], t["moe_aux_loss_coeff"]) == ("none", 0.0)
+    assert t["qk_layernorm"] is (config.model_type == "qwen3_moe") and not t["add_qkv_bias"]
 
 
 def test_fields_transformers_ignores_are_accepted():

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from rltrainer.strategies.megatron.layouts import (MegatronLayout, hf_to_megatron, megatron_shard, megatron_to_hf,
-                                                   stage_layers, state_reader)
+from rltrainer.strategies.megatron.layouts import (MegatronLayout, expert_stack, hf_to_megatron, megatron_shard,
+                                                   megatron_to_hf, stage_layers, state_reader)
 
 
 def qwen2():
@@ -143,3 +143,89 @@ def test_a_shard_reads_only_its_stage_and_its_rows(make, tp, pp):
             only = hf_to_megatron(lazy, config, layout, only=(stage, r))[stage][r]
             assert only.keys() == shard.keys() and all(torch.equal(only[k], shard[k]) for k in shard)
             assert sorted(set(lazy.lookups)) == sorted({n for n, _ in rec.reads})
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=101, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def mixtral():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=101, hidden_size=32, intermediate_size=24, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("make", [qwen3_moe, mixtral], ids=["qwen3_moe", "mixtral-tied"])
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 1, 2), (1, 2, 4), (2, 2, 2), (2, 1, 1)])
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential-mlp", "te-grouped-mlp"])
+def test_moe_round_trip_is_exact(make, tp, pp, ep, grouped):
+    """The fused transformers experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) split per
+    expert over expert-parallel ranks (and each expert over tensor-parallel ranks, as a dense MLP),
+    and back, exactly; in SequentialMLP's names and in TEGroupedMLP's (``linear_fc1.weight{j}``)."""
+    config = make()
+    state = state_of(config)
+    layout = MegatronLayout(tp=tp, pp=pp, ep=ep, grouped_experts=grouped, fused_layernorm=grouped)
+    shards = hf_to_megatron(state, config, layout)
+    assert len(shards) == pp and all(len(stage) == ep * tp for stage in shards)
+    experts, per = config.num_experts, config.num_experts // ep
+    stack = "decoder.layers.1.mlp.experts.linear_fc1.weight"  # all of layer 1's experts' linear_fc1
+    local = "decoder.layers.1.mlp.experts." + ("linear_fc1.weight{}" if grouped
+                                               else "local_experts.{}.linear_fc1.weight")
+    for r, shard in enumerate(shards[0]):
+        held = sorted(index for name, index in filter(None, map(expert_stack, shard)) if name == stack)
+        assert held == list(range(per)) and shard[local.format(0)].shape == (2 * 24 // tp, 32)
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in shard  # an MoE layer keeps its own norm
+        e0 = (r // tp) * per  # this rank's first expert
+        gate = state["model.layers.1.mlp.experts.gate_up_proj"][e0, :24].chunk(tp)[r % tp]
+        assert torch.equal(shard[local.format(0)][: 24 // tp], gate)
+        assert torch.equal(shard["decoder.layers.1.mlp.router.weight"], state["model.layers.1.mlp.gate.weight"])
+    back = megatron_to_hf(shards, config, layout)
+    assert back.keys() == state.keys() and experts % ep == 0
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_expert_shards_are_what_megatron_core_reads():
+    """An expert's ``linear_fc1`` output ``chunk(2)`` is (gate, up) of transformers'
+    ``gate_up_proj[e] @ x`` split as Qwen3MoeExperts splits it (``.chunk(2, dim=-1)``), and
+    ``linear_fc2`` is ``down_proj[e]``, on each tensor-parallel rank's share of the intermediate size."""
+    config, tp = qwen3_moe(), 2
+    state = state_of(config)
+    shards = hf_to_megatron(state, config, MegatronLayout(tp=tp, ep=2))
+    x = torch.randn(3, 32)
+    expert = 5  # expert-parallel rank 1, local expert 1
+    gate_ref, up_ref = (x @ state["model.layers.2.mlp.experts.gate_up_proj"][expert].T).chunk(2, dim=-1)
+    out_ref = (torch.nn.functional.silu(gate_ref) * up_ref) @ state["model.layers.2.mlp.experts.down_proj"][expert].T
+    out = 0
+    for r in range(tp):
+        shard = shards[0][1 * tp + r]
+        gate, up = (x @ shard["decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"].T).chunk(2, dim=-1)
+        torch.testing.assert_close(gate, gate_ref.chunk(tp, dim=-1)[r])
+        out = out + (torch.nn.functional.silu(gate) * up) @ shard[
+            "decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"].T  # row-parallel: summed over TP
+    torch.testing.assert_close(out, out_ref)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_a_moe_shard_reads_only_its_experts(ep):
+    """Each expert-parallel rank reads only its experts' rows of the fused tensors, once each."""
+    config = qwen3_moe()
+    state = state_of(config)
+    per = config.num_experts // ep
+    for r in range(ep):
+        rec = Recorder(state)
+        dict(megatron_shard(rec.reader(), config, MegatronLayout(ep=ep), 0, 0, ep_rank=r))
+        expert_reads = [(n, rows) for n, rows in rec.reads if ".mlp.experts." in n]
+        assert len(expert_reads) == 2 * config.num_hidden_layers
+        assert all(rows == (r * per, (r + 1) * per) for _, rows in expert_reads)
+
+
+def test_moe_layouts_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match="8 experts over expert_model_parallel_size=3"):
+        hf_to_megatron(state_of(qwen3_moe()), qwen3_moe(), MegatronLayout(ep=3))

@@ -33,7 +33,9 @@ class Routing(Part):
         router_aux_loss_coef: the weight of the routers' load-balancing loss (Switch Transformer's,
             as transformers' ``load_balancing_loss_func``; ``moe/aux_loss``); ``None``: the policy
             config's ``router_aux_loss_coef`` (0 where it has none, e.g. DeepSeek-V3's
-            aux-loss-free routing). 0 keeps the loss out.
+            aux-loss-free routing). 0 keeps the loss out. As Megatron-LM's default ``aux_loss``, it
+            is each micro-batch's own, weighted by its share of the response tokens, so (alone among
+            the loss's terms) it depends on the micro-batch split.
 
     Logged every step for a MoE policy: ``moe/expert_share/{max,min}``, ``moe/tokens_per_expert/*``,
     ``moe/router_entropy``, ``moe/aux_loss``, each also per layer (``moe/layer{l}/...``), and

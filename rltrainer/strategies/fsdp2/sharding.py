@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from rltrainer.models import RandomInit, SafetensorsWeights, parameter_aliases, source_key
+from rltrainer.models import RandomInit, parameter_aliases, persistent_buffers, source_key
+from rltrainer.models.build import WeightSource
 from rltrainer.models.support import check_activation_checkpointing, fsdp_blocks
 
 
@@ -24,12 +25,14 @@ def enable_activation_checkpointing(name: str, model: torch.nn.Module) -> None:
 
 
 
-def load_shards(label: str, model: torch.nn.Module, source: SafetensorsWeights | RandomInit,
+def load_shards(label: str, model: torch.nn.Module, source: WeightSource,
                 built: dict[str, torch.Tensor], rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
     """Fill this rank's rows of every parameter of ``model`` (the module's ``label``; sharded, just materialised by
     ``to_empty``): a checkpoint's rows are read here, a random init's are scattered from rank 0 (a
     collective: every rank calls it), a parameter ``configure_model`` added in full (``built``) is
-    copied. Raises before anything moves if the source lacks a tensor or has another shape."""
+    copied. Raises before anything moves if the source lacks a tensor or has another shape. The
+    buffers a checkpoint stores (:func:`~rltrainer.models.persistent_buffers`) are read whole, on
+    every rank; a random init's are the ones every rank built."""
     import torch.distributed as dist
 
     aliases = parameter_aliases(model)  # a tied weight has several names
@@ -50,6 +53,7 @@ def load_shards(label: str, model: torch.nn.Module, source: SafetensorsWeights |
         raise ValueError(f"Cannot load {label}: {error}")
     report = {"source": f"safetensors files in {source.path}" if not scatter else "random init on rank 0",
               **shard_bytes(model, rank, world_size), "loaded_bytes": 0}
+    before = 0 if scatter else source.bytes_read
     with torch.no_grad():
         for name, param in model.named_parameters():
             local, start = _local_rows(param, rank, world_size)
@@ -64,6 +68,12 @@ def load_shards(label: str, model: torch.nn.Module, source: SafetensorsWeights |
             else:
                 source.read(keys[name], start, stop if local.dim() else None, out=local)
             report["loaded_bytes"] += local.numel() * local.element_size()
+        if not scatter:
+            report["read_bytes"] = source.bytes_read - before  # of the files: the parameters' rows only
+            stored = source.names()
+            for name, buffer in persistent_buffers(model).items():  # as from_pretrained loads them: whole
+                if name in stored:
+                    source.read(name, out=buffer)
     return report
 
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.files import reporting_disk_full
-from rltrainer.models import RandomInit, SafetensorsWeights, deferred_init, share_rng_state, take_weight_source
+from rltrainer.models import RandomInit, deferred_init, share_rng_state, state_tensors, take_weight_source
+from rltrainer.models.build import WeightSource
 from rltrainer.models.support import check_causal_lm, check_fast_paths
 from rltrainer.strategies.fsdp2.checkpoint import load_sharded, save_sharded
 from rltrainer.strategies.fsdp2.sharding import enable_activation_checkpointing, load_shards, shard_bytes, shard_model
@@ -78,7 +79,7 @@ class FSDP2Worker(TrainingWorker):
         check_fast_paths(module.policy, "fsdp2", options["padding_free"])  # a forward on every rank
         self.optimizers, self.schedulers = normalize_optimizers(module.configure_optimizers())
 
-    def _place(self, name: str, model: torch.nn.Module, source: SafetensorsWeights | RandomInit | None,
+    def _place(self, name: str, model: torch.nn.Module, source: WeightSource | None,
                mesh: Any) -> dict[str, Any]:
         """Shard ``model`` and give this rank its rows; returns what :meth:`load_report` shows."""
         o = self.options
@@ -107,13 +108,15 @@ class FSDP2Worker(TrainingWorker):
     def load_report(self) -> dict[str, dict[str, Any]]:
         """Per model: where its weights came from (``source``), the bytes of the whole model
         (``full_bytes``), of this rank's shard (``shard_bytes``), and what this rank read from a
-        checkpoint or received from rank 0 while loading (``loaded_bytes``)."""
+        checkpoint or received from rank 0 while loading (``loaded_bytes``; from a checkpoint also
+        ``read_bytes``, the bytes read from its files for them: a MoE checkpoint that stores each
+        expert on its own is read one expert at a time, only the experts of this rank's rows)."""
         return self.loaded
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self.view is not None:
             return dict(self.view.specs)
-        return {n: (tuple(p.shape), p.dtype) for n, p in self.module.policy.named_parameters()}
+        return {n: (tuple(t.shape), t.dtype) for n, t in state_tensors(self.module.policy).items()}
 
     def use_shared_memory(self, directory: str, tag: str) -> None:
         """Gather weights through shared memory (every rank on this node, CPU tensors)."""
@@ -138,7 +141,7 @@ class FSDP2Worker(TrainingWorker):
                        shared: bool) -> list[tuple[str, torch.Tensor]]:
         from torch.distributed.tensor import DTensor
 
-        params = {n: p.detach() for n, p in self.module.policy.named_parameters()}
+        params = {n: t.detach() for n, t in state_tensors(self.module.policy).items()}  # persistent buffers too
         if self.world_size == 1 or not any(isinstance(params[n], DTensor) for n in names):
             return [(n, _local(params[n], dtype)) for n in names]
         if self.shared is not None and shared:
@@ -176,7 +179,7 @@ class FSDP2Worker(TrainingWorker):
         transport's slot: the bucket is on the wire without another copy."""
         if self.shared is None or self.world_size == 1 or self.view is not None:
             return False
-        self._write_rows({n: p.detach() for n, p in self.module.policy.named_parameters()}, entries, out)
+        self._write_rows({n: t.detach() for n, t in state_tensors(self.module.policy).items()}, entries, out)
         return True
 
     def _write_rows(self, params: dict[str, Any], entries: list[Entry], buffer: torch.Tensor) -> None:

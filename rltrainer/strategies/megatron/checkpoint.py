@@ -13,7 +13,9 @@ The checkpoint's ``training/`` directory::
 
 Saving (a collective), parameter by parameter: with megatron's distributed optimizer, each
 data-parallel rank's slice of the optimizer state is summed into the whole tensor over the
-data-parallel group; the tensor-parallel slices are all-gathered; the exact layout functions
+data-parallel group (a mixture of experts' expert weights: over their expert-data-parallel group,
+then stacked, each layer's local experts together, and gathered over the expert-parallel group
+into the fused HF tensor); the tensor-parallel slices are all-gathered; the exact layout functions
 (:func:`~rltrainer.strategies.megatron.layouts.hf_from_megatron`) turn them into HF tensors, and
 one rank of the stage keeps each for its next file (the one that has written the fewest bytes so
 far). So every rank writes about an equal part of its stage, and none holds more than about one
@@ -40,8 +42,8 @@ import torch
 from rltrainer.checkpoints import CheckpointError, check_state_matches, safe_load, save_file
 from rltrainer.files import reporting_disk_full
 from rltrainer.models.safetensors_io import SafetensorsWeights, write_safetensors
-from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, hf_from_megatron, megatron_shard,
-                                                   state_reader)
+from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, expert_stack, hf_from_megatron,
+                                                   megatron_shard, state_reader)
 from rltrainer.strategies.megatron.models import MegatronValueModel, critic_trunk_config
 
 FORMAT = "rltrainer-megatron-hf-layout"
@@ -52,13 +54,28 @@ MOMENTS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 class ModelTensors:
     """One trainable model on this rank: its megatron parameters, and their HF tensors both ways."""
 
-    def __init__(self, model: torch.nn.Module, layout: MegatronLayout, stage: int, tp_rank: int) -> None:
-        self.model, self.layout, self.stage, self.tp_rank = model, layout, stage, tp_rank
+    def __init__(self, model: torch.nn.Module, layout: MegatronLayout, stage: int, tp_rank: int,
+                 ep_rank: int = 0) -> None:
+        self.model, self.layout, self.stage, self.tp_rank, self.ep_rank = model, layout, stage, tp_rank, ep_rank
         self.critic = isinstance(model, MegatronValueModel)
         self.config = critic_trunk_config(model.config) if self.critic else model.config
 
     def params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.model.named_parameters())
+
+    def units(self) -> list[tuple[str, list[torch.nn.Parameter] | None]]:
+        """What becomes whole HF tensors, in order: ``(name, None)`` for a parameter alone, and
+        ``(stack, params)`` for a mixture of experts' expert weights, their layer's local experts in
+        order (``gpt.`` + the stack's name, see :func:`~rltrainer.strategies.megatron.layouts.expert_stack`)."""
+        units: dict[str, list[tuple[int, torch.nn.Parameter]] | None] = {}
+        for name, param in self.params():
+            stack = expert_stack(name.removeprefix("gpt."))
+            if stack is None:
+                units[name] = None
+            else:
+                units.setdefault("gpt." + stack[0], []).append((stack[1], param))
+        return [(name, None if parts is None else [p for _, p in sorted(parts, key=lambda part: part[0])])
+                for name, parts in units.items()]
 
     def to_hf(self, name: str, tp_parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Parameter ``name``'s tensor-parallel slices (or anything shaped like them) -> whole HF tensors."""
@@ -68,7 +85,7 @@ class ModelTensors:
 
     def shard(self, read: Reader) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's slice of every parameter, by name, from HF tensors ``read`` returns."""
-        for name, tensor in megatron_shard(read, self.config, self.layout, self.stage, self.tp_rank):
+        for name, tensor in megatron_shard(read, self.config, self.layout, self.stage, self.tp_rank, self.ep_rank):
             if not (self.critic and name == "decoder.final_layernorm.weight"):  # outside the trunk
                 yield "gpt." + name, tensor
         if self.critic:
@@ -120,11 +137,14 @@ def save(directory: Path, models: dict[str, ModelTensors], optimizer: Any, sched
     written = [0] * (tp * parallel_state.get_data_parallel_world_size())  # bytes per rank of the stage, alike on each
     writer = _Writer(directory, rank, bucket_bytes)
     for model_name, tensors in models.items():
-        for name, param in tensors.params():
+        params = dict(tensors.params())
+        for name, experts in tensors.units():
+            group = experts or [params[name]]  # a parameter, or a layer's local experts
             # every rank alike (collectives), whether it steps a slice of the parameter or not
-            for kind in ["weight", *kinds] if param.requires_grad else ["weight"]:
-                local = param.detach() if kind == "weight" else _model_space(
-                    param, slots.get(id(param)), kind, config.use_distributed_optimizer)
+            for kind in ["weight", *kinds] if group[0].requires_grad else ["weight"]:
+                parts = [param.detach() if kind == "weight" else _model_space(
+                    param, slots.get(id(param)), kind, config.use_distributed_optimizer) for param in group]
+                local = parts[0] if experts is None else gather_experts(torch.stack(parts))  # [E, ...]
                 for hf, tensor in tensors.to_hf(name, _tp_gather(local, tp)).items():
                     owner = written.index(min(written))  # the rank of the stage that has written least
                     written[owner] += tensor.numel() * tensor.element_size()
@@ -165,9 +185,26 @@ def _model_space(param: torch.Tensor, slot: tuple[Any, torch.Tensor, slice | Non
         inner, main, rows = slot
         value = (main if kind == "main_param" else inner.state[main][kind]).detach().reshape(-1)
         flat[rows if rows is not None else slice(None)] = value
-    if distributed:
-        dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+    if distributed:  # an expert-parallel expert's state is sharded over its expert-data-parallel group
+        expert = not getattr(param, "allreduce", True)  # as megatron's DDP and optimizer tell them apart
+        dist.all_reduce(flat, group=parallel_state.get_expert_data_parallel_group() if expert
+                        else parallel_state.get_data_parallel_group())
     return flat.view(param.shape)
+
+
+def gather_experts(local: torch.Tensor) -> torch.Tensor:
+    """A layer's local experts' stack ``[E / ep, ...]`` -> all of its experts ``[E, ...]``, over the
+    expert-parallel group (in its rank order, which is the experts' order)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return local
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local, group=parallel_state.get_expert_model_parallel_group())
+    return torch.cat(parts)
 
 
 def _tp_gather(local: torch.Tensor, tp: int) -> list[torch.Tensor]:

@@ -13,6 +13,28 @@ at ``:1097``; transformers ``Qwen3Attention.forward``); ``hidden_act="silu"`` (S
 when megatron-core computes the same angles, which :func:`check_rope` verifies numerically.
 Ignored, as transformers 5 ignores them: ``pretraining_tp``, ``initializer_range``, token ids,
 ``use_cache``. Everything else that changes the function is refused (:data:`RULES`).
+
+Mixtures of experts (Qwen3-MoE, Mixtral; :func:`moe_arguments`): every decoder layer a sparse
+block of ``num_experts`` SwiGLU experts (``num_moe_experts``; each of ``moe_intermediate_size``,
+Mixtral's ``intermediate_size``: ``moe_ffn_hidden_size``), ``num_experts_per_tok`` of them per token
+(``moe_router_topk``) chosen by a bias-free linear router over a softmax of all experts. Top-k
+weights renormalised to sum to 1 (Qwen3-MoE's ``norm_topk_prob=True``, Mixtral always) are
+megatron-core's softmax over the top-k logits (``moe_router_pre_softmax=False``:
+``exp(l_i) / sum_topk exp(l_j) = p_i / sum_topk p_j``, transformers' ``top_value /= sum``);
+``norm_topk_prob=False`` is the softmax over all experts, then top-k
+(``moe_router_pre_softmax=True``): megatron-core 0.16.1 ``transformer/moe/moe_utils.py``
+``topk_routing_with_score_function`` lines 709-716, transformers ``Qwen3MoeTopKRouter`` /
+``MixtralTopKRouter``. Megatron-core's own load-balancing losses are off
+(``moe_router_load_balancing_type="none"``; no z-loss, jitter, capacity, token dropping, expert
+bias, group-limited routing or top-k scaling: their defaults): the ``Routing`` part adds
+transformers' ``load_balancing_loss_func`` from the routers' record, which megatron's routers fill
+(:mod:`~rltrainer.strategies.megatron.routing`).
+Refused: dense layers among the sparse ones (Qwen3-MoE's ``mlp_only_layers``,
+``decoder_sparse_step``), a sliding window, Mixtral's ``router_jitter_noise`` (it scales the
+experts' input too, megatron's ``moe_input_jitter_eps`` only the router's), and a renormalised
+top-1 (megatron-core refuses top-1 without ``moe_router_pre_softmax``). Shared experts and
+aux-loss-free router biases (Qwen2-MoE, DeepSeek-V3) are families of their own, refused by
+``model_type``.
 """
 
 from __future__ import annotations
@@ -33,14 +55,20 @@ class Family:
     rotary: str  # the transformers RotaryEmbedding whose angles megatron's must equal
     qkv_bias: bool  # biases on q/k/v (not o_proj): megatron's add_qkv_bias
     qk_norm: bool  # RMSNorm over each head's queries and keys: megatron's qk_layernorm
+    expert_ffn: str | None = None  # a mixture of experts: the config field of each expert's FFN size
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("transformers.models.llama.modeling_llama.LlamaRotaryEmbedding", qkv_bias=False, qk_norm=False),
     "qwen2": Family("transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding", qkv_bias=True, qk_norm=False),
     "qwen3": Family("transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding", qkv_bias=False, qk_norm=True),
+    "qwen3_moe": Family("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRotaryEmbedding", qkv_bias=False,
+                        qk_norm=True, expert_ffn="moe_intermediate_size"),
+    "mixtral": Family("transformers.models.mixtral.modeling_mixtral.MixtralRotaryEmbedding", qkv_bias=False,
+                      qk_norm=False, expert_ffn="intermediate_size"),
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
+MOE_MODEL_TYPES = frozenset(name for name, family in FAMILIES.items() if family.expert_ffn)
 
 # megatron-core 0.16.1 models/common/embeddings/rotary_pos_embedding.py: RotaryEmbedding.__init__
 # (line 83-84) calls self._apply_scaling(inv_freq, factor=rope_scaling_factor) only, so the other
@@ -69,6 +97,22 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 def _sliding_layers(config: Any) -> list[int]:
     return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind != "full_attention"]
+
+
+def is_moe(config: Any) -> bool:
+    """Whether ``config`` is of a mixture-of-experts family megatron converts (:data:`MOE_MODEL_TYPES`)."""
+    return getattr(config, "model_type", None) in MOE_MODEL_TYPES
+
+
+def renormalised(config: Any) -> bool:
+    """Whether the top-k routing weights are divided by their sum (Qwen3-MoE's ``norm_topk_prob``;
+    Mixtral always divides)."""
+    return config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+
+
+def _moe_field(name: str, default: Any = None) -> Callable[[Any], Any]:
+    """Reads ``name`` of a MoE config (``default`` for a dense one: nothing to check)."""
+    return lambda c: getattr(c, name, default) if is_moe(c) else default
 
 
 def _llama3_constant(key: str, megatron_value: Any) -> Callable[[Any], Any]:
@@ -121,8 +165,24 @@ RULES: tuple[Rule, ...] = (
     *(Rule(f"rope_parameters[{key!r}]", _llama3_constant(key, value), lambda v, value=value: v == value,
            f"{value} with rope_type='llama3' (megatron-core hard-codes it: rotary_pos_embedding.py _apply_scaling)")
       for key, value in MEGATRON_LLAMA3.items()),
-    *(Rule(name, lambda c, name=name: getattr(c, name, None), lambda v: not v, "no experts (dense models only)")
+    *(Rule(name, lambda c, name=name: None if is_moe(c) else getattr(c, name, None), lambda v: not v,
+           f"no experts in a dense family (the mixture-of-experts families: {', '.join(sorted(MOE_MODEL_TYPES))})")
       for name in ("num_experts", "num_local_experts", "n_routed_experts")),
+    Rule("mlp_only_layers", _moe_field("mlp_only_layers"), lambda v: not v,
+         "a sparse MoE block in every layer (megatron's MoE layers here are all alike; the value is the "
+         "dense layers' indexes)"),
+    Rule("decoder_sparse_step", _moe_field("decoder_sparse_step", 1), lambda v: v in (None, 1),
+         "1: a sparse MoE block in every layer"),
+    Rule("sliding_window", _moe_field("sliding_window"), lambda v: v is None,
+         "None (full attention in every layer)", "set use_sliding_window=False / sliding_window=None, or " + FALLBACK),
+    Rule("router_jitter_noise", _moe_field("router_jitter_noise", 0.0), lambda v: not v,
+         "0.0 (Mixtral's jitter scales the experts' input as well as the router's, megatron-core's "
+         "moe_input_jitter_eps the router's only, and the log-prob ratios assume a deterministic forward)",
+         "set router_jitter_noise=0.0, or " + FALLBACK),
+    Rule("num_experts_per_tok", lambda c: (c.num_experts_per_tok, renormalised(c)) if is_moe(c) else (2, True),
+         lambda v: v[0] >= 2 or not v[1],
+         "2 or more experts per token with renormalised top-k weights (megatron-core refuses top-1 without "
+         "moe_router_pre_softmax); 1 only with norm_topk_prob=False. The value is (num_experts_per_tok, renormalised)"),
 )
 
 
@@ -133,7 +193,8 @@ def refuse(field: str, value: Any, config: Any, supported: str, fix: str) -> Val
 
 
 def megatron_config(config: Any) -> MegatronArchitecture:
-    """The megatron-core architecture of a transformers config (Llama, Qwen2, Qwen3), or a
+    """The megatron-core architecture of a transformers config (Llama, Qwen2, Qwen3, Qwen3-MoE,
+    Mixtral), or a
     ``ValueError`` naming the first field megatron-core would compute differently."""
     for rule in RULES:
         value = rule.read(config)
@@ -148,11 +209,26 @@ def megatron_config(config: Any) -> MegatronArchitecture:
         ffn_hidden_size=config.intermediate_size, gated_linear_unit=True, activation_func=F.silu,
         normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, add_bias_linear=False,
         add_qkv_bias=family.qkv_bias, qk_layernorm=family.qk_norm, hidden_dropout=0.0, attention_dropout=0.0)
+    if family.expert_ffn:
+        transformer.update(moe_arguments(config))
     gpt = dict(vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
                position_embedding_type="rope", share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
                **rope_arguments(config))
     check_rope(config, transformer["kv_channels"], gpt)
     return MegatronArchitecture(transformer=transformer, gpt=gpt)
+
+
+def moe_arguments(config: Any) -> dict[str, Any]:
+    """``TransformerConfig``'s mixture-of-experts arguments for a Qwen3-MoE or Mixtral config (the
+    caller adds ``expert_model_parallel_size``, the token dispatcher and grouped GEMM). Every MoE
+    setting this relies on is named, the rest keep megatron-core 0.16.1's defaults
+    (``transformer/transformer_config.py`` lines 534-725: no shared experts, ``moe_layer_freq=1``,
+    softmax scores, no z-loss, jitter, capacity factor, expert bias or top-k scaling)."""
+    expert_ffn = getattr(config, FAMILIES[config.model_type].expert_ffn)
+    return dict(num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
+                ffn_hidden_size=expert_ffn, moe_ffn_hidden_size=expert_ffn,
+                moe_router_pre_softmax=not renormalised(config), moe_router_score_function="softmax",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype=None)
 
 
 def rope_arguments(config: Any) -> dict[str, Any]:

@@ -4,6 +4,7 @@ make a CPU-only process run it unchanged. Active only on CPU ranks (see :func:`c
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -13,10 +14,33 @@ from torch.overrides import TorchFunctionMode
 
 def cpu_shims() -> None:
     """megatron-core places some tensors with ``torch.cuda.current_device()`` (RoPE frequencies,
-    the global memory buffer, pipeline receive buffers) and synchronises after pipeline sends; in a
-    CPU-only worker process, make those the CPU and a no-op."""
+    the global memory buffer, pipeline receive buffers, the MoE router's weight and the all-to-all
+    dispatcher's receive buffers) and synchronises after pipeline sends; in a CPU-only worker
+    process, make those the CPU and a no-op. The MoE all-to-all dispatcher copies its token counts
+    to the host on a side stream (``token_dispatcher.py:444-445, 862-899``: ``torch.cuda.Stream()``,
+    ``current_stream``, ``stream``, ``record_event().synchronize()``): on a CPU the counts are
+    there already, so the stream is one that does nothing."""
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    torch.cuda.Stream = _HostStream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+
+
+class _HostStream:
+    """A CUDA stream's calls megatron-core's MoE dispatcher makes, on a CPU: nothing to order or wait for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return SimpleNamespace(synchronize=lambda: None)
+
+
+_HOST_STREAM = _HostStream()
 
 
 class _CUDAOnCPU(TorchFunctionMode):
@@ -77,3 +101,29 @@ def cpu_attention_spec() -> type:
 
     return CPUAttention
 
+
+
+def host_split_sizes(gpt: torch.nn.Module) -> None:
+    """On a CPU, make each all-to-all MoE dispatcher of ``gpt`` hold its split sizes as megatron-core
+    holds them on a GPU. Its ``_maybe_dtoh_and_synchronize`` copies the per-rank token counts to
+    the host as numpy arrays with ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts
+    only CUDA tensors (``moe_utils.py:1093-1099``); counted on a CPU they stay tensors, which
+    ``torch.distributed.all_to_all_single`` refuses as split sizes ("incompatible function
+    arguments"). After each call, the counts become the numpy arrays the GPU path makes."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    for module in gpt.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if not isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
+            continue
+
+        def on_host(point: str, tokens_per_expert: torch.Tensor | None = None, dispatcher: Any = dispatcher,
+                    original: Any = dispatcher._maybe_dtoh_and_synchronize) -> Any:
+            out = original(point, tokens_per_expert)
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(dispatcher, name)
+                if isinstance(value, torch.Tensor):
+                    setattr(dispatcher, name, value.numpy())
+            return out
+
+        dispatcher._maybe_dtoh_and_synchronize = on_host

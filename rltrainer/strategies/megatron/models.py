@@ -1,8 +1,9 @@
 """megatron-core models behind the transformers call signature the hooks use, so that
 ``policy_step`` and ``compute_step`` run unchanged on megatron-core shards.
 
-- :func:`build_gpt`: a ``GPTModel`` (one pipeline stage, one tensor-parallel slice) with a
-  transformers config's architecture (:func:`~rltrainer.strategies.megatron.config.megatron_config`).
+- :func:`build_gpt`: a ``GPTModel`` (one pipeline stage, one tensor-parallel slice, a mixture of
+  experts' expert-parallel share) with a transformers config's architecture
+  (:func:`~rltrainer.strategies.megatron.config.megatron_config`).
 - :class:`MegatronCausalLM`: ``model(input_ids, attention_mask, position_ids, logits_to_keep)``
   answered with full-vocabulary logits, and ``lm_head_log_probs`` (the response tokens' log-probs
   and entropies from the vocabulary-parallel head in chunks, no logits gathered);
@@ -21,35 +22,62 @@ import torch
 
 from rltrainer.lm_head import chunked_log_probs
 from rltrainer.strategies.megatron.config import megatron_config
-from rltrainer.strategies.megatron.cpu import cpu_attention_spec
+from rltrainer.strategies.megatron.cpu import cpu_attention_spec, host_split_sizes
+from rltrainer.strategies.megatron.routing import attach_routing, replaying, router_class, without_te_router_gemm
 
 
 def build_gpt(hf_config: Any, tp: int, on_cpu: bool, dtype: torch.dtype, post_process: bool = True,
-              pp: int = 1, pre_process: bool = True, share_embeddings: bool | None = None) -> torch.nn.Module:
+              pp: int = 1, pre_process: bool = True, share_embeddings: bool | None = None, ep: int = 1,
+              grouped_gemm: bool = False) -> torch.nn.Module:
     """A megatron-core ``GPTModel`` (this rank's pipeline stage) with the architecture of a
-    Llama / Qwen2 / Qwen3 transformers config, converted by :func:`megatron_config` (which
-    refuses a field it cannot convert). Qwen3's q/k norms are replicated over tensor-parallel
-    ranks, each of which sees only its own heads: megatron-core's ``finalize_model_grads`` sums
-    their gradients over the TP group (``distributed/finalize_model_grads.py:353-355``, keyed on
-    ``config.qk_layernorm`` and the parameter names)."""
+    Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral transformers config, converted by
+    :func:`megatron_config` (which refuses a field it cannot convert). Qwen3's q/k norms are
+    replicated over tensor-parallel ranks, each of which sees only its own heads: megatron-core's
+    ``finalize_model_grads`` sums their gradients over the TP group
+    (``distributed/finalize_model_grads.py:353-355``, keyed on ``config.qk_layernorm`` and the
+    parameter names).
+
+    A mixture of experts gets megatron-core's ``MoELayer`` in every layer: its ``TopKRouter``, the
+    ``alltoall`` token dispatcher over ``ep`` expert-parallel ranks (the ``allgather`` one refuses
+    ``variable_seq_lengths``: ``transformer_config.py:1827-1832``) and ``SequentialMLP`` experts
+    (``num_experts / ep`` local ``MLP`` modules, run one after another), its routers replaying and
+    recording (:func:`~rltrainer.strategies.megatron.routing.router_class`). ``grouped_gemm`` (GPU
+    ranks with Transformer Engine only, not run in CI): Transformer Engine's ``TEGroupedMLP``
+    instead (``moe_grouped_gemm=True``, the experts spec of
+    ``get_moe_module_spec(use_te=True)``: ``moe_module_specs.py:13-68``,
+    ``transformer_engine_spec_provider.py:61-72``), one grouped GEMM for all local experts."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch = megatron_config(hf_config)
+    experts = arch.transformer.get("num_moe_experts")
+    if experts:
+        without_te_router_gemm()
     config = TransformerConfig(
         **arch.transformer, use_cpu_initialization=on_cpu, params_dtype=dtype, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         variable_seq_lengths=True,  # micro-batches differ in length and rows
-        moe_token_dispatcher_type="alltoall",  # no experts here; the default ("allgather") refuses variable lengths
+        expert_model_parallel_size=ep, moe_grouped_gemm=bool(experts and grouped_gemm),
+        moe_token_dispatcher_type="alltoall",  # the default ("allgather") refuses variable lengths
         calculate_per_token_loss=True)  # the hooks normalise by global counts: the schedule must not rescale
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=config.qk_layernorm)
+    if experts and grouped_gemm:
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+        spec.submodules.mlp = get_moe_module_spec(use_te=True, num_experts=experts, moe_grouped_gemm=True)
+    if experts:
+        spec.submodules.mlp.submodules.router = router_class()
     if on_cpu:
         spec.submodules.self_attention.submodules.core_attention = cpu_attention_spec()
     gpt_args = dict(arch.gpt) if share_embeddings is None else {
         **arch.gpt, "share_embeddings_and_output_weights": share_embeddings}
-    return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
-                    **gpt_args)
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
+                   **gpt_args)
+    if on_cpu and experts:
+        host_split_sizes(gpt)
+    return gpt
 
 
 class StageOutput(BaseException):  # noqa: N818 (not an error: a control-flow signal, like GeneratorExit)
@@ -93,38 +121,52 @@ class MegatronCausalLM(torch.nn.Module):
         self.gpt = gpt
         self.config = config
         self.slot = slot
+        attach_routing(self, gpt)  # a mixture of experts: rltrainer.models.moe.recording records its routers
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, use_cache: bool = False, logits_to_keep: int = 0,
-                **kwargs: Any) -> SimpleNamespace:
+                routed_experts: torch.Tensor | None = None, replay_routes: bool = True, **kwargs: Any
+                ) -> SimpleNamespace:
+        """``routed_experts [b, s, L, K]``: a mixture of experts' routes to replay (or, with
+        ``replay_routes=False``, to compare the routers' choice with; see
+        :mod:`~rltrainer.strategies.megatron.routing`)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         _, _, pads = rotate_left(input_ids, attention_mask)
-        out = self._stage_output(input_ids, attention_mask)  # [b, s, V/tp]
+        out = self._stage_output(input_ids, attention_mask, routed_experts, replay_routes)  # [b, s, V/tp]
         logits = rotate_back(gather_from_tensor_model_parallel_region(out)[..., : self.config.vocab_size], pads)
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
-    def _stage_output(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The GPT's output ``[b, s, ...]`` on left-aligned rows (:func:`rotate_left`); a stage
-        before the last raises :class:`StageOutput` with its hidden states ``[s, b, H]``."""
-        ids, positions, _ = rotate_left(input_ids, attention_mask)
+    def _stage_output(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      routed_experts: torch.Tensor | None = None, replay_routes: bool = True) -> torch.Tensor:
+        """The GPT's output ``[b, s, ...]`` on left-aligned rows (:func:`rotate_left`), its routers
+        replaying ``routed_experts`` if given (:func:`~rltrainer.strategies.megatron.routing.replaying`);
+        a stage before the last raises :class:`StageOutput` with its hidden states ``[s, b, H]``."""
+        ids, positions, pads = rotate_left(input_ids, attention_mask)
+        s = ids.shape[1]
+        index = (torch.arange(s, device=ids.device)[None] + pads[:, None]) % s  # [b, s] each column's source
         if not self.gpt.pre_process:
             if self.slot is None or self.slot.input_tensor is None:
                 raise RuntimeError("A pipeline stage after the first runs only inside megatron's schedule "
                                    "(MegatronWorker.run_micro_batches), which hands it the previous stage's output")
             self.gpt.set_input_tensor(self.slot.input_tensor)
-        out = self.gpt(ids, positions, attention_mask=None)
+        with replaying(self.gpt, routed_experts, index, attention_mask, replay_routes):
+            out = self.gpt(ids, positions, attention_mask=None)
         if not self.gpt.post_process:
             raise StageOutput(out)
         return out
 
     def lm_head_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                           position_ids: torch.Tensor | None, targets: torch.Tensor, temperature: float = 1.0,
-                          chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_tokens: int | None = None, routed_experts: torch.Tensor | None = None,
+                          replay_routes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies ``[n, T]`` of the last ``T`` tokens ``targets [n, T]`` of
         ``input_ids``, from the final hidden states and this rank's vocabulary rows of the output
         layer, in chunks (:func:`~rltrainer.lm_head.chunked_log_probs`, reduced over the
-        tensor-parallel group): the full-vocabulary logits are neither built nor gathered."""
+        tensor-parallel group): the full-vocabulary logits are neither built nor gathered.
+        ``routed_experts [n, s, L, K]`` (aligned with ``input_ids``): a mixture of experts' routes
+        to replay (routing replay, R3), or with ``replay_routes=False`` to compare the routers'
+        choice with (:mod:`~rltrainer.strategies.megatron.routing`)."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
@@ -133,7 +175,7 @@ class MegatronCausalLM(torch.nn.Module):
                                       "over the sequence; call the model for full logits instead")
         head, captured = getattr(self.gpt, "output_layer", None), {}
         if head is None:  # a stage before the last: raises StageOutput
-            return self._stage_output(input_ids, attention_mask)
+            return self._stage_output(input_ids, attention_mask, routed_experts, replay_routes)
 
         def hidden_out(input_: torch.Tensor, weight: torch.Tensor | None = None, **kwargs: Any) -> tuple:
             captured["weight"] = head.weight if weight is None else weight
@@ -142,7 +184,7 @@ class MegatronCausalLM(torch.nn.Module):
         _, _, pads = rotate_left(input_ids, attention_mask)
         head.forward = hidden_out  # type: ignore[method-assign]
         try:
-            hidden = self._stage_output(input_ids, attention_mask)  # [n, s, H]
+            hidden = self._stage_output(input_ids, attention_mask, routed_experts, replay_routes)  # [n, s, H]
         finally:
             del head.forward
         n, T = targets.shape

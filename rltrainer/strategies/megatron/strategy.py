@@ -16,12 +16,24 @@ class MegatronStrategy(WorkerGroupStrategy):
     """megatron-core training on ``devices x num_nodes`` ranks: ``tensor_model_parallel_size``
     ranks split each layer's matrices, ``pipeline_model_parallel_size`` stages split the layers,
     and the rest is data parallel. Ranks are ordered as megatron-core orders them: tensor-parallel
-    first, then data-parallel, then pipeline stages.
+    first, then data-parallel, then pipeline stages. A mixture of experts (Qwen3-MoE, Mixtral) may
+    split its experts over ``expert_model_parallel_size`` of the data-parallel ranks.
 
     Args:
         tensor_model_parallel_size: ranks that split each layer's matrices.
         pipeline_model_parallel_size: stages the decoder layers are split into (evenly); the hooks
             run in megatron-core's 1F1B schedule.
+        expert_model_parallel_size: for a mixture-of-experts policy, the data-parallel ranks its
+            experts are split over (each holds ``num_experts / expert_model_parallel_size`` of
+            every layer's experts; tokens travel to their experts and back by megatron-core's
+            all-to-all dispatcher). It divides the data-parallel size; everything but the experts
+            stays data parallel over those ranks. A mixture of experts trains at
+            ``tensor_model_parallel_size=1`` (megatron-core's MoE layer needs sequence parallelism
+            under tensor parallelism).
+        moe_grouped_gemm: run each rank's experts as Transformer Engine's ``TEGroupedMLP`` (one
+            grouped GEMM) instead of megatron-core's ``SequentialMLP`` (one expert after another);
+            GPU ranks with Transformer Engine only (refused elsewhere). Its weight layout is
+            tested; the model itself has not run in this project's CI (no GPU).
         use_distributed_optimizer: step with megatron-core's distributed optimizer (each
             data-parallel rank keeps and steps a shard of the optimizer state and main parameters,
             gradients are reduce-scattered and the updated parameters all-gathered); ``False``:
@@ -42,7 +54,8 @@ class MegatronStrategy(WorkerGroupStrategy):
     supported_model_types = SUPPORTED_MODEL_TYPES
 
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, tensor_model_parallel_size: int = 1,
-                 pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
+                 pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                 moe_grouped_gemm: bool = False, use_distributed_optimizer: bool = True,
                  overlap_grad_reduce: bool = False, grad_reduce_in_fp32: bool = True,
                  ddp_bucket_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(devices=devices, num_nodes=num_nodes, **kwargs)
@@ -50,6 +63,11 @@ class MegatronStrategy(WorkerGroupStrategy):
         if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1 or self.world_size % (tp * pp):
             raise ValueError(f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} must divide the "
                              f"{self.world_size} ranks (devices x num_nodes)")
+        ep, dp = expert_model_parallel_size, self.world_size // (tp * pp)
+        if not isinstance(ep, int) or ep < 1 or dp % ep:
+            raise ValueError(f"expert_model_parallel_size={ep} must divide the data-parallel size, {dp} "
+                             f"({self.world_size} ranks / (tensor_model_parallel_size={tp} x "
+                             f"pipeline_model_parallel_size={pp}))")
         if self.padding_free:
             raise ValueError("strategy='megatron' takes padded micro-batches only (padding_free=True packs rows "
                              "into one sequence, which its model and pipeline schedule do not read): use "
@@ -60,6 +78,7 @@ class MegatronStrategy(WorkerGroupStrategy):
             raise ValueError(f"ddp_bucket_size must be a positive number of elements or None, got {ddp_bucket_size!r}")
         self.tp, self.pp = tp, pp
         self.options.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            expert_model_parallel_size=ep, moe_grouped_gemm=bool(moe_grouped_gemm),
                             use_distributed_optimizer=bool(use_distributed_optimizer),
                             overlap_grad_reduce=bool(overlap_grad_reduce),
                             grad_reduce_in_fp32=bool(grad_reduce_in_fp32), ddp_bucket_size=ddp_bucket_size)

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.strategies.megatron import checkpoint
-from rltrainer.strategies.megatron.config import SUPPORTED_MODEL_TYPES, megatron_config
+from rltrainer.strategies.megatron.config import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, is_moe, megatron_config
 from rltrainer.models import (RandomInit, SafetensorsWeights, deferred_init, parameter_aliases, share_rng_state,
                               source_key, take_weight_source)
 from rltrainer.strategies.megatron.cpu import cpu_placement, cpu_shims
-from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, hf_from_megatron, hf_names_of,
-                                                   megatron_shard, state_reader)
+from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, expert_stack, hf_from_megatron,
+                                                   hf_names_of, megatron_shard, stack_experts, state_reader)
 from rltrainer.strategies.megatron.models import (
     MegatronCausalLM,
     MegatronValueModel,
@@ -64,7 +64,7 @@ class MegatronWorker(TrainingWorker):
         self.layout = MegatronLayout()
         self.stage = 0
         self._slot: PipelineSlot | None = None
-        self._coords: list[tuple[int, int]] = [(0, 0)]  # every rank's (pipeline stage, tensor-parallel rank)
+        self._coords: list[tuple[int, int, int]] = [(0, 0, 0)]  # every rank's (pipeline stage, TP rank, EP rank)
         self.loaded: dict[str, dict[str, Any]] = {}
         self._hf_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # each model's HF tensors (checkpoints)
         self._optimizer: MegatronOptimizer | None = None
@@ -84,20 +84,26 @@ class MegatronWorker(TrainingWorker):
 
         self.options = options
         tp, pp = options["tensor_model_parallel_size"], options["pipeline_model_parallel_size"]
+        ep, grouped = options.get("expert_model_parallel_size", 1), options.get("moe_grouped_gemm", False)
         torch.manual_seed(seed)
         with deferred_init(init_random_here=self.rank == 0):
             module.configure_model()
-        check_architectures(module, pp)  # every rank refuses alike, before megatron-core is set up
+        check_architectures(module, pp, tp, ep)  # every rank refuses alike, before megatron-core is set up
+        if grouped:
+            check_grouped_gemm(self.device)
         if pp > 1 and getattr(module, "critic", None) is not None:
             raise NotImplementedError(
                 f"pipeline_model_parallel_size={pp} runs one pipelined model per hook call; {type(module).__name__} "
                 "trains a critic in the same policy_step (PPO): use pipeline_model_parallel_size=1")
         if self.device.type == "cpu":
             cpu_shims()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        self.layout, self.stage = MegatronLayout(tp=tp, pp=pp), parallel_state.get_pipeline_model_parallel_rank()
-        self._coords = [(0, 0)] * self.world_size
-        dist.all_gather_object(self._coords, (self.stage, parallel_state.get_tensor_model_parallel_rank()))
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
+        self.layout = MegatronLayout(tp=tp, pp=pp, ep=ep, grouped_experts=grouped)
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self._coords = [(0, 0, 0)] * self.world_size
+        dist.all_gather_object(self._coords, (self.stage, parallel_state.get_tensor_model_parallel_rank(),
+                                              parallel_state.get_expert_model_parallel_rank()))
         if self.device.type == "cuda":  # megatron's attention forks the tensor-parallel CUDA RNG state
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -130,7 +136,7 @@ class MegatronWorker(TrainingWorker):
         import torch.distributed as dist
 
         config = self.module.policy.config
-        own = {hf: (self.stage, name) for name, _ in self.module.policy.gpt.named_parameters()
+        own = {hf: (self.stage, _export_source(name)) for name, _ in self.module.policy.gpt.named_parameters()
                for hf in hf_names_of(name, config, self.layout, self.stage)}
         stages: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(stages, own)
@@ -217,7 +223,9 @@ class MegatronWorker(TrainingWorker):
         if critic_trunk:  # no output layer to fill
             config, tied = critic_trunk_config(config), False
         gpt = build_gpt(config, self.layout.tp, self.device.type == "cpu", dtype, post_process=post_process,
-                        pp=self.layout.pp, pre_process=pre_process, share_embeddings=tied).to(self.device)
+                        pp=self.layout.pp, pre_process=pre_process, share_embeddings=tied,
+                        ep=self.layout.ep if is_moe(config) else 1,
+                        grouped_gemm=self.layout.grouped_experts).to(self.device)
         self._load(gpt, reads, config, skip={"decoder.final_layernorm.weight"} if critic_trunk else set())
         trainable = {n: p.requires_grad for n, p in hf_model.named_parameters()}
         for mname, param in gpt.named_parameters():  # frozen in transformers -> frozen here
@@ -231,8 +239,9 @@ class MegatronWorker(TrainingWorker):
         import torch.distributed as dist
 
         def shard(read: Reader, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
-            stage, tp_rank = self._coords[rank]
-            return ((n, t) for n, t in megatron_shard(read, config, self.layout, stage, tp_rank) if n not in skip)
+            stage, tp_rank, ep_rank = self._coords[rank]
+            return ((n, t) for n, t in megatron_shard(read, config, self.layout, stage, tp_rank, ep_rank)
+                    if n not in skip)
 
         if reads.read is None:  # receive: the same tensors in the same order, shaped from the meta model
             _fill(gpt, ((n, reads.receive(like, self.device)) for n, like in shard(reads.shapes, self.rank)))
@@ -338,8 +347,8 @@ class MegatronWorker(TrainingWorker):
         policy = self.module.policy.named_parameters()
         stepped = [n for n, p in policy if p.requires_grad] if self._optimizer.stepped else []
         config = self.module.policy.config
-        names = [hf for name in stepped
-                 for hf in hf_names_of(name.removeprefix("gpt."), config, self.layout, self.stage)]
+        names = list(dict.fromkeys(hf for name in stepped  # each expert's weight is part of its layer's fused tensor
+                                   for hf in hf_names_of(name.removeprefix("gpt."), config, self.layout, self.stage)))
         if self.layout.pp > 1:
             parts: list[Any] = [None] * self.layout.pp
             dist.all_gather_object(parts, names, group=parallel_state.get_pipeline_model_parallel_group())
@@ -353,7 +362,8 @@ class MegatronWorker(TrainingWorker):
     def gather_weights(self, names: list[str], dtype: torch.dtype | None, index: int) -> list[tuple[str, torch.Tensor]]:
         """The full HF tensors of ``names`` (one bucket) on every rank: the stage holding each
         megatron parameter gathers its tensor-parallel shards and converts them, then broadcasts
-        the result over its pipeline group."""
+        the result over its pipeline group. A mixture of experts' fused expert tensor is the stack
+        of the layer's local experts, gathered over the expert-parallel group first."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
@@ -365,7 +375,10 @@ class MegatronWorker(TrainingWorker):
         for stage, source in dict.fromkeys(self._sources[n] for n in names):  # each source once, in order
             full: dict[str, torch.Tensor] = {}
             if stage == self.stage:
-                local = params[source].detach().contiguous()
+                if source in params:
+                    local = params[source].detach().contiguous()
+                else:  # a stack of experts: [E / ep, ...] here, [E, ...] over the expert-parallel group
+                    local = checkpoint.gather_experts(stack_experts({n: p.detach() for n, p in params.items()}, source))
                 parts = [torch.empty_like(local) for _ in range(tp)]
                 dist.all_gather(parts, local, group=tp_group)
                 full = hf_from_megatron(source, parts, config, self.layout, stage)
@@ -413,19 +426,38 @@ class MegatronWorker(TrainingWorker):
         from megatron.core import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        return {name: checkpoint.ModelTensors(model, self.layout, self.stage, tp_rank)
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        return {name: checkpoint.ModelTensors(model, self.layout, self.stage, tp_rank, ep_rank)
                 for name, model in self.module.trainable_models().items()}
 
 
-def check_architectures(module: RLModule, pp: int = 1) -> None:
+def check_architectures(module: RLModule, pp: int = 1, tp: int = 1, ep: int = 1) -> None:
     """Refuse, on every rank and before any weight is converted, a policy of a family megatron is
     not tested with, any model whose config :func:`megatron_config` cannot convert, and, with ``pp``
     pipeline stages, a sequence-classification reward model (a second pipelined model; at
     ``pp=1`` it runs as a critic-style trunk, see :func:`~rltrainer.rewards.model.sequence_scores`)
-    or a model whose hidden size is not the policy's (a larger teacher)."""
+    or a model whose hidden size is not the policy's (a larger teacher). A mixture of experts runs
+    at ``tp=1`` (megatron-core's ``MoELayer`` trains with tensor parallelism only under sequence
+    parallelism, ``moe_layer.py:379-383``, which these models do not run) and ``pp=1`` (the routing
+    record spans every layer); ``ep`` expert-parallel ranks need a mixture-of-experts policy whose
+    experts they divide."""
     if getattr(module, "policy", None) is None:
         raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
     check_model_type(module.policy, "megatron", SUPPORTED_MODEL_TYPES)
+    policy = module.policy.config
+    if ep > 1 and not is_moe(policy):
+        raise ValueError(f"expert_model_parallel_size={ep} splits a mixture of experts' experts over ranks; the policy "
+                         f"is a dense {policy.model_type} model (mixtures of experts: "
+                         f"{', '.join(sorted(MOE_MODEL_TYPES))}). Use expert_model_parallel_size=1.")
+    if ep > 1 and policy.num_experts % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} must divide the policy's {policy.num_experts} experts")
+    if pp > 1 and is_moe(policy):
+        raise NotImplementedError(
+            f"pipeline_model_parallel_size={pp} with a mixture-of-experts policy ({policy.model_type}): the routing "
+            "metrics and load-balancing loss (the Routing part's, transformers' load_balancing_loss_func over every "
+            "layer's routers together) are computed with the loss, on the last stage, which holds only its own "
+            "layers' routers. Use pipeline_model_parallel_size=1 and split the experts with "
+            "expert_model_parallel_size, or strategy='fsdp2'.")
     for name, model in module.named_children():
         if not (hasattr(model, "config") and any(True for _ in model.parameters())):
             continue
@@ -435,12 +467,31 @@ def check_architectures(module: RLModule, pp: int = 1) -> None:
                 f"({type(model).__name__}, a reward model) is a second one: use pipeline_model_parallel_size=1 "
                 "(tensor and data parallelism run it), or strategy='fsdp2'.")
         megatron_config(model.config)
+        if tp > 1 and is_moe(model.config):
+            raise NotImplementedError(
+                f"tensor_model_parallel_size={tp} with a mixture of experts ({name}, {model.config.model_type}): "
+                "megatron-core's MoELayer trains under tensor parallelism only with sequence parallelism "
+                "(moe_layer.py:379), which strategy='megatron' does not run. Use tensor_model_parallel_size=1 and "
+                "split the experts with expert_model_parallel_size (the layers with pipeline_model_parallel_size), or "
+                "strategy='fsdp2'.")
         hidden, policy_hidden = getattr(model.config, "hidden_size", None), module.policy.config.hidden_size
         if pp > 1 and hidden != policy_hidden:
             raise NotImplementedError(
                 f"pipeline_model_parallel_size={pp}: the schedule passes the policy's hidden states "
                 f"(hidden_size={policy_hidden}) between stages, and {name} has hidden_size={hidden}. Use "
                 "pipeline_model_parallel_size=1 for a model of another size (e.g. a larger teacher).")
+
+
+def check_grouped_gemm(device: torch.device) -> None:
+    """``moe_grouped_gemm=True`` runs Transformer Engine's ``TEGroupedMLP``: CUDA ranks with
+    Transformer Engine installed only."""
+    import importlib.util
+
+    if device.type != "cuda" or importlib.util.find_spec("transformer_engine") is None:
+        where = f"this rank runs on {device.type}" if device.type != "cuda" else "Transformer Engine is not installed"
+        raise ValueError(f"moe_grouped_gemm=True runs the experts as Transformer Engine's TEGroupedMLP (grouped GEMM "
+                         f"CUDA kernels), and {where}. Use moe_grouped_gemm=False (megatron-core's SequentialMLP: "
+                         "the experts one after another, on any device).")
 
 
 class HFReads:
@@ -468,6 +519,13 @@ class HFReads:
         dist.recv(tensor, src=0)
         self.loaded += tensor.numel() * tensor.element_size()
         return tensor
+
+
+def _export_source(megatron_name: str) -> str:
+    """What an export converts for a megatron parameter: the parameter, or for an expert's weight
+    the stack of its layer's experts, which holds the whole fused transformers tensor."""
+    stack = expert_stack(megatron_name)
+    return stack[0] if stack is not None else megatron_name
 
 
 def _fill(gpt: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
