@@ -58,8 +58,8 @@ vLLM's CPU attention needs a head size of at least 32, hence ``--num-heads 2``. 
 top-2, the same hidden size, layers and heads, and as many parameters active per token; 420k in
 all), with the same warm-up and GRPO; routing replay is on (the ``hf`` engine records the experts
 it routed each token to and every training forward replays them), and the run logs the ``moe/*``
-metrics, which the plot draws beside the others. Quick preset, 1 thread, 2026-12-05, on the 2-core
-AMD EPYC shared with other jobs: seed 0 warm-up 149 steps, held-out 25.3% -> 71.0% (+45.7), 105 s
+metrics, which the plot draws beside the others. Quick preset, 1 thread, 2026-12-05, on a 2-core
+Intel Xeon (AVX-512, AMX) shared with other jobs: seed 0 warm-up 149 steps, held-out 25.3% -> 71.0% (+45.7), 105 s
 (load average 10-6); seed 1, 145 steps, 15.3% -> 56.3% (+41.0), 95 s (load 5-4); seed 2, 305
 steps, 10.0% -> 46.0% (+36.0), 161 s (load 4-6); peak memory 0.50 GB. The dense model, run just
 after in the same way: +44.7, +19.3, +33.7 (209, 79, 72 s). Over seeds 0-4 and 1 and 2 threads and
