@@ -56,17 +56,18 @@ vLLM's CPU attention needs a head size of at least 32, hence ``--num-heads 2``. 
 
 ``--model moe`` trains a tiny Qwen3-MoE instead of the dense Qwen2 (:func:`build_model`: 8 experts,
 top-2, the same hidden size, layers and heads, and as many parameters active per token; 420k in
-all), with the same warm-up and GRPO; routing replay is on (the ``hf`` engine records the experts
-it routed each token to and every training forward replays them), and the run logs the ``moe/*``
+all), with the same warm-up and GRPO; routing replay is on (the ``hf`` engine records the experts it
+routed each token to and every training forward replays them), and the run logs the ``moe/*``
 metrics, which the plot draws beside the others. Quick preset, 1 thread, 2026-12-05, on a 2-core
-Intel Xeon (AVX-512, AMX) shared with other jobs: seed 0 warm-up 149 steps, held-out 25.3% -> 71.0% (+45.7), 105 s
-(load average 10-6); seed 1, 145 steps, 15.3% -> 56.3% (+41.0), 95 s (load 5-4); seed 2, 305
-steps, 10.0% -> 46.0% (+36.0), 161 s (load 4-6); peak memory 0.50 GB. The dense model, run just
-after in the same way: +44.7, +19.3, +33.7 (209, 79, 72 s). Over seeds 0-4 and 1 and 2 threads and
-the portable kernels: ``tests/benchmarks/README.md``. ``--rollout vllm --model moe --num-heads 2``
-runs the MoE on the real vLLM engine (head size 32), which records its routes in its own process;
-on the CPU build (0.32) it does not learn yet: after a weight sync the engine's experts compute with
-weights its CPU kernel has not repacked (held-out 0%, its log-probs 9 nats from the trainer's;
+Intel Xeon (AVX-512, AMX) shared with other jobs: seed 0 warm-up 149 steps, held-out 25.3% -> 71.0%
+(+45.7), 105 s (load average 10-6); seed 1, 145 steps, 15.3% -> 56.3% (+41.0), 95 s (load 5-4); seed
+2, 305 steps, 10.0% -> 46.0% (+36.0), 161 s (load 4-6); peak memory 0.50 GB. The dense model, run
+just after in the same way: +44.7, +19.3, +33.7 (209, 79, 72 s). Over seeds 0-4 and 1 and 2 threads
+and the portable kernels: ``tests/benchmarks/README.md``.
+``--rollout vllm --model moe --num-heads 2`` runs the MoE on the real vLLM engine (head size 32),
+which records its routes in its own process; on the CPU build (0.32) it does not learn yet: after a
+weight sync the engine's experts compute with weights its CPU kernel has not repacked (seed 0:
+held-out 0.3% -> 0.0%, the trainer's perplexity of the samples 2,087 against the engine's 2.66;
 ``tests/benchmarks/README.md``, "A mixture-of-experts policy learns").
 
 ``--pipeline one_step_off`` / ``async`` generate while the policy trains (the engine in a Ray
