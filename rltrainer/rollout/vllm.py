@@ -322,6 +322,8 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         self.llm.init_weight_transfer_engine({"init_info": {}})
         self._facts = self.llm.apply_model(vllm_backend.model_facts)[0]
+        if platform.on_cpu:  # vLLM 0.32's reload leaves the CPU MoE kernel's weights unpacked: it packs them again
+            self.llm.apply_model(vllm_backend.pack_cpu_experts_on_reload)
         if self.return_routed_experts:
             self._setup_routes(model_config, platform)
 

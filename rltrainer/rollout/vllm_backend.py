@@ -19,6 +19,15 @@ whole: a layer given only some of its tensors is rebuilt from those alone
 (:meth:`~rltrainer.rollout.vllm.VLLMEngine.weight_groups` tells the sender which names go together,
 and :mod:`rltrainer.rollout.vllm_weights` puts them in checkpoint form first).
 
+One post-load step vLLM 0.32 leaves out of a reload: the CPU build's fused-MoE kernel
+(``cpu_fused_moe``) reads a layer's ``w13_weight`` / ``w2_weight`` in the blocked layout
+``cpu_prepack_moe_weight`` writes, and vLLM packs them when the engine starts (the experts'
+``process_weights_after_loading``), but on a weight update ``UnquantizedFusedMoEMethod._setup_kernel``
+only copies the checkpoint-layout tensors in and skips that step (``fused_moe/unquantized_fused_moe_method.py``,
+``if not is_weight_update``). The kernel then reads the experts' weights scrambled: a tiny fp32
+Qwen3-MoE's log-probs were 0.023 from the trainer's (Mixtral 0.063), 1e-6 once packed.
+:func:`pack_cpu_experts_on_reload` adds the step back.
+
 This module imports vLLM; :mod:`rltrainer.rollout.vllm` imports it only when an engine is set up.
 """
 
@@ -103,3 +112,49 @@ def model_facts(model: Any) -> dict[str, Any]:
     inner = getattr(model, "model", None)
     head, embed = getattr(model, "lm_head", None), getattr(inner, "embed_tokens", None)
     return {"separate_lm_head": head is not None and embed is not None and head is not embed}
+
+
+def pack_cpu_experts_on_reload(model: Any) -> int:
+    """Make every CPU fused-MoE layer pack its experts again when a weight update reloads it (run
+    once, through ``LLM.apply_model``, on the CPU build); returns how many layers it covers.
+
+    Each layer's ``quant_method.process_weights_after_loading``, which vLLM's layerwise reload calls
+    once the layer's tensors are in, gets the experts' own ``process_weights_after_loading`` (pad
+    the intermediate size, ``cpu_prepack_moe_weight``) after it, as at start-up; the reload then
+    copies the packed tensors into the kernel's. Only where vLLM did not run that step itself during
+    the call (a vLLM that fixes this is left alone: packing twice would scramble the weights again),
+    and not for weights vLLM was told are already in runtime form."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    layers = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and "process_weights_after_loading" not in vars(method):
+            method.process_weights_after_loading = _packing_experts(method.process_weights_after_loading, experts)
+            layers += 1
+    return layers
+
+
+def _packing_experts(process: Any, experts: Any) -> Any:
+    """``process`` (the method's ``process_weights_after_loading``), then ``experts``' own unless
+    ``process`` called it."""
+    from vllm.model_executor.utils import is_weights_pre_processed
+
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        packed: list[bool] = []
+        pack = experts.process_weights_after_loading
+
+        def packing(layer: torch.nn.Module) -> None:
+            packed.append(True)
+            pack(layer)
+
+        experts.process_weights_after_loading = packing  # seen if vLLM packs by itself
+        try:
+            process(layer)
+        finally:
+            del experts.process_weights_after_loading  # the class's method again
+        if not packed and not is_weights_pre_processed():
+            pack(layer)
+
+    return process_weights_after_loading

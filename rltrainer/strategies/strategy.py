@@ -267,23 +267,6 @@ def refuse_other_environment(engine: RolloutEngine, runtime_env: dict[str, Any] 
         "in this environment (for vLLM: pip install -e '.[vllm]' on a GPU machine) and leave python= unset.")
 
 
-def check_model_type(model: torch.nn.Module, strategy: str, supported: frozenset[str] | None) -> None:
-    """Raise if ``model`` (a policy just built by ``configure_model``) is not of a family in
-    ``supported`` (its transformers ``config.model_type``; ``None`` accepts any). Strategies call it
-    where they build or receive the model, before placing it."""
-    if supported is None:
-        return
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in supported:
-        got = f"model_type={model_type!r}" if model_type else f"a {type(model).__name__} with no transformers config"
-        raise ValueError(
-            f"strategy={strategy!r} supports the model families {', '.join(sorted(supported))} (transformers "
-            f"config.model_type), the ones its tests cover; the policy is {got}. Use a model of one of these "
-            f"families or a strategy that supports it (docs: 'Model families per strategy', in 'GPUs, engines "
-            f"and Megatron')."
-        )
-
-
 def enable_engine_adapters(engine: RolloutEngine, lora_config: Any) -> str | None:
     """For a LoRA policy: give ``engine`` the adapter's config if it loads adapters; returns the
     view a sync to it uses (``"adapter"`` or ``"merged"``; ``None`` without LoRA)."""

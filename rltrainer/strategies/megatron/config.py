@@ -67,7 +67,6 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family("transformers.models.mixtral.modeling_mixtral.MixtralRotaryEmbedding", qkv_bias=False,
                       qk_norm=False, expert_ffn="intermediate_size"),
 }
-SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 MOE_MODEL_TYPES = frozenset(name for name, family in FAMILIES.items() if family.expert_ffn)
 
 # megatron-core 0.16.1 models/common/embeddings/rotary_pos_embedding.py: RotaryEmbedding.__init__

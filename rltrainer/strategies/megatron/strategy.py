@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from rltrainer.strategies.dispatch import WorkerGroupStrategy
-from rltrainer.strategies.megatron.config import SUPPORTED_MODEL_TYPES
 from rltrainer.strategies.megatron.worker import MegatronWorker
 from rltrainer.strategies.strategy import STRATEGIES
 
@@ -49,9 +48,6 @@ class MegatronStrategy(WorkerGroupStrategy):
 
     name = "megatron"
     worker_cls = MegatronWorker
-    #: each rank refuses another family, or a config field megatron-core would compute differently
-    #: (:func:`~rltrainer.strategies.megatron.config.megatron_config`), before converting weights
-    supported_model_types = SUPPORTED_MODEL_TYPES
 
     def __init__(self, devices: int | str = 1, num_nodes: int = 1, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,

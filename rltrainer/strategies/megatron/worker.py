@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrainer.strategies.megatron import checkpoint
-from rltrainer.strategies.megatron.config import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, is_moe, megatron_config
 from rltrainer.models import (RandomInit, SafetensorsWeights, deferred_init, parameter_aliases, share_rng_state,
                               source_key, take_weight_source)
+from rltrainer.models.support import check_causal_lm
+from rltrainer.strategies.megatron import checkpoint
+from rltrainer.strategies.megatron.config import MOE_MODEL_TYPES, is_moe, megatron_config
 from rltrainer.strategies.megatron.cpu import cpu_placement, cpu_shims
 from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, expert_stack, hf_from_megatron,
                                                    hf_names_of, megatron_shard, stack_experts, state_reader)
@@ -39,7 +40,6 @@ from rltrainer.strategies.megatron.models import (
 from rltrainer.strategies.megatron.optimizer import MegatronOptimizer
 from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import (
-    check_model_type,
     load_local_training_state,
     local_training_state,
     normalize_optimizers,
@@ -443,7 +443,8 @@ def check_architectures(module: RLModule, pp: int = 1, tp: int = 1, ep: int = 1)
     experts they divide."""
     if getattr(module, "policy", None) is None:
         raise RuntimeError(f"{type(module).__name__}.configure_model() must set self.policy")
-    check_model_type(module.policy, "megatron", SUPPORTED_MODEL_TYPES)
+    check_causal_lm(module.policy, "megatron")
+    megatron_config(module.policy.config)  # its RULES: a field megatron-core cannot convert is named first
     policy = module.policy.config
     if ep > 1 and not is_moe(policy):
         raise ValueError(f"expert_model_parallel_size={ep} splits a mixture of experts' experts over ranks; the policy "
