@@ -5,7 +5,9 @@ time against the step, in one PNG (matplotlib)::
     python -m rltrainer.plot runs/addition -o addition.png       # the newest metrics.csv below it
 
 A panel whose metric the run did not log (no KL without ``kl_coef``, no validation score without
-validation) says so instead of a curve.
+validation) says so instead of a curve. A run that logged ``moe/*`` metrics (a mixture-of-experts
+policy) gets four more panels on the right: the experts' shares, the router entropy, the routing
+agreement with the engine and the load-balancing loss (:data:`MOE_PANELS`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import csv
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,15 @@ PANELS: dict[str, tuple[str, ...]] = {
     "KL": ("actor/kl_loss", "critic/kl_in_reward", "rollout_corr/kl"),
     "entropy": ("actor/entropy",),
     "step time (s)": ("timing_s/step",),
+}
+
+#: A mixture-of-experts run's panels, drawn to the right of :data:`PANELS` when the log has any
+#: ``moe/`` metric: panel title -> the metrics drawn in it, every one the log has (``.ci/docs/pages/models.md``).
+MOE_PANELS: dict[str, tuple[str, ...]] = {
+    "expert share (1/E when balanced)": ("moe/expert_share/max", "moe/expert_share/min"),
+    "router entropy (nats)": ("moe/router_entropy",),
+    "routing agreement with the engine": ("moe/routing_agreement",),
+    "load-balancing loss": ("moe/aux_loss",),
 }
 
 
@@ -68,8 +80,9 @@ def read_series(path: Path) -> dict[str, tuple[list[float], list[float]]]:
 
 
 def plot_run(log_dir: str | Path, out: str | Path | None = None, dpi: int = 80) -> Path:
-    """Draw :data:`PANELS` from the CSV log in ``log_dir`` into one PNG; return its path
-    (default: ``plots.png`` beside ``metrics.csv``)."""
+    """Draw :data:`PANELS` (and :data:`MOE_PANELS` for a run that logged ``moe/`` metrics) from
+    the CSV log in ``log_dir`` into one PNG; return its path (default: ``plots.png`` beside
+    ``metrics.csv``)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display needed
@@ -77,20 +90,14 @@ def plot_run(log_dir: str | Path, out: str | Path | None = None, dpi: int = 80) 
 
     path = find_metrics_csv(log_dir)
     series = read_series(path)
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6.2), constrained_layout=True)
-    for ax, (title, names) in zip(axes.flat, PANELS.items()):
+    moe = any(name.startswith("moe/") for name in series)
+    fig, axes = plt.subplots(2, 5 if moe else 3, figsize=(19.5 if moe else 12, 6.2), constrained_layout=True)
+    for ax, (title, names) in zip(axes[:, :3].flat, PANELS.items()):
         name = next((n for n in names if n in series and any(math.isfinite(v) for v in series[n][1])), None)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=0.3)
-        if name is None:
-            ax.text(0.5, 0.5, f"not logged\n({', '.join(names)})", ha="center", va="center", fontsize=8,
-                    color="gray", transform=ax.transAxes)
-            continue
-        steps, values = series[name]
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, linewidth=1)
-        ax.set_ylabel(name, fontsize=8)
+        _draw(ax, title, names, [name] if name else [], series)
+    if moe:
+        for ax, (title, names) in zip(axes[:, 3:].flat, MOE_PANELS.items()):
+            _draw(ax, title, names, [n for n in names if n in series], series)
     fig.suptitle(str(path.parent), fontsize=9)
     target = Path(out) if out is not None else path.parent / "plots.png"
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +105,26 @@ def plot_run(log_dir: str | Path, out: str | Path | None = None, dpi: int = 80) 
     plt.close(fig)
     log.info("Wrote %s from %s", target, path)
     return target
+
+
+def _draw(ax: Any, title: str, names: tuple[str, ...], drawn: list[str],
+          series: dict[str, tuple[list[float], list[float]]]) -> None:
+    """One panel: the ``drawn`` metrics (a legend if several), or a note naming ``names`` if none."""
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    if not drawn:
+        ax.text(0.5, 0.5, f"not logged\n({', '.join(names)})", ha="center", va="center", fontsize=8,
+                color="gray", transform=ax.transAxes)
+        return
+    for name in drawn:
+        steps, values = series[name]
+        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, linewidth=1, label=name)
+    if len(drawn) == 1:
+        ax.set_ylabel(drawn[0], fontsize=8)
+    else:
+        ax.legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -107,6 +107,36 @@ def test_plot_draws_one_png_from_the_csv_log(logged_run, tmp_path):
         main([str(tmp_path)])
 
 
+def _png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[16:24]  # the IHDR chunk: width, height
+    return int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")
+
+
+def test_plot_adds_moe_panels_only_for_a_run_that_logged_moe_metrics(tmp_path, monkeypatch):
+    """A MoE run's plot gets MOE_PANELS to the right of the usual six, every one of their metrics
+    drawn; a dense run's plot is the usual six, as wide as before."""
+    import rltrainer.plot as plot
+
+    drawn, draw = {}, plot._draw
+    monkeypatch.setattr(plot, "_draw", lambda ax, title, names, curves, series: (
+        drawn.__setitem__(title, curves), draw(ax, title, names, curves, series)))
+    dense = ["step", "critic/score/mean", "timing_s/step"]
+    moe = sorted({name for names in plot.MOE_PANELS.values() for name in names})
+    for name, columns in (("dense", dense), ("moe", dense + moe)):
+        (tmp_path / name).mkdir()
+        rows = [",".join(columns)] + [",".join([str(step)] + [str(0.1 * step)] * (len(columns) - 1))
+                                      for step in range(1, 6)]
+        (tmp_path / name / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+    assert _png_size(plot.plot_run(tmp_path / "dense")) == (960, 496)  # 12 x 6.2 inches at 80 dpi, 3 panels a row
+    assert list(drawn) == list(plot.PANELS) and drawn["reward"] == ["critic/score/mean"]
+    drawn.clear()
+    assert _png_size(plot.plot_run(tmp_path / "moe")) == (1560, 496)  # 5 a row: the six, the four MoE ones beside
+    assert list(drawn) == list(plot.PANELS) + list(plot.MOE_PANELS)
+    assert {name: drawn[name] for name in plot.MOE_PANELS} == {name: list(v) for name, v in plot.MOE_PANELS.items()}
+    assert drawn["expert share (1/E when balanced)"] == ["moe/expert_share/max", "moe/expert_share/min"]
+
+
 def test_multi_turn_generations_show_what_the_model_saw(tmp_path, tiny_config, bpe_tokenizer):
     """A multi-turn row's prompt is the environment's first observation as rendered (not the dataset's
     placeholder prompt), and its response the whole episode with the environment's replies."""
