@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rltrainer.models.moe import routing_shape
 from rltrainer.modules.grpo import GRPO
 from rltrainer.rollout.hf import HFEngine
 
@@ -102,9 +103,12 @@ def tiny_qwen3_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 
 
 def prepared_batch(module: Any, strategy: Any, prompts: Any) -> Any:
     """One step's batch, laid out as the loop lays it out before the update: connect an ``hf``
-    engine to ``strategy``, sync, roll out ``prompts``, reward, run the compute stages, compute
+    engine to ``strategy`` (recording routes, as the Trainer asks it to, for a MoE policy whose module
+    replays or compares them), sync, roll out ``prompts``, reward, run the compute stages, compute
     advantages, and set the global token/row counts. For tests that compare strategies on one batch."""
-    engine = strategy.connect_engine(HFEngine(), module.tokenizer)
+    engine = HFEngine()
+    engine.return_routed_experts = module.records_routes() and routing_shape(strategy.model_config()) is not None
+    engine = strategy.connect_engine(engine, module.tokenizer)
     strategy.sync_weights(engine)
     batch = module.reward_step(module.rollout_step(prompts, engine))
     for stage in module.compute_stages():

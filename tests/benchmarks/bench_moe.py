@@ -152,23 +152,14 @@ def prepared(config: Any, tokenizer: Any, prompts: Any, args: argparse.Namespace
     """A GRPO module on ``single``, and one step's rows as the loop lays them out (the ``hf`` engine
     records the routes of a MoE policy, as the Trainer has it do)."""
     from rltrainer import GRPO
-    from rltrainer.rollout.hf import HFEngine
     from rltrainer.strategies import SingleDeviceStrategy
-    from rltrainer.testing import length_reward
+    from rltrainer.testing import length_reward, prepared_batch
 
     module = GRPO(config, tokenizer, reward_funcs=length_reward, num_generations=args.group_size,
                   max_new_tokens=args.max_new_tokens, lr=1e-6, mini_batch_size=len(prompts) * args.group_size)
     strategy = SingleDeviceStrategy(device="cpu", micro_batch_size=args.micro_batch_size)
     strategy.setup(module, seed=0)
-    engine = strategy.connect_engine(HFEngine(), tokenizer)
-    engine.return_routed_experts = module.records_routes() and hasattr(config, "num_experts")
-    strategy.sync_weights(engine)
-    batch = module.reward_step(module.rollout_step(prompts, engine))
-    for stage in module.compute_stages():
-        batch = batch.union(strategy.compute(batch, stage))
-    batch = module.advantage_step(batch)
-    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
-    return module, strategy, batch
+    return module, strategy, prepared_batch(module, strategy, prompts)
 
 
 def policy_step_seconds(module: Any, strategy: Any, batch: Any) -> float:

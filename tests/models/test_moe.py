@@ -12,7 +12,7 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import routes_as_rows
 from rltrainer.models import build_causal_lm, response_log_probs
-from rltrainer.models.moe import (capturing, moe_of, recording, replaying, routing_shape, summarize_routing_metrics,
+from rltrainer.models.moe import (capturing, moe_of, recording, routing_shape, summarize_routing_metrics,
                                   take_routes)
 from rltrainer.rollout import HFEngine
 from rltrainer.rollout.engine import SamplingParams

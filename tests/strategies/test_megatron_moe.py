@@ -25,9 +25,8 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import build_causal_lm
-from rltrainer.rollout.hf import HFEngine
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
-from rltrainer.testing import length_reward
+from rltrainer.testing import length_reward, prepared_batch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (dev extra: pip install -e '.[dev]')")
@@ -81,22 +80,6 @@ def make_module(config, tokenizer, **kwargs):
                                                    lr=1e-3, kl_coef=0.05, router_aux_loss_coef=0.0), **kwargs})
 
 
-def batch_with_routes(module, strategy, prompts):
-    """One step's batch as the loop lays it out (``rltrainer.testing.prepared_batch``), rolled out by
-    an ``hf`` engine that records its routes (``routed_experts``), as the Trainer asks it to for a
-    module that replays them; the compute stages replay them."""
-    engine = HFEngine()
-    engine.return_routed_experts = module.records_routes()
-    engine = strategy.connect_engine(engine, module.tokenizer)
-    strategy.sync_weights(engine)
-    batch = module.reward_step(module.rollout_step(prompts, engine))
-    for stage in module.compute_stages():
-        batch = batch.union(strategy.compute(batch, stage))
-    batch = module.advantage_step(batch)
-    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
-    return batch
-
-
 def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, micro_batch_size=5, single_micro_batch_size=8,
                   **module_kwargs):
     """Two GRPO steps on one batch (with the engine's routes): ``single`` and megatron (``devices``
@@ -107,7 +90,7 @@ def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, micro_batch
     single = SingleDeviceStrategy(device="cpu", micro_batch_size=single_micro_batch_size)
     single.setup(single_module, seed=7)
     torch.manual_seed(0)
-    batch = batch_with_routes(single_module, single, prompts)
+    batch = prepared_batch(single_module, single, prompts)
     assert batch["routed_experts"].shape[2:] == (config.num_hidden_layers, config.num_experts_per_tok)
     strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep, micro_batch_size=micro_batch_size)
     try:
@@ -318,7 +301,7 @@ def test_random_routes_reach_megatrons_routers_through_the_strategy(bpe_tokenize
     single = SingleDeviceStrategy(device="cpu", micro_batch_size=8)
     single.setup(single_module, seed=7)
     torch.manual_seed(0)
-    batch = batch_with_routes(single_module, single, prompts)  # ref log-probs replaying the engine's routes
+    batch = prepared_batch(single_module, single, prompts)  # ref log-probs replaying the engine's routes
     n, columns = batch["input_ids"].shape
     generator = torch.Generator().manual_seed(3)
     routes = torch.stack([torch.randperm(config.num_experts, generator=generator)[:2]
