@@ -20,6 +20,7 @@ timeout (a hung rank), with the ranks that did not answer and their stacks.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -263,6 +264,13 @@ class RayWorkerGroup(WorkerGroup):
     with one of them (``@remote(thread=...)``) run there, beside the others (still in order within
     their group).
 
+    A call reaches every rank it names at the same point of each rank's sequence: its per-rank
+    submissions are made as one, under a lock, so calls from several controller threads (a
+    request and a push's receives, say) cannot interleave between ranks (rank 0 getting
+    ``[generate, receive]`` while rank 1 gets ``[receive, generate]``). Ranks that run their calls
+    in order and meet in collectives (a training step, a tensor-parallel replica's request) rely on
+    it; Ray runs the calls of one caller to one actor in the order they were submitted.
+
     Args:
         worker_cls: the class to run (constructed with ``rank``, ``world_size`` and ``init_kwargs``).
         world_size: number of actors.
@@ -285,6 +293,7 @@ class RayWorkerGroup(WorkerGroup):
         self.name, self.world_size, self.watchdog, self.worker_cls = name, world_size, watchdog, worker_cls
         self.method_groups = method_threads(worker_cls)  # method -> its concurrency group
         self.actors: list[Any] = []
+        self._submitting = threading.Lock()  # one call's per-rank submissions at a time (see the class docstring)
         self._broken: str | None = None
         self._failure: WorkerError | None = None  # the failure that shut the group down
         bundle = {"CPU": cpus_per_worker} | ({"GPU": gpus_per_worker} if gpus_per_worker else {})
@@ -339,7 +348,8 @@ class RayWorkerGroup(WorkerGroup):
         handles = [getattr(self.actors[r], method) for r in ranks]
         if method in self.method_groups:  # a thread of its own in the actor (Ray concurrency group)
             handles = [h.options(concurrency_group=self.method_groups[method]) for h in handles]
-        return [h.remote(*a, **kw) for h, (a, kw) in zip(handles, per_rank)]
+        with self._submitting:  # every rank gets this call between the same two others
+            return [h.remote(*a, **kw) for h, (a, kw) in zip(handles, per_rank)]
 
     def ref(self, futures: Sequence[Any], method: str) -> Any:
         return futures[0]

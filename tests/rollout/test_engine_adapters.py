@@ -84,6 +84,30 @@ def test_sglang_colocated_update_is_one_checked_session():
     assert engine.engine.calls[0] == "begin_weight_update"
 
 
+def test_no_sglang_call_aborts_the_requests_in_flight():
+    """SGLang 0.5.23's ``update_weight_version`` aborts every request in flight unless given
+    ``abort_all_requests=False`` (``UpdateWeightVersionReqInput.abort_all_requests = True``); its
+    weight-update requests default to False. Any call of it, or any ``abort_all_requests`` passed,
+    in rltrainer must say False (today there is none: rltrainer keeps the versions itself)."""
+    import ast
+    import pathlib
+
+    import rltrainer
+
+    offending = []
+    for path in pathlib.Path(rltrainer.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+            kept = {k.arg: k.value for k in node.keywords}
+            abort = kept.get("abort_all_requests")
+            says_false = isinstance(abort, ast.Constant) and abort.value is False
+            if (name in ("update_weight_version", "UpdateWeightVersionReqInput") or abort is not None) and not says_false:
+                offending.append(f"{path.name}:{node.lineno}")
+    assert not offending, f"calls that may abort SGLang's requests in flight: {offending}"
+
+
 # -- what the libraries do, as read in their wheels (sglang 0.5.23, vllm 0.33.0) ---------------------
 EOS = 2
 

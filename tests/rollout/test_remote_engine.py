@@ -59,6 +59,32 @@ def test_replicas_spanning_two_processes_get_identical_calls():
     assert gen.metrics["gen_tokens"] == 12.0  # counted once per replica
 
 
+class SplitVersionGroup(RecordingGroup):
+    """Ranks that generated with the weight versions ``versions`` (rank ``r``: ``versions[r]``)."""
+
+    def __init__(self, versions):
+        super().__init__(world_size=len(versions))
+        self.versions = versions
+
+    def _call_async(self, ranks, method, per_rank):
+        out = super()._call_async(ranks, method, per_rank)
+        for rank, done in zip(ranks, out):
+            done.value.weight_version = self.versions[rank]
+        return out
+
+
+def test_a_replica_whose_ranks_generated_on_different_versions_raises():
+    """Issue 43, item 2: a tensor-parallel replica's ranks hold shards of one model; a request that
+    ran on shards of two versions (the ranks took a push and it in different orders) is an error,
+    not a result tagged with the first rank's version."""
+    engine = RemoteEngine(SplitVersionGroup([0, 1, 1, 1]), Tok(), ranks_per_replica=2)
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] of one replica generated with weight versions \[0, 1\]"):
+        engine.generate([[1], [2]], SamplingParams(n=1, max_new_tokens=2))
+    gen = RemoteEngine(SplitVersionGroup([0, 0, 1, 1]), Tok(), ranks_per_replica=2).generate(
+        [[1], [2]], SamplingParams(n=1, max_new_tokens=2))
+    assert gen.weight_version == 0 and gen.row_weight_versions.tolist() == [0, 1]  # replicas may differ
+
+
 def test_one_process_per_replica_splits_prompts_over_every_rank():
     group = RecordingGroup(world_size=2)
     gen = RemoteEngine(group, Tok()).generate([[1], [2], [3]], SamplingParams(n=1, max_new_tokens=2, seed=0))
