@@ -305,7 +305,7 @@ def test_fsdp2_ranks_checksum_their_shards_and_a_corrupt_one_is_named(tiny_confi
         assert files[f"training/{part}"] in str(info.value) and set(hashed) == {"trainer.pt"}
 
 
-# Fresh rank processes (no warm_ranks): fsdp2.checkpoint keeps its background-write group per process
+# Fresh rank processes (no warm_ranks), as the rest of this module
 def test_fsdp2_async_checkpoint_completes_at_the_next_save_and_at_the_end_of_fit(tiny_config, bpe_tokenizer,
                                                                                 gsm8k_prompts, tmp_path, ray_session):
     """ModelCheckpoint(async_save=True): step 1's shards are written in the background during step

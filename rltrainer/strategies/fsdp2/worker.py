@@ -14,6 +14,7 @@ from rltrainer.files import reporting_disk_full
 from rltrainer.models import RandomInit, deferred_init, share_rng_state, state_tensors, take_weight_source
 from rltrainer.models.build import WeightSource
 from rltrainer.models.support import check_causal_lm, check_fast_paths
+from rltrainer.process_groups import host_group
 from rltrainer.strategies.fsdp2.checkpoint import load_sharded, save_sharded
 from rltrainer.strategies.fsdp2.sharding import enable_activation_checkpointing, load_shards, shard_bytes, shard_model
 from rltrainer.strategies.rank_worker import TrainingWorker
@@ -196,14 +197,14 @@ class FSDP2Worker(TrainingWorker):
                 full[first:first + local.shape[0]].copy_(local)
             elif self.rank == 0:
                 full.copy_(param)
-        dist.barrier()
+        dist.barrier(group=host_group())  # the buffer is host memory
 
     def end_of_sync(self) -> None:
         """Readers of the last bucket finish before the next sync writes the same buffer."""
         if self.shared is not None and self.world_size > 1:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=host_group())
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any] | None:
