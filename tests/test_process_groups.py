@@ -28,6 +28,8 @@ COLLECTIVES = {
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list",
     "recv_object_list",
 }
+#: DTensor's methods that run a collective over the tensor's mesh (no group to name: each is listed).
+DTENSOR_COLLECTIVES = {"full_tensor", "redistribute"}
 #: Host data by nature: these go over ``host_group()``.
 HOST_ONLY = {"barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "gather_object",
              "scatter_object_list", "send_object_list", "recv_object_list"}
@@ -45,13 +47,16 @@ ON_THE_RANKS_DEVICE = {
     ("strategies/megatron/worker.py", "_replicated", "broadcast"):
         "parameters of a module made with to_empty(device=self.device)",
     ("strategies/megatron/worker.py", "receive", "recv"): "torch.empty(..., device=device), the rank's device",
+    ("strategies/strategy.py", "clip_gradients", "full_tensor"):
+        "clip_grad_norm_'s norm, on the gradients' device: the mesh's (FSDP2's offloaded CPU gradients take "
+        "FSDP2Worker.clip_gradients, over host_group())",
 }
 
 
 def collective_uses() -> list[tuple[str, str, str, int, ast.expr | None]]:
     """``(file, enclosing function, collective, line, its group= argument)`` for every collective in
     rltrainer/: ``dist.<name>`` / ``torch.distributed.<name>``, called or passed on (then with no
-    group), and ``getattr(dist, "<name>")``."""
+    group), ``getattr(dist, "<name>")``, and DTensor's ``full_tensor`` / ``redistribute``."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         where = path.relative_to(PACKAGE).as_posix()
@@ -74,6 +79,8 @@ def collective_uses() -> list[tuple[str, str, str, int, ast.expr | None]]:
 
 
 def _collective_name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Attribute) and node.attr in DTENSOR_COLLECTIVES:
+        return node.attr
     if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and (
             (isinstance(node.value, ast.Name) and node.value.id == "dist")
             or (isinstance(node.value, ast.Attribute) and node.value.attr == "distributed")):
