@@ -22,6 +22,7 @@ from rltrainer.lora import base_name
 from rltrainer.models.checkpoint_form import ConvertedWeights, converted_weights
 from rltrainer.models.safetensors_io import SafetensorsWeights, find_tensor
 from rltrainer.models.support import config_problem
+from rltrainer.process_groups import host_group
 
 ModelSpec = str | Any | Callable[[], torch.nn.Module]
 
@@ -152,7 +153,7 @@ def share_rng_state() -> None:
     import torch.distributed as dist
 
     state = [torch.get_rng_state()]
-    dist.broadcast_object_list(state, src=0)
+    dist.broadcast_object_list(state, src=0, group=host_group())
     torch.set_rng_state(state[0])
 
 

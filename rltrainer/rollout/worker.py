@@ -115,11 +115,15 @@ class Worker:
 
     @remote
     def init_distributed(self, master_addr: str, master_port: int, timeout_s: float = 1800.0) -> None:
-        """Join the group's torch.distributed process group: gloo on CPU, NCCL on GPU."""
+        """Join the group's torch.distributed process group: gloo on CPU, NCCL on GPU (this rank's
+        GPU made the current device first: NCCL's barrier and object collectives use that one).
+        Collectives over host data take :func:`~rltrainer.process_groups.host_group`."""
         import torch.distributed as dist
 
         if dist.is_initialized():  # e.g. a user-launched group in this process
             return
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         if self.world_size == 1:

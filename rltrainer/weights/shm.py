@@ -17,6 +17,8 @@ import shutil
 
 import torch
 
+from rltrainer.process_groups import host_group
+
 SLOTS = 2
 
 
@@ -135,9 +137,9 @@ class SharedBuffers:
         path = os.path.join(self.directory, f"rltrainer-{self.tag}-{slot}-{self._generation}")
         if self.rank == 0:
             create_file(path, nbytes)
-        dist.barrier()
+        dist.barrier(group=host_group())  # host memory: its writers and readers meet on the host
         self.buffers[slot] = map_file(path, nbytes)
-        dist.barrier()
+        dist.barrier(group=host_group())
         if self.rank == 0:
             os.unlink(path)
         return self.buffers[slot]

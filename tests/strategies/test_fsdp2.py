@@ -305,7 +305,7 @@ def test_fsdp2_ranks_checksum_their_shards_and_a_corrupt_one_is_named(tiny_confi
         assert files[f"training/{part}"] in str(info.value) and set(hashed) == {"trainer.pt"}
 
 
-# Fresh rank processes (no warm_ranks): fsdp2.checkpoint keeps its background-write group per process
+# Fresh rank processes (no warm_ranks), as the rest of this module
 def test_fsdp2_async_checkpoint_completes_at_the_next_save_and_at_the_end_of_fit(tiny_config, bpe_tokenizer,
                                                                                 gsm8k_prompts, tmp_path, ray_session):
     """ModelCheckpoint(async_save=True): step 1's shards are written in the background during step
@@ -369,3 +369,55 @@ def test_too_few_ray_resources_fail_fast_with_what_is_there(tiny_config, bpe_tok
     with pytest.raises(RuntimeError, match=r"need \{'CPU': 128\}, but the whole Ray cluster has 4 CPU"):
         strategy.setup(make_module(GRPO, tiny_config, bpe_tokenizer), seed=0)
     assert time.perf_counter() - start < 10  # no waiting for resources that cannot exist
+
+
+def _offloaded_clip_rank(rank: int, port: int, out: str) -> None:
+    """Rank ``rank`` of 2 under NCCL's rule: a mesh over the default group, whose gradients are CPU
+    shards (cpu_offload on a GPU: the mesh's group is NCCL)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from rltrainer.strategies.fsdp2.worker import FSDP2Worker
+    from rltrainer.testing.nccl_rule import nccl_rule
+
+    torch.set_num_threads(1)
+    full = [torch.arange(12.0).reshape(6, 2), torch.linspace(-3, 3, 5)]  # 5 rows: rank 1's shard is shorter
+    with nccl_rule():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        mesh = init_device_mesh("cpu", (2,))
+        params = []
+        for tensor in full:
+            rows = tensor.chunk(2)[rank]
+            param = torch.nn.Parameter(DTensor.from_local(torch.zeros_like(rows), mesh, [Shard(0)], run_check=False))
+            param.grad = DTensor.from_local(rows.clone(), mesh, [Shard(0)], run_check=False)
+            params.append(param)
+        worker = FSDP2Worker(rank, 2, device="cpu")
+        worker.options = {"cpu_offload": True}
+        norm = worker.clip_gradients(params, max_norm=1.0)
+        torch.save((norm, [p.grad.to_local() for p in params]), f"{out}.{rank}")
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_offloaded_gradients_clip_where_the_mesh_group_refuses_cpu_tensors(tmp_path):
+    """cpu_offload on a GPU: the gradients are CPU shards of a mesh whose group is NCCL, which
+    refuses CPU tensors; torch's clip_grad_norm_ all-reduces their norm there (pytorch#148532). The
+    norm's squares are summed over the host group instead: the global norm, every shard scaled."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(tmp_path, "rank")
+    mp.spawn(_offloaded_clip_rank, args=(port, out), nprocs=2)
+    full = [torch.arange(12.0).reshape(6, 2), torch.linspace(-3, 3, 5)]
+    expected = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in full])).item()
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    for norm, _ in ranks:
+        assert norm == pytest.approx(expected, rel=1e-6)
+    for i, tensor in enumerate(full):
+        clipped = torch.cat([grads[i] for _, grads in ranks])
+        torch.testing.assert_close(clipped, tensor / (expected + 1e-6), rtol=1e-6, atol=0)

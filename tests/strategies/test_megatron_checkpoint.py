@@ -112,3 +112,99 @@ def test_megatron_ranks_checksum_their_files_and_a_corrupt_one_is_named(bpe_toke
     with pytest.raises(CheckpointError, match=rf"{checkpoint}/{part} is corrupted: its sha256 is [0-9a-f]{{64}}"):
         run(config, bpe_tokenizer, gsm8k_prompts, tmp_path / "other", tp=1, max_steps=2, ckpt=checkpoint,
             devices=1)
+
+
+class GroupStepAdam(torch.optim.AdamW):
+    """AdamW that counts its steps per param group (``group["step"]``, an int), as Transformer
+    Engine's and apex's FusedAdam do (what megatron-core steps with whenever either imports); its
+    per-parameter state is ``exp_avg`` and ``exp_avg_sq`` only, and its ``state_dict`` refuses
+    another, as Transformer Engine's does (``get_unscaled_state``: ``name_to_dtype_map[name]``).
+    A subclass of AdamW for megatron's distributed optimizer, which asserts one."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True):
+        torch.optim.Optimizer.__init__(self, params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.adam_w_mode = adam_w_mode
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if not group["params"]:
+                continue
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            correction1, correction2 = 1 - beta1 ** group["step"], 1 - beta2 ** group["step"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                grad = p.grad if self.adam_w_mode else p.grad + group["weight_decay"] * p
+                if self.adam_w_mode:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"] / correction2).sqrt_().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / correction1)
+
+    def state_dict(self):
+        for state in self.state.values():
+            for name in state:
+                {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}[name]  # KeyError, as Transformer Engine's
+        return super().state_dict()
+
+
+def run_in_process(config, tokenizer, prompts, root, max_steps, ckpt=None, **strategy):
+    """One megatron rank in this process; its exported weights, the trainer and its torch optimizers."""
+    module = GRPO(config, tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8, lr=1e-2,
+                  kl_coef=0.05)
+    callbacks = [ModelCheckpoint(dirpath=root, every_n_steps=1, keep=5)]
+    with Trainer(strategy=MegatronStrategy(devices=1, **strategy), max_steps=max_steps, logger=False,
+                 enable_progress_bar=False, seed=6, default_root_dir=root, callbacks=callbacks) as trainer:
+        trainer.fit(module, prompt_dataloader(prompts, batch_size=2), ckpt_path=ckpt)
+        chained = trainer.strategy.group.worker._optimizer.megatron.chained_optimizers
+        return dict(trainer.strategy.export_weights()), [opt.optimizer for opt in chained]
+
+
+def test_megatron_checkpoint_saves_and_resumes_where_the_default_group_refuses_cpu_tensors(
+        bpe_tokenizer, gsm8k_prompts, tmp_path):
+    """On a GPU the default group is NCCL, which refuses CPU tensors ("No backend type associated
+    with device type cpu"); the checkpoint's step count and param groups are host data and go over
+    a gloo group (rltrainer.process_groups.host_group). nccl_rule() imitates NCCL's rule here."""
+    from rltrainer.testing import tiny_qwen2_config
+    from rltrainer.testing.nccl_rule import nccl_rule
+
+    config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
+    with nccl_rule():
+        run_in_process(config, bpe_tokenizer, gsm8k_prompts, tmp_path, max_steps=1)
+        run_in_process(config, bpe_tokenizer, gsm8k_prompts, tmp_path, max_steps=2, ckpt=tmp_path / "step=1.ckpt")
+    assert (tmp_path / "step=2.ckpt" / "training" / "state.pt").is_file()
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed-optimizer", "replicated-optimizer"])
+def test_megatron_resume_continues_adam_steps_counted_per_param_group(distributed, bpe_tokenizer, gsm8k_prompts,
+                                                                     tmp_path, monkeypatch):
+    """With Transformer Engine or apex installed, megatron-core's Adam is their FusedAdam, which
+    counts steps in its param groups: a resumed run keeps that count (Adam's bias correction goes
+    on from it), so it equals the uninterrupted run."""
+    import megatron.core.optimizer as megatron_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+
+    from rltrainer.testing import tiny_qwen2_config
+
+    monkeypatch.setattr(megatron_optimizer, "Adam", GroupStepAdam)  # as when TE or apex imports
+    monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+    config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=32, num_layers=2)
+    options = {"use_distributed_optimizer": distributed}
+    full, full_optimizers = run_in_process(config, bpe_tokenizer, gsm8k_prompts, tmp_path / "full", 3, **options)
+    assert [type(o) for o in full_optimizers] == [GroupStepAdam]
+    assert {g["step"] for g in full_optimizers[0].param_groups} == {3}
+    run_in_process(config, bpe_tokenizer, gsm8k_prompts, tmp_path / "first", 2, **options)
+    resumed, optimizers = run_in_process(config, bpe_tokenizer, gsm8k_prompts, tmp_path / "resumed", 3,
+                                         ckpt=tmp_path / "first" / "step=2.ckpt", **options)
+    for name, tensor in full.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert {g["step"] for g in optimizers[0].param_groups} == {3}
+    optimizers[0].state_dict()  # no per-parameter "step", which Transformer Engine's state_dict refuses

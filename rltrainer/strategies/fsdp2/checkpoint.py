@@ -25,6 +25,7 @@ from typing import Any
 
 from rltrainer.checkpoints import CheckpointError, check_state_matches, safe_load, tensor_bytes
 from rltrainer.files import reporting_disk_full
+from rltrainer.process_groups import host_group
 
 _METADATA_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"), ("torch", "Size"),
                      ("torch.serialization", "_get_layout"), ("torch._utils", "_get_layout"),
@@ -103,19 +104,7 @@ def save_sharded(state: dict[str, Any], directory: str | Path, async_save: bool 
         return None
     from torch.distributed.checkpoint import async_save as dcp_async_save
 
-    return dcp_async_save(state, checkpoint_id=str(directory), process_group=_checkpoint_group())
-
-
-_GROUP: list[Any] = []  # the background writes' process group, made once per process
-
-
-def _checkpoint_group() -> Any:
-    """A gloo group of all ranks for background checkpoint writes (a collective the first time)."""
-    import torch.distributed as dist
-
-    if not _GROUP:
-        _GROUP.append(dist.new_group(backend="gloo"))
-    return _GROUP[0]
+    return dcp_async_save(state, checkpoint_id=str(directory), process_group=host_group(own="checkpoint writes"))
 
 
 def saved_shapes(directory: str | Path, prefix: str) -> dict[str, tuple[int, ...]]:

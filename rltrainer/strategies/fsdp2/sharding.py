@@ -10,6 +10,7 @@ import torch
 from rltrainer.models import RandomInit, parameter_aliases, persistent_buffers, source_key
 from rltrainer.models.build import WeightSource
 from rltrainer.models.support import check_activation_checkpointing, fsdp_blocks
+from rltrainer.process_groups import host_group
 
 
 def enable_activation_checkpointing(name: str, model: torch.nn.Module) -> None:
@@ -47,7 +48,7 @@ def load_shards(label: str, model: torch.nn.Module, source: WeightSource,
             error = str(e.args[0])
     if scatter and world_size > 1:
         shared = [error]
-        dist.broadcast_object_list(shared, src=0)  # every rank raises, none waits in a scatter
+        dist.broadcast_object_list(shared, src=0, group=host_group())  # every rank raises, none waits in a scatter
         error = shared[0]
     if error:
         raise ValueError(f"Cannot load {label}: {error}")

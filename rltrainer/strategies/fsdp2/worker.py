@@ -4,6 +4,7 @@ loading each rank's rows, gathering full weights for a sync, sharded checkpoints
 from __future__ import annotations
 
 import logging
+import math
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from rltrainer.files import reporting_disk_full
 from rltrainer.models import RandomInit, deferred_init, share_rng_state, state_tensors, take_weight_source
 from rltrainer.models.build import WeightSource
 from rltrainer.models.support import check_causal_lm, check_fast_paths
+from rltrainer.process_groups import host_group
 from rltrainer.strategies.fsdp2.checkpoint import load_sharded, save_sharded
 from rltrainer.strategies.fsdp2.sharding import enable_activation_checkpointing, load_shards, shard_bytes, shard_model
 from rltrainer.strategies.rank_worker import TrainingWorker
@@ -196,14 +198,21 @@ class FSDP2Worker(TrainingWorker):
                 full[first:first + local.shape[0]].copy_(local)
             elif self.rank == 0:
                 full.copy_(param)
-        dist.barrier()
+        dist.barrier(group=host_group())  # the buffer is host memory
 
     def end_of_sync(self) -> None:
         """Readers of the last bucket finish before the next sync writes the same buffer."""
         if self.shared is not None and self.world_size > 1:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=host_group())
+
+    def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+        """torch's ``clip_grad_norm_``; with ``cpu_offload`` the gradients are CPU shards, clipped
+        by :func:`_clip_host_gradients`."""
+        if self.options.get("cpu_offload"):
+            return _clip_host_gradients(params, max_norm)
+        return super().clip_gradients(params, max_norm)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any] | None:
@@ -282,6 +291,31 @@ class FSDP2Worker(TrainingWorker):
             if any(p is first for p in model.parameters()):
                 return model
         raise RuntimeError("An optimizer holds parameters of no trainable model (trainable_models())")
+
+
+def _clip_host_gradients(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Clip gradients kept on the host (``cpu_offload``) to the global 2-norm ``max_norm`` (if set)
+    and return that norm. torch's ``clip_grad_norm_`` keeps it a DTensor on the gradients' device
+    and all-reduces it over the mesh's group, NCCL on a GPU, which refuses CPU tensors
+    (pytorch/pytorch#148532). Here each rank takes the norms of its own rows (``Shard(0)``: each
+    element on one rank; a gradient that is not a DTensor counts on rank 0) and their squares are
+    summed over :func:`~rltrainer.process_groups.host_group`."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    held = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in held]
+    square = torch.zeros((), dtype=torch.float64)
+    for grad, part in zip(held, local):
+        if isinstance(grad, DTensor) or dist.get_rank() == 0:
+            square += torch.linalg.vector_norm(part).double().square().cpu()
+    dist.all_reduce(square, group=host_group())
+    norm = float(square.sqrt())
+    if max_norm and math.isfinite(norm) and max_norm < norm + 1e-6:
+        with torch.no_grad():
+            for part in local:
+                part.mul_(max_norm / (norm + 1e-6))  # as clip_grad_norm_ scales
+    return norm
 
 
 def _local(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -42,6 +42,7 @@ import torch
 from rltrainer.checkpoints import CheckpointError, check_state_matches, safe_load, save_file
 from rltrainer.files import reporting_disk_full
 from rltrainer.models.safetensors_io import SafetensorsWeights, write_safetensors
+from rltrainer.process_groups import host_group
 from rltrainer.strategies.megatron.layouts import (MegatronLayout, Reader, Rows, expert_stack, hf_from_megatron,
                                                    megatron_shard, state_reader)
 from rltrainer.strategies.megatron.models import MegatronValueModel, critic_trunk_config
@@ -128,7 +129,7 @@ def save(directory: Path, models: dict[str, ModelTensors], optimizer: Any, sched
     from megatron.core import parallel_state
 
     slots, config = optimizer.state_slots(), optimizer.config
-    step = _global_step(slots)
+    step = _global_step(optimizer)
     kinds = (["main_param"] if config.bf16 else []) + (list(MOMENTS[config.optimizer]) if step else [])
     if config.optimizer == "sgd" and not any(g.get("momentum", 0) for g in optimizer.megatron.param_groups):
         kinds = [k for k in kinds if k != "momentum_buffer"]  # plain SGD keeps no state
@@ -152,7 +153,7 @@ def save(directory: Path, models: dict[str, ModelTensors], optimizer: Any, sched
                         writer.add(f"{model_name}/{kind}/{hf}", tensor)
     writer.flush()
     groups: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(groups, optimizer.group_hyperparameters())
+    dist.all_gather_object(groups, optimizer.group_hyperparameters(), group=host_group())
     if rank == 0:
         state = {"format": FORMAT, "step": step, "kinds": kinds, "models": sorted(models),
                  "groups": {tag: g for part in groups for tag, g in part.items()},
@@ -160,15 +161,13 @@ def save(directory: Path, models: dict[str, ModelTensors], optimizer: Any, sched
         save_file(state, directory / STATE_FILE, "the optimizer groups and schedulers")
 
 
-def _global_step(slots: dict[int, Any]) -> float:
-    """The optimizer's step count (0 before its first step), the same on every rank."""
+def _global_step(optimizer: Any) -> float:
+    """The optimizer's step count (0 before its first step), the same on every rank (a rank may
+    step nothing). A host tensor: reduced over :func:`~rltrainer.process_groups.host_group`."""
     import torch.distributed as dist
 
-    steps = [float(inner.state[main]["step"]) for inner, main, _ in slots.values()
-             if "step" in inner.state.get(main, {})]
-    has_state = any(inner.state.get(main) for inner, main, _ in slots.values())
-    value = torch.tensor([max(steps, default=1.0 if has_state else 0.0)], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    value = torch.tensor([optimizer.step_count()], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=host_group())
     return float(value)
 
 

@@ -334,16 +334,40 @@ class MegatronOptimizer:
                 slots.update({id(p): (inner, p, None) for g in inner.param_groups for p in g["params"]})
         return slots
 
+    def step_count(self) -> float:
+        """Adam's step count on this rank, read wherever its torch optimizers keep it (see
+        :func:`counts_steps_in_groups`): each parameter's ``state["step"]`` and each non-empty
+        param group's ``"step"``; 0 before the first step. An optimizer with state but no count
+        (SGD's momentum) counts 1."""
+        inners = self.inner_optimizers()
+        steps = [float(state["step"]) for inner in inners for state in inner.state.values() if "step" in state]
+        steps += [float(group["step"]) for inner in inners for group in inner.param_groups
+                  if group["params"] and "step" in group]  # FusedAdam counts no step for an empty group
+        has_state = any(state for inner in inners for state in inner.state.values())
+        return max(steps, default=1.0 if has_state else 0.0)
+
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers inside megatron's (one per chained optimizer that steps anything here)."""
+        chained = self.megatron.chained_optimizers
+        return [opt.optimizer for opt in chained if getattr(opt, "optimizer", None) is not None]
+
     def init_state(self, step: float, kinds: list[str]) -> None:
         """Give every parameter this rank steps the state its torch optimizer creates on its first
-        step (zeros; Adam's ``step`` set to ``step``, one tensor each), ready to be filled."""
+        step (zeros), ready to be filled, and set Adam's step count to ``step`` where the optimizer
+        keeps it (:func:`counts_steps_in_groups`): a tensor in each parameter's state, or an
+        integer in each param group."""
+        adam = self.config.optimizer == "adam"
         for inner, main, _ in self.state_slots().values():
             state = inner.state[main]
             for kind in kinds:
                 if not isinstance(state.get(kind), torch.Tensor):
                     state[kind] = torch.zeros_like(main, memory_format=torch.preserve_format)
-            if self.config.optimizer == "adam":
+            if adam and not counts_steps_in_groups(inner):
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        if adam:
+            for inner in filter(counts_steps_in_groups, self.inner_optimizers()):
+                for group in inner.param_groups:  # all alike, as megatron aligns them (distrib_optimizer.py:676-682)
+                    group["step"] = int(step)
 
     def group_hyperparameters(self) -> dict[tuple[int, int], dict[str, Any]]:
         """The user-facing hyperparameters of this rank's param groups, by user group (:data:`GROUP_TAG`)."""
@@ -353,6 +377,16 @@ class MegatronOptimizer:
     def load_group_hyperparameters(self, saved: dict[tuple[int, int], dict[str, Any]]) -> None:
         for group in self.megatron.param_groups:
             group.update(saved.get(tuple(group[GROUP_TAG]), {}))
+
+
+def counts_steps_in_groups(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` keeps Adam's step count in its param groups (``group["step"]``, an
+    integer: Transformer Engine's and apex's ``FusedAdam``, which megatron-core steps with whenever
+    either imports, ``megatron/core/optimizer/__init__.py:12-22``) rather than in each parameter's
+    state (``state["step"]``, a tensor: torch's Adam and AdamW, which run torch's own ``step``).
+    FusedAdam must not get a per-parameter ``step``: Transformer Engine's ``state_dict`` reads only
+    the states it knows (``exp_avg``, ``exp_avg_sq``, ``master_param``) and raises on another."""
+    return type(optimizer).step not in (torch.optim.Adam.step, torch.optim.AdamW.step)
 
 
 def _optimizer_state(opt: Any) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ import torch
 from rltrainer.models import (RandomInit, SafetensorsWeights, deferred_init, parameter_aliases, share_rng_state,
                               source_key, take_weight_source)
 from rltrainer.models.support import check_causal_lm
+from rltrainer.process_groups import host_group
 from rltrainer.strategies.megatron import checkpoint
 from rltrainer.strategies.megatron.config import MOE_MODEL_TYPES, is_moe, megatron_config
 from rltrainer.strategies.megatron.cpu import cpu_placement, cpu_shims
@@ -103,7 +104,7 @@ class MegatronWorker(TrainingWorker):
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self._coords = [(0, 0, 0)] * self.world_size
         dist.all_gather_object(self._coords, (self.stage, parallel_state.get_tensor_model_parallel_rank(),
-                                              parallel_state.get_expert_model_parallel_rank()))
+                                              parallel_state.get_expert_model_parallel_rank()), group=host_group())
         if self.device.type == "cuda":  # megatron's attention forks the tensor-parallel CUDA RNG state
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -139,7 +140,7 @@ class MegatronWorker(TrainingWorker):
         own = {hf: (self.stage, _export_source(name)) for name, _ in self.module.policy.gpt.named_parameters()
                for hf in hf_names_of(name, config, self.layout, self.stage)}
         stages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(stages, own)
+        dist.all_gather_object(stages, own, group=host_group())
         self._sources = {hf: src for part in sorted(stages, key=lambda p: min(v[0] for v in p.values()))
                          for hf, src in part.items()}
         missing = set(specs) - set(self._sources)
@@ -197,7 +198,7 @@ class MegatronWorker(TrainingWorker):
                 error = str(e.args[0])
         if from_rank_zero:
             shared = [error]
-            dist.broadcast_object_list(shared, src=0)  # every rank raises, none waits for tensors
+            dist.broadcast_object_list(shared, src=0, group=host_group())  # every rank raises, none waits
             error = shared[0]
         if error:
             raise ValueError(f"Cannot load {name}: {error}")
@@ -349,10 +350,11 @@ class MegatronWorker(TrainingWorker):
         config = self.module.policy.config
         names = list(dict.fromkeys(hf for name in stepped  # each expert's weight is part of its layer's fused tensor
                                    for hf in hf_names_of(name.removeprefix("gpt."), config, self.layout, self.stage)))
-        if self.layout.pp > 1:
-            parts: list[Any] = [None] * self.layout.pp
-            dist.all_gather_object(parts, names, group=parallel_state.get_pipeline_model_parallel_group())
-            names = [n for part in parts for n in part]
+        if self.layout.pp > 1:  # every stage's names, in stage order, from the ranks of this pipeline
+            parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, names, group=host_group())
+            pipeline = parallel_state.get_pipeline_model_parallel_group()
+            names = [n for stage in range(self.layout.pp) for n in parts[dist.get_global_rank(pipeline, stage)]]
         self.versions.bump(names)
 
     # -- weights -----------------------------------------------------------------------------------
