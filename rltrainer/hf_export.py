@@ -72,7 +72,13 @@ def to_checkpoint_form(weights: Iterable[tuple[str, torch.Tensor]],
     """``weights`` (in-memory names and tensors of a model built from ``config``) as its hub
     checkpoint stores them: what ``save_pretrained`` writes, one tensor (or one expert) at a time.
     A checkpoint tensor made from several in-memory ones is yielded once all of them have come."""
-    from transformers.core_model_loading import WeightConverter, apply_converters, revert_weight_conversion
+    try:
+        from transformers.core_model_loading import WeightConverter, apply_converters, revert_weight_conversion
+    except ImportError as err:  # apply_converters came in transformers 5.21 (vLLM 0.33 pins <5.21, SGLang 5.19)
+        import transformers
+        raise ImportError(f"The export needs transformers>=5.21 (this environment has {transformers.__version__}): "
+                          "export from the trainer's own environment, not one with vLLM 0.33 or SGLang 0.5.23 "
+                          "installed beside it (the GPU page's install section)") from err
 
     model = _meta_model(config)
     conversions = _saved_conversions(model)
