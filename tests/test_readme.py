@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import builtins
 import configparser
+import gc
 import importlib
 import importlib.util
 import re
@@ -25,6 +26,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from rltrainer.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The README, then every page of the site (a page added later is checked without editing this test).
@@ -109,7 +112,13 @@ def test_python_snippet_is_sound(where, code, run):
 def test_cpu_snippet_runs(where, code, run, monkeypatch):
     monkeypatch.chdir(ROOT)  # the snippets use repository paths (recipes/data/...)
     name = "readme_" + re.sub(r"\W", "_", where)
-    exec(compile(code, where, "exec"), {"__name__": name})
+    registries = [r for r in gc.get_objects() if isinstance(r, Registry)]
+    kept = [(r, dict(r._entries), dict(r._descriptions)) for r in registries]
+    try:
+        exec(compile(code, where, "exec"), {"__name__": name})
+    finally:  # what a snippet registers (a user's loss, say) is the snippet's: later tests see the package's own
+        for registry, entries, descriptions in kept:
+            registry._entries, registry._descriptions = entries, descriptions
 
 
 def commands() -> list[tuple[str, list[str]]]:
