@@ -28,6 +28,7 @@ import torch
 
 from rltrainer.controller.methods import RANK_ZERO, remote
 from rltrainer.rollout.engine import Generation, ModelFiles, RolloutEngine, SamplingParams
+from rltrainer.weights.delta import DeltaSync
 from rltrainer.weights.receiver import WeightReceiver
 from rltrainer.weights.staging import EngineGate
 from rltrainer.weights.wire import Bucket, Encoding, Entry
@@ -221,6 +222,11 @@ class Worker:
                        encoding: Encoding | None = None) -> Stats:
         """Broadcast bucket ``index`` of ``count`` of sync ``version`` (coded as ``encoding`` with delta sync)."""
         return self.receiver.receive(self._require_engine(), entries, version, index, count, encoding)
+
+    @receives
+    def configure_delta_receiver(self, settings: DeltaSync | None) -> None:
+        """Delta sync on (``settings``: where its mirror and staged buckets are kept) or off."""
+        self.receiver.configure_delta(settings)
 
     @receives
     def repair_weights(self, buckets: list[Bucket], version: int) -> Stats:
