@@ -254,6 +254,12 @@ class Worker:
         return self._require_engine().weight_version
 
     @remote
+    def engine_weight_digests(self) -> dict[str, str] | None:
+        """The engine's digests of the weights it holds (``RolloutEngine.weight_digests``), between two requests."""
+        with self.gate.use(self._require_engine()) as engine:
+            return engine.weight_digests()
+
+    @remote
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's parameters (for checks and debugging)."""
         with self.gate.use(self._require_engine()) as engine:

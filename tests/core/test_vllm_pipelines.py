@@ -177,6 +177,13 @@ def test_delta_sync_into_real_vllm(bpe_tokenizer, gsm8k_prompts, vllm_python, ra
         assert all(m["sync/checksum_mismatches"] == 0 for m in check.metrics)
         assert sum(m["sync/delta_buckets"] for m in check.metrics) > 0  # most bf16 words kept their bytes
         assert min(m["sync/wire_share"] for m in check.metrics) < 1
+        # vLLM's own weight checker: what the deltas left equals, parameter by parameter, what a full sync loads
+        rollout = trainer.strategy.rollout_group.remote
+        after_deltas = rollout.engine_weight_digests()
+        trainer.strategy.group.remote.forget_synced()  # the next sync sends every weight in full
+        stats = trainer.strategy.sync_weights(trainer.engine, STEPS + 1)
+        assert stats["delta_buckets"] == 0 and stats["full_buckets"] == stats["buckets"] > 0
+        assert rollout.engine_weight_digests() == after_deltas and after_deltas[0]
     finally:
         trainer.teardown()
 
