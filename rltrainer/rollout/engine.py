@@ -171,6 +171,13 @@ class RolloutEngine(abc.ABC):
         from all of its tensors). Names in no group travel alone. Default: none."""
         return []
 
+    def weight_digests(self) -> dict[str, str] | None:
+        """Digests of the weights the engine holds, in its own layout and names (vLLM: its weight
+        checker's SHA-256 of each parameter, per rank), to compare two replicas, or an engine fed
+        deltas with one given the same weights in full; ``None`` where it has no such check (the
+        default). A digest of the engine's layout cannot be computed from the policy's tensors."""
+        return None
+
     @property
     def runtime_env(self) -> dict[str, Any] | None:
         """The Ray ``runtime_env`` of a process of its own (split placement), e.g. another Python

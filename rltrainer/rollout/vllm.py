@@ -441,6 +441,18 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
                         "alone; a real sync raises if vLLM refuses them): %s", len(missed), "; ".join(missed[:3]))
         return groups_by_layer(names, layers)
 
+    def weight_digests(self) -> dict[str, str] | None:
+        """vLLM's weight checker: each worker's ``compute_weight_checksums`` (``vllm/v1/worker/gpu_worker.py``
+        in 0.33, and the CPU build 0.32's worker inherits it), the SHA-256 of every parameter's bytes as
+        vLLM holds it (fused, sharded, in the dtype it keeps), named ``dp0:pp0:pcp0:tp0:<parameter>``
+        (``vllm/model_executor/model_loader/weight_checksum.py``). It reads every weight back to the
+        host: seconds per GB. On the CPU build a linear layer's weight packed for oneDNN leaves its
+        parameter empty, so its digest says nothing of that weight."""
+        digests: dict[str, str] = {}
+        for worker in self.llm.collective_rpc("compute_weight_checksums"):
+            digests.update(worker)
+        return digests
+
     def start_weight_update(self) -> None:
         """vLLM's session opens with the first chunk for the model: a sync that brings the model
         nothing (a LoRA adapter alone, frozen weights) does not send every layer through a reload."""

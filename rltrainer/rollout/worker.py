@@ -28,6 +28,7 @@ import torch
 
 from rltrainer.controller.methods import RANK_ZERO, remote
 from rltrainer.rollout.engine import Generation, ModelFiles, RolloutEngine, SamplingParams
+from rltrainer.weights.delta import DeltaSync
 from rltrainer.weights.receiver import WeightReceiver
 from rltrainer.weights.staging import EngineGate
 from rltrainer.weights.wire import Bucket, Encoding, Entry
@@ -227,6 +228,11 @@ class Worker:
         return self.receiver.receive(self._require_engine(), entries, version, index, count, encoding)
 
     @receives
+    def configure_delta_receiver(self, settings: DeltaSync | None) -> None:
+        """Delta sync on (``settings``: where its mirror and staged buckets are kept) or off."""
+        self.receiver.configure_delta(settings)
+
+    @receives
     def repair_weights(self, buckets: list[Bucket], version: int) -> Stats:
         """Delta sync: buckets of sync ``version`` whose checksums did not match, again in full."""
         return self.receiver.repair(self._require_engine(), buckets, version)
@@ -250,6 +256,12 @@ class Worker:
     def engine_weight_version(self) -> int:
         """The version of the last sync this process's engine loaded completely (-1: none yet)."""
         return self._require_engine().weight_version
+
+    @remote
+    def engine_weight_digests(self) -> dict[str, str] | None:
+        """The engine's digests of the weights it holds (``RolloutEngine.weight_digests``), between two requests."""
+        with self.gate.use(self._require_engine()) as engine:
+            return engine.weight_digests()
 
     @remote
     def engine_weights(self) -> dict[str, torch.Tensor]:

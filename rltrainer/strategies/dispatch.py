@@ -189,6 +189,8 @@ class WorkerGroupStrategy(Strategy):
         self.group.remote.set_weight_groups(groups)  # the sender keeps them whole (and forgets the synced)
         split = self.rollout_placement == "split"
         self.group.remote.configure_weight_delta(self.weight_sync_delta if split else None)
+        if split:
+            group.remote.configure_delta_receiver(self.weight_sync_delta)
         if self.weight_sync_delta is not None and not split:
             log.info("weight_sync_delta: colocated engines copy each weight in place (a diff scan reads as many bytes "
                      "as that copy writes), so they sync in full")

@@ -20,6 +20,25 @@ import torch
 from rltrainer.rollout.vllm import VLLMEngine
 
 
+def holds_exactly(held: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether a vLLM parameter ``held`` carries ``expected`` (what a full sync loads: the policy
+    cast to the engine's dtype, in vLLM's layout) bit for bit, in its first rows (vLLM pads the
+    vocabulary). The values are compared, in ``held``'s dtype: the CPU build keeps some tensors in
+    a wider float than the engine's dtype, by CPU (a fused QKV bias in fp32 in a bf16 engine on
+    Intel Xeons with AVX-512 and AMX, and on AMD EPYC), and a wider float holds each value of the
+    narrower exactly; a narrower or integer dtype, or another shape, does not hold it."""
+    rows = held[:expected.shape[0]]
+    if rows.shape != expected.shape:
+        return False
+    if rows.dtype != expected.dtype:
+        if not (rows.is_floating_point() and expected.is_floating_point()):
+            return False
+        wide, narrow = torch.finfo(rows.dtype), torch.finfo(expected.dtype)
+        if wide.bits <= narrow.bits or wide.max < narrow.max or wide.resolution > narrow.resolution:
+            return False
+    return torch.equal(rows, expected.to(rows.dtype))
+
+
 def vllm_parameters(model: Any) -> dict[str, torch.Tensor]:
     """CPU copies of a vLLM model's parameters (run in vLLM's worker by ``LLM.apply_model``)."""
     out = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}

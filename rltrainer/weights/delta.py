@@ -21,8 +21,14 @@ is compared with the sender's; a mismatch leaves the engine's version where it w
 controller sends those buckets again in full from the base (counted as ``sync/checksum_mismatches``).
 
 A name with no base (the first sync, a new engine, a woken engine that dropped its weights, a
-restored run: ``ParamVersions.forget_synced``) goes in full first. Memory: the base is one
-engine-dtype copy of the synced weights on trainer rank 0 (on the device its gathers return).
+restored run: ``ParamVersions.forget_synced``) goes in full first.
+
+Memory: the base is one engine-dtype copy of the synced weights on trainer rank 0, a mirror one per
+rollout process of an engine that lends no tensors (vLLM). ``DeltaSync.copies`` puts them in host
+memory (the default: a GPU's gather is copied to a pinned host buffer a bucket at a time and
+scanned there) or on the device. A scan on a device compares ``DEVICE_SCAN_WORDS`` words at a
+time and stops once the changes pass the bucket's budget, so beside the base and the bucket it
+holds at most one chunk's compare and indices and the indices it kept (within the budget).
 """
 
 from __future__ import annotations
@@ -37,12 +43,13 @@ import numpy as np
 import torch
 
 from rltrainer.weights import _kernels
-from rltrainer.weights.wire import (Encoding, Entry, bucket_views, entry_offsets, flatten_bucket, flatten_into,
-                                   itemsize)
+from rltrainer.weights.wire import (Encoding, Entry, bucket_nbytes, bucket_views, entry_offsets, flatten_bucket,
+                                   flatten_into, itemsize)
 
 WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NUMPY_WORDS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _CHECK_COLUMNS = 1024
+COPIES = ("host", "device")
 
 
 @dataclass(frozen=True)
@@ -59,16 +66,35 @@ class DeltaSync:
             slow.
         checksum_every: verify the engines' weights against the sender's every this many syncs
             (1: every sync; 0: never).
+        copies: where delta sync keeps its copies of the weights (trainer rank 0's base; each
+            rollout process's mirror, for an engine that lends no tensors, and its staged buckets).
+            ``"host"`` (the default): host memory. vLLM sizes its weights and KV cache to
+            ``gpu_memory_utilization`` when it starts, so a copy of the model beside it on its GPU
+            runs the first sync out of memory at 0.9; in host memory it costs each sync a copy over
+            PCIe per side (the sender copies each gathered bucket to the host and scans it there;
+            vLLM loads a touched bucket from the host). Only the sender's one bucket-sized transfer
+            buffer is pinned: torch's pinned allocator rounds a block up to a power of two and keeps
+            freed ones. ``"device"``: beside the weights (the gathers' device, the receiver's): no
+            PCIe copy, but one engine-dtype copy of the synced weights on each side's device, which
+            the engine's memory share must leave room for (lower ``gpu_memory_utilization`` by it).
     """
 
     max_share: float = 0.1
     checksum_every: int = 1
+    copies: str = "host"
 
     def __post_init__(self) -> None:
         if not 0 < self.max_share <= 1:
             raise ValueError(f"DeltaSync(max_share={self.max_share!r}): a share of the bucket's bytes, in (0, 1]")
         if not isinstance(self.checksum_every, int) or self.checksum_every < 0:
             raise ValueError(f"DeltaSync(checksum_every={self.checksum_every!r}): an int >= 0 (0: never verify)")
+        if self.copies not in COPIES:
+            raise ValueError(f"DeltaSync(copies={self.copies!r}): one of {', '.join(map(repr, COPIES))} (where the "
+                             "base and the mirrors live: host memory, or beside the weights on their device)")
+
+    def home(self, device: torch.device) -> torch.device:
+        """Where copies of weights on ``device`` are kept."""
+        return torch.device("cpu") if self.copies == "host" else device
 
     @classmethod
     def resolve(cls, value: bool | DeltaSync | None) -> DeltaSync | None:
@@ -100,7 +126,7 @@ def checksum(tensor: torch.Tensor) -> int:
         col_sums = torch.from_numpy(rows.numpy().sum(0)) if rows.device.type == "cpu" else rows.sum(0)
         parts += [int(row_sums.sum()), int((row_sums * torch.arange(1, row_sums.numel() + 1, device=rows.device)).sum()),
                   int((col_sums * torch.arange(1, _CHECK_COLUMNS + 1, device=rows.device)).sum())]
-    parts.extend(int(b) for b in data[head:].tolist())
+    parts.extend(int(b) for b in data[head:].cpu().tolist())
     out = 0
     for part in parts:
         out = (out * 1_000_003 + part) % (1 << 64)
@@ -134,16 +160,19 @@ def _put(words: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> No
 
 
 _SCAN_WORDS = 1 << 21  # a CPU scan compares this many words at a time (cache-sized)
+DEVICE_SCAN_WORDS = 1 << 22  # a device scan's chunk: its compare and indices take at most 9 bytes a word of it
 
 
-def changed_words(new: torch.Tensor, old: torch.Tensor, limit: float = math.inf) -> tuple[torch.Tensor | None, int]:
+def changed_words(new: torch.Tensor, old: torch.Tensor, limit: float = math.inf,
+                  chunk: int | None = None) -> tuple[torch.Tensor | None, int]:
     """The indices (int64, ascending) of the words where ``new`` differs from ``old`` (flat word views
     of one tensor), or ``None`` as soon as more than ``limit`` differ (the caller sends in full); and
-    how many words it compared. On CPU it compares cache-sized chunks with numpy (torch's ``ne`` and
+    how many words it compared. It compares ``chunk`` words at a time and stops after the chunk
+    that passes ``limit``: besides the indices it keeps (at most ``limit``), it holds one chunk's
+    compare and indices. On CPU it compares cache-sized chunks with numpy (torch's ``ne`` and
     ``nonzero`` cost several times more there); the compiled codec (:mod:`._kernels`) replaces it."""
     if new.device.type != "cpu":
-        changed = torch.ne(new, old).nonzero().view(-1)
-        return (None if changed.numel() > limit else changed), new.numel()
+        return _changed_chunks(new, old, limit, chunk or DEVICE_SCAN_WORDS)
     a, b = new.numpy(), old.numpy()
     parts, count = [], 0
     for start in range(0, a.size, _SCAN_WORDS):
@@ -154,6 +183,22 @@ def changed_words(new: torch.Tensor, old: torch.Tensor, limit: float = math.inf)
                 return None, min(start + _SCAN_WORDS, a.size)
             parts.append(part + start)
     return (torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int64)), a.size
+
+
+def _changed_chunks(new: torch.Tensor, old: torch.Tensor, limit: float, chunk: int) -> tuple[torch.Tensor | None, int]:
+    """:func:`changed_words` by torch passes over ``chunk`` words at a time (a GPU's; each chunk's
+    count is read back, as ``nonzero`` does anyway)."""
+    parts, count = [], 0
+    for start in range(0, new.numel(), chunk):
+        part = torch.ne(new[start:start + chunk], old[start:start + chunk]).nonzero().view(-1)
+        if part.numel():
+            count += part.numel()
+            if count > limit:
+                return None, min(start + chunk, new.numel())
+            parts.append(part.add_(start))
+    if not parts:
+        return new.new_empty(0, dtype=torch.int64), new.numel()
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), new.numel()
 
 
 def _word_offsets(entries: Sequence[Entry], word: int) -> list[int]:
@@ -171,6 +216,7 @@ class DeltaEncoder:
         self._backoff: dict[tuple[str, ...], tuple[int, int]] = {}  # bucket -> (scan again at sync, interval)
         self._spare: dict[str, torch.Tensor] = {}  # dropped bases' memory, reused by the next base
         self._buffers: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self._host: torch.Tensor | None = None  # a device's bucket, copied where the base is (copies="host")
 
     @property
     def nbytes(self) -> int:
@@ -233,6 +279,9 @@ class DeltaEncoder:
             payload = _flatten(tensors, entries, device, out)
             return payload, Encoding("full", int(payload.numel()), full_nbytes, word, words, 0, scanned=0,
                                      encode_s=time.perf_counter() - start)
+        home = self.settings.home(device)
+        if home != device:  # the base is in host memory: the bucket is scanned there
+            tensors, device = self._to_home(tensors, entries, device), home
         compiled = device.type == "cpu" and _kernels.kernels() is not None
         escape_room = int(self.settings.max_share * full_nbytes / (7 + word)) + 1  # each costs 7 + word bytes
         coded = (self._encode_compiled if compiled else self._encode_reference)(tensors, entries, word, blocks, budget,
@@ -254,6 +303,16 @@ class DeltaEncoder:
         sums = tuple(checksum(self.base[name]) for name in key) if self.verifies and kind == "delta" else ()
         return payload, Encoding(kind, int(payload.numel()), full_nbytes, word, words, changed, escapes, sums,
                                  encode_s, time.perf_counter() - start, scanned=scanned)
+
+    def _to_home(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry],
+                 source: torch.device) -> dict[str, torch.Tensor]:
+        """The bucket's tensors copied into one host buffer (kept for the next bucket; pinned from a
+        GPU, so the copy runs at the link's speed)."""
+        nbytes = bucket_nbytes(entries)
+        if self._host is None or self._host.numel() < nbytes:
+            self._host = None  # freed before the larger one is taken
+            self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=source.type == "cuda")
+        return dict(bucket_views(self._host[:flatten_into(self._host, tensors, entries)], entries))
 
     def _encode_compiled(self, tensors: Mapping[str, torch.Tensor], entries: Sequence[Entry], word: int, blocks: int,
                          budget: float, escape_room: int, device: torch.device) -> tuple[torch.Tensor, int] | None:
@@ -476,11 +535,15 @@ def _stepped(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 class DeltaDecoder:
     """A rollout process's side: apply a bucket (full or delta) to its engine and verify it.
 
-    Where the engine lends its own tensors (``engine.weight_tensors(names)``, in the wire dtype), a
-    delta is scattered into them; else the decoder keeps a mirror of what the engine loaded (one
-    engine-dtype copy, built from full buckets) and loads the tensors a delta touched from it."""
+    Where the engine lends its own tensor of a name (``engine.weight_tensors(names)``, in the wire
+    dtype and shape), a delta is scattered into it; else the decoder keeps a mirror of what the
+    engine loaded under that name (an engine-dtype copy, built from full buckets, where
+    ``settings.copies`` says) and loads the names a delta touched from it. vLLM lends none (its
+    layers are fused and sharded); the ``hf`` engine lends each tensor it holds in the wire dtype,
+    not one it keeps wider (a router kept in fp32 in a bf16 model)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: DeltaSync | None = None) -> None:
+        self.settings = settings or DeltaSync()
         self.mirror: dict[str, torch.Tensor] = {}
         self.verify_s = 0.0  # seconds spent on checksums (summed; the gate reads it per sync)
 
@@ -496,38 +559,43 @@ class DeltaDecoder:
             views = bucket_views(payload, entries)
             engine.update_weights(views)
             own = _lent(engine, entries)  # after the load: an engine may hold a name only once loaded
-            if own is not None:
-                for name in own:
-                    self.mirror.pop(name, None)
-            else:
-                for name, tensor in views:
-                    words = as_words(tensor, word)
-                    kept = self.mirror.get(name)
-                    if kept is not None and kept.shape == words.shape and kept.dtype == words.dtype:
-                        kept.copy_(words)
-                    else:
-                        self.mirror[name] = words.clone()
+            for name, tensor in views:
+                if name not in own:
+                    self._keep(name, as_words(tensor, word))
         else:
             own = _lent(engine, entries)
-            targets = own if own is not None else {n: self.mirror.get(n) for n, _, _ in entries}
+            targets = {n: own[n] if n in own else self.mirror.get(n) for n, _, _ in entries}
             if any(t is None for t in targets.values()):
                 return False  # nothing to apply the delta to (a new replica): repaired in full
-            device = next(iter(targets.values())).device
-            if device.type == "cpu" and encoding.changed and _kernels.kernels() is not None:
+            devices = {t.device for t in targets.values()}
+            if devices == {torch.device("cpu")} and encoding.changed and _kernels.kernels() is not None:
                 self._apply_compiled(payload, entries, encoding, targets)
             elif encoding.changed:
-                self._apply_reference(payload, entries, encoding, targets, device)
-            if own is None and encoding.changed:  # the whole bucket: an engine may rebuild a fused layer from all of it
+                for device in devices:
+                    self._apply_reference(payload, entries, encoding,
+                                          {n: t for n, t in targets.items() if t.device == device}, device)
+            mirrored = [entry for entry in entries if entry[0] not in own]
+            if mirrored and encoding.changed:  # all of them: an engine may rebuild a fused layer from all of it
                 engine.update_weights([(name, self.mirror[name].view(torch.uint8).view(getattr(torch, dtype)).view(shape))
-                                       for name, dtype, shape in entries])
+                                       for name, dtype, shape in mirrored])
+        for name in own:  # the engine's own tensor says what it holds; a mirror of it would go stale
+            self.mirror.pop(name, None)
         if not encoding.checksums:
             return True
         start = time.perf_counter()
-        held = own if own is not None else self.mirror
+        held = {**self.mirror, **own}
         matched = all(name in held and checksum(held[name]) == expected
                       for (name, _, _), expected in zip(entries, encoding.checksums))
         self.verify_s += time.perf_counter() - start
         return matched
+
+    def _keep(self, name: str, words: torch.Tensor) -> None:
+        """Mirror ``words`` (what the engine was given under ``name``), in its old memory where it fits."""
+        kept = self.mirror.get(name)
+        home = self.settings.home(words.device)
+        if kept is None or kept.shape != words.shape or kept.dtype != words.dtype or kept.device != home:
+            kept = self.mirror[name] = torch.empty_like(words, device=home)  # not pinned: see DeltaSync.copies
+        kept.copy_(words)
 
     @staticmethod
     def _apply_compiled(payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,
@@ -553,14 +621,15 @@ class DeltaDecoder:
     @staticmethod
     def _apply_reference(payload: torch.Tensor, entries: Sequence[Entry], encoding: Encoding,
                          targets: Mapping[str, torch.Tensor], device: torch.device) -> None:
-        """A delta by whole-array passes (a GPU's, or without numba)."""
+        """A delta by whole-array passes (a GPU's, or without numba), into the names of ``targets``
+        (all on ``device``)."""
         word = encoding.word
         indices, steps, positions, escaped = (t.to(device) for t in split_delta(payload, encoding))
         starts = _word_offsets(entries, word)
         bounds = torch.searchsorted(indices, torch.tensor(starts + [encoding.words], device=device)).tolist()
         with torch.no_grad():
             for (name, _, _), start, lo, hi in zip(entries, starts, bounds, bounds[1:]):
-                if hi > lo:
+                if hi > lo and name in targets:
                     words = as_words(targets[name], word)
                     places = indices[lo:hi] - start
                     values = _stepped(_take(words, places), steps[lo:hi])
@@ -572,16 +641,15 @@ class DeltaDecoder:
         self.mirror.clear()
 
 
-def _lent(engine: Any, entries: Sequence[Entry]) -> dict[str, torch.Tensor] | None:
-    """The engine's own tensors for a bucket's names, if it lends them whole in the wire dtype and
-    shape (contiguous), else ``None`` (the decoder keeps a mirror)."""
+def _lent(engine: Any, entries: Sequence[Entry]) -> dict[str, torch.Tensor]:
+    """The engine's own tensors of a bucket's names that it lends whole in the wire dtype and shape
+    (contiguous); the decoder mirrors the others."""
     lend = getattr(engine, "weight_tensors", None)
-    own = lend([name for name, _, _ in entries]) if lend is not None else None
-    if own is None:
-        return None
+    own = (lend([name for name, _, _ in entries]) if lend is not None else None) or {}
+    out = {}
     for name, dtype, shape in entries:
         tensor = own.get(name)
-        if (tensor is None or tensor.dtype != getattr(torch, dtype) or tuple(tensor.shape) != tuple(shape)
-                or not tensor.is_contiguous()):
-            return None
-    return own
+        if (tensor is not None and tensor.dtype == getattr(torch, dtype) and tuple(tensor.shape) == tuple(shape)
+                and tensor.is_contiguous()):
+            out[name] = tensor
+    return out

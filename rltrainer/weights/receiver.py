@@ -24,8 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from rltrainer.weights.delta import DeltaDecoder, DeltaSync
 from rltrainer.weights.group import WeightGroup
 from rltrainer.weights.shm import SharedSlots
 from rltrainer.weights.staging import EngineGate
@@ -43,8 +45,21 @@ class WeightReceiver:
 
     def __init__(self, device: torch.device, gate: EngineGate) -> None:
         self.device, self.gate = device, gate
+        self.stage_device = device  # where a sync's buckets wait to be applied
         self._group: WeightGroup | None = None
         self._slots: SharedSlots | None = None
+
+    def configure_delta(self, settings: DeltaSync | None) -> None:
+        """Delta sync on (``settings``) or off: its ``copies`` place the mirror and the staged buckets
+        (host memory, or this process's device as without delta sync)."""
+        self.gate.decoder = DeltaDecoder(settings)
+        self.stage_device = settings.home(self.device) if settings is not None else self.device
+
+    def _own(self, data: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """This process's copy of a payload (uint8), where it stages syncs."""
+        if isinstance(data, np.ndarray):
+            return torch.tensor(data, device=self.stage_device)
+        return data.to(self.stage_device, copy=True)
 
     def _staged(self, engine: Any, buffer: torch.Tensor, entries: Sequence[Entry], version: int, index: int,
                 count: int, encoding: Encoding | None = None) -> Stats | dict[str, Any]:
@@ -76,7 +91,7 @@ class WeightReceiver:
         try:
             engine.start_weight_update()
             bad = [i for i, bucket in enumerate(buckets)
-                   if not self.gate.decoder.apply(engine, torch.tensor(bucket.data, device=self.device), bucket.entries,
+                   if not self.gate.decoder.apply(engine, self._own(bucket.data), bucket.entries,
                                                   bucket.encoding)]
             engine.finish_weight_update()
             if bad:
@@ -99,7 +114,7 @@ class WeightReceiver:
         if version is None:
             self._held(engine, index, count, None, lambda: engine.update_weights(bucket.views()))
             return {"tensors": len(bucket.entries), "bytes": bucket.nbytes}
-        owned = torch.tensor(bucket.data, device=self.device)  # a copy: the object store's buffer is released
+        owned = self._own(bucket.data)  # a copy: the object store's buffer is released
         return self._staged(engine, owned, bucket.entries, version, index, count, bucket.encoding)
 
     def commit(self, engine: Any, version: int) -> Stats:
@@ -146,6 +161,8 @@ class WeightReceiver:
         else:
             buffer = torch.empty(encoding.nbytes, dtype=torch.uint8, device=self.device)
         self._group.broadcast(buffer)
+        if self.stage_device != self.device:  # staged elsewhere (host memory): the receive buffer is freed
+            buffer = self._own(buffer)
         return self._staged(engine, buffer, entries, version, index, count, encoding)
 
     def _receive_native(self, engine: Any, entries: Sequence[Entry], version: int, index: int, count: int) -> Stats:
@@ -196,7 +213,7 @@ class WeightReceiver:
             raise RuntimeError("load_slot before open_slots (the shared-memory transport was not connected)")
         encoding = ready if isinstance(ready, Encoding) else None  # delta sync: rank 0's coded payload
         nbytes = encoding.nbytes if encoding is not None else bucket_nbytes(entries)
-        owned = self._slots.slot(index, bucket_nbytes(entries))[:nbytes].to(self.device, copy=True)
+        owned = self._own(self._slots.slot(index, bucket_nbytes(entries))[:nbytes])
         return self._staged(engine, owned, entries, version, index, count, encoding)
 
     def close_slots(self) -> None:

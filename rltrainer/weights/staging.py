@@ -22,7 +22,9 @@ weights are applied to the engine in one go, between two requests:
 
 Memory: a staged sync holds every bucket it carries until it is applied, so each replica needs
 one copy of the weights that changed since the last sync (all of them on the first sync, or after a
-sleep discarded them) on its device, beside the engine's own weights.
+sleep discarded them) on its device, beside the engine's own weights; with delta sync, in host
+memory unless ``DeltaSync(copies="device")`` (the receiver places them,
+:meth:`~rltrainer.weights.receiver.WeightReceiver.configure_delta`).
 
 An engine with a receiving path of its own (``native_weight_broadcast``, SGLang's schedulers) loads
 each bucket as it arrives; the receiver then holds the gate from the sync's first bucket to its last,

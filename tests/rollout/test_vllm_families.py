@@ -43,7 +43,7 @@ from rltrainer.rollout.engine import ModelFiles
 from rltrainer.rollout.remote import RemoteEngine
 from rltrainer.rollout.worker import Worker
 from rltrainer.testing.families import DENSE, MOE, tiny_config
-from rltrainer.testing.vllm_probe import InspectableVLLMEngine
+from rltrainer.testing.vllm_probe import InspectableVLLMEngine, holds_exactly
 from rltrainer.weights.delta import DeltaSync
 from rltrainer.weights.sender import WeightSender
 
@@ -124,11 +124,8 @@ def assert_vllm_holds(group: RayWorkerGroup, policy: torch.nn.Module, when: str)
         if expected is None:
             unknown.append(name)
             continue
-        rows = tensor[:expected.shape[0]]  # vLLM pads the vocabulary
-        if rows.dtype == torch.float32 and name.endswith(".bias"):  # the CPU build keeps linear biases in fp32
-            expected = expected.float()  # exact
-        if rows.dtype != expected.dtype or rows.shape != expected.shape or not torch.equal(rows, expected):
-            bad.append(name)
+        if not holds_exactly(tensor, expected):  # by value: the CPU build keeps some in fp32, by CPU
+            bad.append(f"{name} ({tensor.dtype})")
     assert not unknown, f"vLLM parameters with no policy counterpart: {unknown}"
     assert not bad, f"{when}: vLLM differs from the policy (bf16) in {bad}"
 

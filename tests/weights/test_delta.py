@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from rltrainer.testing.fake_device import DeviceTensor, FakeDevice
 from rltrainer.weights import _kernels, delta
 from rltrainer.weights.delta import BLOCK_WORDS, DeltaDecoder, DeltaEncoder, DeltaSync, checksum
 from rltrainer.weights.receiver import WeightReceiver
@@ -612,3 +613,123 @@ def test_a_bucket_whose_changes_sit_outside_the_sample_is_still_a_delta(monkeypa
     encoding = sync(encoder, decoder, engine, tensors, entries)
     assert encoding.kind == "delta" and encoding.changed == 2500 and encoding.scanned == 8 * BLOCK_WORDS
     assert_bytes_equal(engine, tensors)
+
+
+# -- an engine that keeps a tensor in another dtype than the wire's (as the vLLM CPU build or a router in fp32) -
+class WideningEngine(LendingEngine):
+    """Lends its tensors, as the ``hf`` engine does, but keeps ``wide`` in fp32 while the wire is
+    bf16 (as transformers keeps DeepSeek-V3's router ``gate.weight`` in a bf16 model): that name
+    cannot take a delta in place and goes through the mirror."""
+
+    def __init__(self, wide: str) -> None:
+        super().__init__()
+        self.wide = wide
+
+    def update_weights(self, weights) -> dict[str, float]:
+        super().update_weights((name, tensor.float() if name == self.wide else tensor) for name, tensor in weights)
+        return {}
+
+
+def test_an_engine_keeping_one_tensor_wider_lends_the_others_and_no_mirror_goes_stale(codec):
+    """The wide tensor alone is mirrored; a name lent in one sync and mirrored with the wide one in the next
+    (buckets follow what changed) still gets the right delta: it was a bucket-wide choice, so a name
+    lent once kept a stale mirror that a later delta was applied to."""
+    tensors = {"a": torch.randn(64, 8).to(torch.bfloat16), "wide": torch.randn(32, 8).to(torch.bfloat16)}
+    both, alone = entries_of(tensors), entries_of({"a": tensors["a"]})
+    encoder, decoder, engine = DeltaEncoder(DeltaSync(max_share=0.5)), DeltaDecoder(), WideningEngine("wide")
+    generator = torch.Generator().manual_seed(3)
+    for step, entries in enumerate([both, alone, both, alone, both]):
+        names = [name for name, _, _ in entries]
+        if step:
+            perturb({n: tensors[n] for n in names}, 0.05, generator)
+        encoding = sync(encoder, decoder, engine, tensors, entries)  # asserts the checksums match
+        assert encoding.kind == ("full" if step == 0 else "delta"), step
+        assert torch.equal(engine.weights["a"], tensors["a"])
+        assert engine.weights["wide"].dtype == torch.float32 and torch.equal(engine.weights["wide"], tensors["wide"].float())
+        assert set(decoder.mirror) == {"wide"}  # the lent tensor is not copied
+
+
+# -- where the copies live when the weights are on a device (imitated: rltrainer.testing.fake_device) --------
+def on_device(device: FakeDevice, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: device.tensor(t) for name, t in tensors.items()}
+
+
+@pytest.mark.parametrize("copies", ["host", "device"])
+def test_the_base_and_the_mirror_live_where_copies_says_when_the_weights_are_on_a_device(copies):
+    """A GPU trainer's gathers and a GPU receiver's payloads: with ``copies="host"`` (the default) the
+    base and the mirror are host tensors and the codec keeps nothing on the device (vLLM sized itself
+    to its share of the GPU); with ``"device"`` they are on the device, and its torch passes (a GPU's
+    codec) give the same engine weights."""
+    settings = DeltaSync(max_share=0.5, copies=copies)
+    tensors = make_tensors(DTYPE_CASES["mixed"])
+    entries = entries_of(tensors)
+    generator = torch.Generator().manual_seed(2)
+    encoder, decoder, engine = DeltaEncoder(settings), DeltaDecoder(settings), MirrorEngine()
+    kinds = []
+    with FakeDevice() as device:
+        for step in range(3):
+            if step:
+                perturb(tensors, 0.05, generator)
+            gathered = on_device(device, tensors)
+            device.reset_peak()
+            encoder.begin_sync(())
+            payload, encoding = encoder.encode(gathered, entries)
+            took = device.peak - device.alive_at_reset  # the encoder's device memory at its peak
+            received = device.tensor(payload.cpu())  # a broadcast delivers it on the receiver's device
+            assert decoder.apply(engine, received, entries, encoding)
+            kinds.append(encoding.kind)
+            base = [t for t in encoder.base.values()]
+            assert all(isinstance(t, DeviceTensor) == (copies == "device") for t in [*base, *decoder.mirror.values()])
+            if copies == "host":  # nothing on the device: the bucket is copied to the host and coded there
+                assert took == 0 and not isinstance(payload, DeviceTensor)
+        assert_bytes_equal(engine, tensors)  # in the engine's device memory
+    assert kinds == ["full", "delta", "delta"]
+
+
+def test_a_receiver_on_a_device_stages_and_mirrors_in_host_memory():
+    """``copies="host"``: a rollout process on a GPU stages a sync's buckets and keeps its mirror in host
+    memory (what it received from a broadcast is copied out and freed); ``"device"`` keeps them there."""
+    tensors = make_tensors(DTYPE_CASES["bf16"])
+    entries = entries_of(tensors)
+    for copies in ("host", "device"):
+        encoder, gate, engine = DeltaEncoder(DeltaSync(max_share=0.5)), EngineGate(), MirrorEngine()
+        with FakeDevice() as device:
+            receiver = WeightReceiver(FakeDevice.device, gate)
+            receiver.configure_delta(DeltaSync(max_share=0.5, copies=copies))
+            for version in (1, 2):
+                tensors["a"].view(-1)[version] += 1
+                encoder.begin_sync(())
+                payload, encoding = encoder.encode(tensors, entries)
+                device.reset_peak()
+                stats = receiver.load(engine, Bucket(entries, payload.numpy(), encoding), version, 0, 1)
+                assert stats["mismatched"] == [] and engine.weight_version == version
+                mirrored = list(gate.decoder.mirror.values())
+                if copies == "host":
+                    assert device.peak == device.alive_at_reset and not any(isinstance(t, DeviceTensor) for t in mirrored)
+                else:
+                    assert all(isinstance(t, DeviceTensor) for t in mirrored)
+            assert_bytes_equal(engine, tensors)
+
+
+def test_a_device_scan_holds_one_chunk_beyond_the_indices_it_keeps_and_stops_past_the_limit(monkeypatch):
+    """A GPU's scan (torch passes) compares a chunk at a time: with every word changed and a limit of 100 it
+    stops after the first chunk, and never holds more than a chunk's compare and indices beside the
+    indices it keeps (a whole-bucket ``nonzero`` holds 9 bytes a word of the bucket)."""
+    chunk, words = 4096, 1 << 18
+    monkeypatch.setattr(delta, "DEVICE_SCAN_WORDS", chunk, raising=False)
+    generator = torch.Generator().manual_seed(0)
+    new = torch.randint(-2**15, 2**15, (words,), dtype=torch.int16, generator=generator)
+    sparse = new.clone()
+    sparse[torch.randperm(words, generator=generator)[:300]] += 1
+    with FakeDevice() as device:
+        for old, limit, expect_found in ((new + 1, 100, False), (sparse, 1000, True)):
+            a, b = device.tensor(new), device.tensor(old)
+            device.reset_peak()
+            found, scanned = delta.changed_words(a, b, limit)
+            extra = device.peak - device.alive_at_reset
+            assert (found is not None) == expect_found
+            if expect_found:
+                assert torch.equal(found.cpu(), torch.ne(new, old).nonzero().view(-1)) and scanned == words
+                assert extra <= 9 * chunk + 2 * 8 * 300  # a chunk's compare and indices; the kept ones, and their cat
+            else:
+                assert scanned == chunk and extra <= 9 * chunk

@@ -49,9 +49,10 @@ class FSDP2Strategy(WorkerGroupStrategy):
             replicas' copy (int8 steps and 16-bit offsets) when that is at most a tenth of its bytes,
             else in full (backing off for a few syncs), with the checksum of every tensor a delta
             updated verified after each sync (a mismatch is sent again in full); ``True`` or
-            :class:`~rltrainer.weights.delta.DeltaSync` ``(max_share=..., checksum_every=...)``. Costs one engine-dtype copy of the weights on trainer rank 0, and
-            one per rollout process for engines that cannot lend their tensors (vLLM). See
-            :mod:`rltrainer.weights.delta`.
+            :class:`~rltrainer.weights.delta.DeltaSync` ``(max_share=..., checksum_every=...,
+            copies=...)``. Costs one engine-dtype copy of the weights on trainer rank 0, and one per
+            rollout process for engines that cannot lend their tensors (vLLM), in host memory
+            unless ``copies="device"``. See :mod:`rltrainer.weights.delta`.
         bucket_bytes: weight-sync bucket size; the extra memory of a sync is about one bucket.
         cpus_per_worker / gpus_per_worker: Ray resources per process (GPUs: 1 if the cluster
             has GPUs, else 0, by default).
