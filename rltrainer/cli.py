@@ -73,8 +73,8 @@ def fit_parser() -> Any:
     try:
         from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
     except ImportError as exc:
-        raise ImportError("The rltrainer command line needs jsonargparse: pip install 'rltrainer[cli]' "
-                          "(or pip install 'jsonargparse>=4.53')") from exc
+        raise ImportError("The rltrainer command line needs jsonargparse, a dependency of rltrainer that is missing "
+                          "from this environment: pip install 'jsonargparse>=4.53,<5' (or reinstall rltrainer)") from exc
 
     parser = ArgumentParser(description="Train an RLModule with the Trainer, from a config file and flags.",
                             exit_on_error=False)
