@@ -174,6 +174,9 @@ def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint):
             lines.append(f"  checkpoints:  {callback.run_dir(trainer)}")
+            if callback.best_model_path is not None:
+                lines.append(f"  best:         {callback.best_model_path} ({callback.monitor} "
+                             f"{callback.best_model_score:.4g})")
     if trainer.interrupted:
         lines.append(f"  resume with:  {resume_command(argv)}")
     return "\n".join(lines)
