@@ -165,7 +165,7 @@ class Trainer(DeprecatedTrainerMethods):
                               type(module).__name__)
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self.estimated_total_steps = estimate_training_steps(train_loader, self.max_epochs, self.max_steps)
-        self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps)
+        self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps, self._engine_spec)
         resume = resolve_ckpt_path(self, ckpt_path) if ckpt_path is not None else None
         if resume is not None:  # before anything is logged: the resumed run writes on in the checkpointed run's log
             continue_logs(self.loggers, read_trainer_state(resume))

@@ -173,6 +173,8 @@ class WorkerGroupStrategy(Strategy):
                              f"the {self.world_size} training ranks")
         else:
             refuse_other_environment(engine, runtime_env, "colocated with the training ranks")
+        for device_type in sorted(set(group.remote.device_type())):  # where the replicas run, before they start
+            engine.check_model(self._config, device_type)
         view = engine_view(self.lora_config, engine)
         dtype = getattr(engine, "dtype", None)
         if self.rollout_placement == "split":  # resolved, and checked with the engine, before it starts
