@@ -231,7 +231,7 @@ def test_the_run_plan_says_what_vllm_costs_on_cpu(tiny_config, bpe_tokenizer, gs
     loader = prompt_dataloader(gsm8k_prompts, batch_size=2)
     plan = build_plan(module, SingleDeviceStrategy(), loader, 10, VLLMEngine())
     table = plan.table()
-    assert "note: vLLM on CPU: the engine takes about 40 s to start" in table
+    assert "note: vLLM on CPU: the engine takes 20-40 s to start" in table
     assert "0.59x as fast as rollout='hf' at hidden 64 x 2 layers and 1.82x at hidden 512 x 8 layers" in table
     assert not any("note" in key for key in plan.as_dict())
     assert "note" not in build_plan(module, SingleDeviceStrategy(), loader, 10, HFEngine()).table()
