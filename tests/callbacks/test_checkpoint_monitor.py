@@ -50,8 +50,9 @@ def test_the_best_by_a_validation_metric_and_the_newest_are_kept_across_a_resume
                                                                                    bpe_tokenizer, gsm8k_prompts):
     checkpoints = tmp_path / "checkpoints"
     ranked = {"every_n_steps": 2, "monitor": "val/accuracy", "mode": "max"}
-    # step 1 scores 0.2 (the best so far: saved), 2 the best (0.9), 3 less (not saved: no every_n step), 4 saved as newest
-    first = fit(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, 4, [0.2, 0.9, 0.5, 0.3], **ranked)
+    # step 0 (before the first step: no checkpoint) scores 0.95; step 1 0.2 (the best checkpoint so far: saved), 2 the
+    # best (0.9), 3 less (not saved: no every_n step), 4 saved as the newest
+    first = fit(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, 4, [0.95, 0.2, 0.9, 0.5, 0.3], **ranked)
     assert names(checkpoints) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
     assert os.readlink(checkpoints / "last.ckpt") == "step=4.ckpt"
     assert first.best_model_path == checkpoints / "step=2.ckpt" and first.best_model_score == pytest.approx(0.9)
@@ -62,7 +63,7 @@ def test_the_best_by_a_validation_metric_and_the_newest_are_kept_across_a_resume
     assert names(checkpoints) == ["last.ckpt", "step=2.ckpt", "step=6.ckpt"]
     assert second.best_model_path == checkpoints / "step=2.ckpt"
     # mode="min" keeps the lowest; save_top_k=2 the two best
-    fit(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path / "min", 4, [0.5, 0.1, 0.3, 0.7], every_n_steps=100,
+    fit(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path / "min", 4, [0.0, 0.5, 0.1, 0.3, 0.7], every_n_steps=100,
         monitor="val/accuracy", mode="min", save_top_k=2)
     assert names(tmp_path / "min" / "checkpoints") == ["last.ckpt", "step=2.ckpt", "step=3.ckpt", "step=4.ckpt"]
 
