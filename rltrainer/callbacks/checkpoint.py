@@ -164,10 +164,11 @@ class ModelCheckpoint(Callback):
                 raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): validation logged no such metric; it "
                                  f"logged {', '.join(sorted(metrics)) or 'nothing'}. Monitor one of them.")
             return
-        step = trainer.global_step
+        step, name = trainer.global_step, f"step={trainer.global_step}.ckpt"
         self._fresh = (step, float(metrics[self.monitor]))
-        if self._saved_step == step and f"step={step}.ckpt" not in self._scores:
-            self._saved_step = None  # saved before this validation (the end of fit): saved again, with its score
+        if self._saved_step == step and name not in self._scores:  # saved before this validation (the end of fit):
+            self._scores[name] = self._fresh[1]  # ranked now, and saved again with its score if save_last
+            self._saved_step = None
 
     def on_fit_end(self, trainer: Trainer, module: RLModule) -> None:
         if self.save_last:
