@@ -92,8 +92,8 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 #: What the run plan says of vLLM on CPU: its start-up, and where it beats the ``hf`` engine
 #: (tests/benchmarks/README.md: bench_engines.py, 2-core EPYC, 2026-12-03). The start-up: a fit's
 #: setup with a tiny model, split placement, on 2 cores shared with other jobs (load average 6-10),
-#: 2026-12-05: 17.3, 20.2, 23.3 s with vLLM's cache warm, 31.9 s with a new VLLM_CACHE_ROOT; the hf
-#: engine in a Ray process 10.9-15.6 s (.ci/docs/pages/vllm-cpu.md).
+#: 2026-12-05: 17.3, 20.2, 23.3 s with vLLM's cache warm (39.5 s beside a training run), 31.9 s with a
+#: new VLLM_CACHE_ROOT; the hf engine in a Ray process 10.9-15.6 s (.ci/docs/pages/vllm-cpu.md).
 VLLM_CPU_NOTES = ("vLLM on CPU: the engine takes 20-40 s to start (its process, vLLM's import and set-up; "
                   "measured 17-23 s, 32 s on a machine's first start), once per fit",
                   "vLLM on CPU generates 0.59x as fast as rollout='hf' at hidden 64 x 2 layers and 1.82x at hidden "
