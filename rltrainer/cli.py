@@ -1,4 +1,6 @@
-"""The config-file command line: ``rltrainer fit --config grpo.yaml`` (or ``python -m rltrainer``).
+"""The config-file command line: ``rltrainer fit --config grpo.yaml`` (or ``python -m rltrainer``), and
+``rltrainer validate --config grpo.yaml`` (the same config: validation alone, of the model as
+configured or of a checkpoint with ``--ckpt_path``).
 
 Built on jsonargparse, as Lightning's CLI is: the parser is made from the signatures, so every
 argument of :class:`~rltrainer.Trainer` (``trainer:``), of the module class (``module:``, a
@@ -17,7 +19,9 @@ path, a hub id or a tokenizer shipped in ``recipes/data/tokenizers`` (``qwen2.5-
 
 A run saves checkpoints (a :class:`~rltrainer.ModelCheckpoint` unless ``trainer.callbacks`` has
 one); ``--ckpt_path last`` resumes the newest, and Ctrl-C stops after the current step with a
-checkpoint and the command that resumes it. Shipped configs: ``recipes/configs/``.
+checkpoint and the command that resumes it. With ``trainer.val_check_interval`` the run validates
+before the first step too (logged as step 0), so one log holds the starting point and the end.
+Shipped configs: ``recipes/configs/``.
 """
 
 from __future__ import annotations
@@ -67,21 +71,31 @@ def _instantiate_module(class_type: type, *args: Any, **kwargs: Any) -> Any:
     return class_type(*args, **kwargs)
 
 
-def fit_parser() -> Any:
-    """The ``fit`` subcommand's parser: ``--config``, ``trainer``, ``module``, ``data``, ``ckpt_path``,
-    ``threads``, ``log_level``."""
+#: The subcommands: what each does, and what its ``--ckpt_path`` means.
+COMMANDS = {
+    "fit": ("Train an RLModule with the Trainer, from a config file and flags.",
+            "resume from this checkpoint directory, or 'last': the newest one the run's ModelCheckpoint wrote "
+            "(none yet: start from scratch)"),
+    "validate": ("Validate an RLModule (its validation_step over data.val_file), from the same config file as fit: "
+                 "the model as configured, or a checkpoint's.",
+                 "validate this checkpoint directory's policy, or 'last': the newest one of the run (none: the "
+                 "model as configured)"),
+}
+
+
+def fit_parser(command: str = "fit") -> Any:
+    """The ``fit`` (or ``validate``: the same arguments) subcommand's parser: ``--config``,
+    ``trainer``, ``module``, ``data``, ``ckpt_path``, ``threads``, ``log_level``."""
     try:
         from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
     except ImportError as exc:
-        raise ImportError("The rltrainer command line needs jsonargparse: pip install 'rltrainer[cli]' "
-                          "(or pip install 'jsonargparse>=4.53')") from exc
+        raise ImportError("The rltrainer command line needs jsonargparse, a dependency of rltrainer that is missing "
+                          "from this environment: pip install 'jsonargparse>=4.53,<5' (or reinstall rltrainer)") from exc
 
-    parser = ArgumentParser(description="Train an RLModule with the Trainer, from a config file and flags.",
-                            exit_on_error=False)
+    description, ckpt_help = COMMANDS[command]
+    parser = ArgumentParser(description=description, exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML config (several: later ones override)")
-    parser.add_argument("--ckpt_path", type=str | None, default=None,
-                        help="resume from this checkpoint directory, or 'last': the newest one the run's "
-                             "ModelCheckpoint wrote (none yet: start from scratch)")
+    parser.add_argument("--ckpt_path", type=str | None, default=None, help=ckpt_help)
     parser.add_argument("--threads", type=int | None, default=None,
                         help="torch.set_num_threads in the controller (default: torch's)")
     parser.add_argument("--log_level", type=str, default="INFO", help="the logging level of the run")
@@ -98,13 +112,17 @@ def fit_parser() -> Any:
     return parser
 
 
-def build_parser(fit: Any = None) -> Any:
-    """``rltrainer`` with its subcommands (``fit``: ``fit`` or a new :func:`fit_parser`)."""
+def build_parser(fit: Any = None, validate: Any = None) -> Any:
+    """``rltrainer`` with its subcommands (``fit``: ``fit`` or a new :func:`fit_parser`; ``validate``
+    likewise)."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(prog="rltrainer", description=__doc__.split("\n\n")[0], exit_on_error=False)
     subcommands = parser.add_subcommands(dest="subcommand")
     subcommands.add_subcommand("fit", fit if fit is not None else fit_parser(), help="train from a config file and flags")
+    subcommands.add_subcommand("validate", validate if validate is not None else fit_parser("validate"),
+                               help="validate the model as configured, or a checkpoint (--ckpt_path), from the same "
+                                    "config")
     return parser
 
 
@@ -126,6 +144,38 @@ def run_fit(built: dict[str, Any], ckpt_path: str | None = None) -> Any:
     with built["trainer"] as trainer:
         trainer.fit(built["module"], datamodule=built["data"], ckpt_path=ckpt_path)
     return trainer
+
+
+def validation_prompts(data: Any) -> Any:
+    """``data.val_dataloader()``; a ``ValueError`` if the data has none."""
+    loader = data.val_dataloader() if hasattr(data, "val_dataloader") else None
+    if loader is None:
+        raise ValueError("rltrainer validate needs validation prompts, and the data has none: set data.val_file "
+                         "(or give your data module a val_dataloader()).")
+    return loader
+
+
+def run_validate(built: dict[str, Any], loader: Any, ckpt_path: str | None = None) -> dict[str, float]:
+    """``validate`` the run :func:`instantiate_fit` built over ``loader`` (:func:`validation_prompts`):
+    its policy as configured, or the checkpoint ``ckpt_path``'s (a path, or ``"last"``); the metrics
+    are logged at the step validated (0, or the checkpoint's). Returns them."""
+    trainer, module = built["trainer"], built["module"]
+    with trainer:
+        if ckpt_path is not None:
+            trainer.restore(module, ckpt_path)  # "last" with no checkpoint yet: the model as configured
+        return trainer.validate(module, loader)
+
+
+def validate_summary(trainer: Any, metrics: dict[str, float], seconds: float) -> str:
+    """The lines ``rltrainer validate`` ends with: what was validated, its metrics, where they are logged."""
+    what = f"checkpoint {trainer.ckpt_path} (step {trainer.ckpt_step})" if trainer.ckpt_path is not None else \
+        "the model as configured (step 0)"
+    lines = [f"rltrainer validate done: {what} in {seconds:.0f} s",
+             "  metrics:      " + (", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())) or "none")]
+    for logger in trainer.loggers:
+        if where := getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None):
+            lines.append(f"  logs:         {where}")
+    return "\n".join(lines)
 
 
 def import_paths(argv: Sequence[str]) -> list[str]:
@@ -174,6 +224,9 @@ def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint):
             lines.append(f"  checkpoints:  {callback.run_dir(trainer)}")
+            if callback.best_model_path is not None:
+                lines.append(f"  best:         {callback.best_model_path} ({callback.monitor} "
+                             f"{callback.best_model_score:.4g})")
     if trainer.interrupted:
         lines.append(f"  resume with:  {resume_command(argv)}")
     return "\n".join(lines)
@@ -206,19 +259,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoint), 2 for a command line or config that is refused (one message, no traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     sys.path += [p for p in import_paths(argv) if p not in sys.path]  # after the installed packages
-    fit = fit_parser()
-    parser = build_parser(fit)
+    parsers = {name: fit_parser(name) for name in COMMANDS}
+    parser = build_parser(**parsers)
     try:
         config = parser.parse_args(argv)
     except ArgumentError as exc:
-        fit_command = argv[:1] == ["fit"]
-        options = list(getattr(fit, "_option_string_actions", {})) if fit_command else []
-        print(usage_error(exc, "rltrainer fit" if fit_command else "rltrainer", options), file=sys.stderr)
+        command = argv[0] if argv[:1] and argv[0] in parsers else None
+        options = list(getattr(parsers[command], "_option_string_actions", {})) if command else []
+        print(usage_error(exc, f"rltrainer {command}" if command else "rltrainer", options), file=sys.stderr)
         return USAGE_ERROR
-    if config.subcommand != "fit":
+    if config.subcommand not in parsers:
         print(parser.format_usage(), file=sys.stderr)
         return USAGE_ERROR
-    config = config.fit
+    command = config.subcommand
+    sub, config = parsers[command], getattr(config, command)
     logging.basicConfig(level=getattr(logging, str(config.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(name)s: %(message)s")
     if config.threads:
@@ -227,11 +281,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(config.threads)
     start = time.perf_counter()
     try:  # a constructor refusing a value is a usage error too (an error while training is not)
-        built = instantiate_fit(fit, config)
+        built = instantiate_fit(sub, config)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         log.debug("The config was refused", exc_info=exc)
-        print(usage_error(exc, "rltrainer fit"), file=sys.stderr)
+        print(usage_error(exc, f"rltrainer {command}"), file=sys.stderr)
         return USAGE_ERROR
+    if command == "validate":
+        return main_validate(built, config.ckpt_path, start)
     try:
         trainer = run_fit(built, config.ckpt_path)
     except KeyboardInterrupt:  # a second Ctrl-C (or one before training started): no checkpoint of this step
@@ -240,6 +296,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return INTERRUPTED
     print(summary(trainer, time.perf_counter() - start, argv))
     return INTERRUPTED if trainer.interrupted else 0
+
+
+def main_validate(built: dict[str, Any], ckpt_path: str | None, start: float) -> int:
+    """``rltrainer validate``: 0 with the metrics printed; 2 where the data has no validation prompts."""
+    try:
+        loader = validation_prompts(built["data"])
+    except ValueError as exc:
+        print(usage_error(exc, "rltrainer validate"), file=sys.stderr)
+        return USAGE_ERROR
+    metrics = run_validate(built, loader, ckpt_path)
+    print(validate_summary(built["trainer"], metrics, time.perf_counter() - start))
+    return 0
 
 
 if __name__ == "__main__":

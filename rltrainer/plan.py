@@ -11,6 +11,10 @@ One unit throughout: a *row* is one sampled response (``N = B * G`` rows per ste
     optimizer steps per training step        4
     micro-batch                        64 rows
     ...
+
+followed by what the engine says of its costs on this machine, if anything (vLLM on CPU: its
+start-up, and the model size from which it generates faster than ``hf``;
+:meth:`~rltrainer.rollout.engine.RolloutEngine.plan_notes`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
+    from rltrainer.rollout.engine import RolloutEngine
     from rltrainer.strategies.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -44,24 +49,28 @@ class RunPlan:
     total_samples: int | None
     max_new_tokens: int | None
     max_generated_tokens_per_step: int | None
+    notes: tuple[str, ...] = ()  # the engine's costs on this machine (RolloutEngine.plan_notes)
 
     def as_dict(self) -> dict[str, Any]:
-        """``plan/<field>``: the plan as flat hyperparameters (``None`` fields left out)."""
-        return {f"plan/{k}": v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """``plan/<field>``: the plan as flat hyperparameters (``None`` fields and the notes left out)."""
+        return {f"plan/{k}": v for k, v in dataclasses.asdict(self).items() if v is not None and k != "notes"}
 
     def table(self) -> str:
-        """The plan as an aligned two-column text table, one line per field."""
+        """The plan as an aligned two-column text table, one line per field, then the notes."""
         labels = {"prompts_per_step": "prompts per step (B)", "samples_per_prompt": "samples per prompt (G)",
                   "rows_per_step": "rows per step (N = B*G)"}
         lines = [(labels.get(k, k.replace("_", " ")), "?" if v is None else f"{v:,}" if isinstance(v, int) else v)
-                 for k, v in dataclasses.asdict(self).items()]
+                 for k, v in dataclasses.asdict(self).items() if k != "notes"]
         width = max(len(label) for label, _ in lines)
-        return "\n".join(f"  {label:<{width}}  {value:>12}" for label, value in lines)
+        return "\n".join([f"  {label:<{width}}  {value:>12}" for label, value in lines]
+                         + [f"  note: {note}" for note in self.notes])
 
 
-def build_plan(module: RLModule, strategy: Strategy, loader: Any, total_steps: int | None) -> RunPlan:
-    """The plan of ``fit(module, loader)`` under ``strategy``; raises :class:`ValueError` with the
-    numbers if the batch cannot be split into mini-batches evenly (see :func:`check_plan`)."""
+def build_plan(module: RLModule, strategy: Strategy, loader: Any, total_steps: int | None,
+               engine: RolloutEngine | None = None) -> RunPlan:
+    """The plan of ``fit(module, loader)`` under ``strategy`` (with ``engine``'s notes); raises
+    :class:`ValueError` with the numbers if the batch cannot be split into mini-batches evenly (see
+    :func:`check_plan`)."""
     B = getattr(loader, "batch_size", None)
     G = module.sampling.n
     N = B * G if isinstance(B, int) else None
@@ -81,7 +90,8 @@ def build_plan(module: RLModule, strategy: Strategy, loader: Any, total_steps: i
         optimizer_steps_per_training_step=module.update_epochs * (N // mini) if N and mini else None,
         micro_batch=micro, training_ranks=ranks, engine_replicas=replicas, total_training_steps=total_steps,
         total_samples=total_steps * N if total_steps is not None and N else None, max_new_tokens=max_new,
-        max_generated_tokens_per_step=N * max_new if N and max_new else None)
+        max_generated_tokens_per_step=N * max_new if N and max_new else None,
+        notes=tuple(engine.plan_notes()) if engine is not None else ())
 
 
 def check_plan(B: int | None, G: int, mini_batch_size: int | None, update_epochs: int) -> None:

@@ -4,8 +4,14 @@ time against the step, in one PNG (matplotlib)::
     python -m rltrainer.plot lightning_logs/version_0            # writes .../version_0/plots.png
     python -m rltrainer.plot runs/addition -o addition.png       # the newest metrics.csv below it
 
-A panel whose metric the run did not log (no KL without ``kl_coef``, no validation score without
-validation) says so instead of a curve. A run that logged ``moe/*`` metrics (a mixture-of-experts
+Each panel draws the first of its metrics the run logged (:data:`PANELS`): validation draws
+``val/accuracy`` (``val/score`` where a custom ``validation_step`` logs only that). The KL panel draws
+every one it logged (:data:`EVERY_CURVE`), with a legend: the KL penalty's ``actor/kl_loss``
+(``kl_coef > 0``), ``rollout_corr/kl`` (the engine's log-probs against the trainer's, logged where the
+old log-probs are recomputed: several optimizer steps a batch, off-policy pipelines) and
+``actor/ppo_kl`` (how far the optimizer steps moved the policy from the one that sampled: 0 with one
+optimizer step a batch). A panel none of whose metrics the run logged (no validation) says so
+instead of a curve. A run that logged ``moe/*`` metrics (a mixture-of-experts
 policy) gets four more panels on the right: the experts' shares, the router entropy, the routing
 agreement with the engine and the load-balancing loss (:data:`MOE_PANELS`).
 """
@@ -24,12 +30,15 @@ log = logging.getLogger(__name__)
 #: Panel title -> the metrics drawn in it, the first one the log has.
 PANELS: dict[str, tuple[str, ...]] = {
     "reward": ("critic/score/mean", "reward/mean"),
-    "validation score": ("val/score", "val/accuracy"),
+    "validation": ("val/accuracy", "val/score"),
     "response length (tokens)": ("response_length/mean",),
-    "KL": ("actor/kl_loss", "critic/kl_in_reward", "rollout_corr/kl"),
+    "KL": ("actor/kl_loss", "critic/kl_in_reward", "rollout_corr/kl", "actor/ppo_kl"),
     "entropy": ("actor/entropy",),
     "step time (s)": ("timing_s/step",),
 }
+
+#: Panels of :data:`PANELS` that draw every one of their metrics the run logged (the others: the first).
+EVERY_CURVE = ("KL",)
 
 #: A mixture-of-experts run's panels, drawn to the right of :data:`PANELS` when the log has any
 #: ``moe/`` metric: panel title -> the metrics drawn in it, every one the log has (``.ci/docs/pages/models.md``).
@@ -79,6 +88,13 @@ def read_series(path: Path) -> dict[str, tuple[list[float], list[float]]]:
     return series
 
 
+def panel_curves(title: str, series: dict[str, tuple[list[float], list[float]]]) -> list[str]:
+    """The metrics the :data:`PANELS` panel ``title`` draws: those with a finite value in ``series``,
+    all of them (:data:`EVERY_CURVE`) or the first."""
+    logged = [n for n in PANELS[title] if n in series and any(math.isfinite(v) for v in series[n][1])]
+    return logged if title in EVERY_CURVE else logged[:1]
+
+
 def plot_run(log_dir: str | Path, out: str | Path | None = None, dpi: int = 80) -> Path:
     """Draw :data:`PANELS` (and :data:`MOE_PANELS` for a run that logged ``moe/`` metrics) from
     the CSV log in ``log_dir`` into one PNG; return its path (default: ``plots.png`` beside
@@ -93,8 +109,7 @@ def plot_run(log_dir: str | Path, out: str | Path | None = None, dpi: int = 80) 
     moe = any(name.startswith("moe/") for name in series)
     fig, axes = plt.subplots(2, 5 if moe else 3, figsize=(19.5 if moe else 12, 6.2), constrained_layout=True)
     for ax, (title, names) in zip(axes[:, :3].flat, PANELS.items()):
-        name = next((n for n in names if n in series and any(math.isfinite(v) for v in series[n][1])), None)
-        _draw(ax, title, names, [name] if name else [], series)
+        _draw(ax, title, names, panel_curves(title, series), series)
     if moe:
         for ax, (title, names) in zip(axes[:, 3:].flat, MOE_PANELS.items()):
             _draw(ax, title, names, [n for n in names if n in series], series)

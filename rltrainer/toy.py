@@ -9,6 +9,9 @@ your own (sorting digits, reversing a number, a small game).
 - :func:`warm_up`: supervised (teacher-forced) warm-up on any ``(prompt, answer)`` generator, so
   that GRPO starts from a model that is sometimes right.
 - :func:`exact_match` (a reward) and :func:`accuracy` (greedy exact match on held-out problems).
+- :class:`ProblemsData`: the training and held-out prompts of :class:`Problems` as a data module,
+  for a config file (``data: {class_path: rltrainer.toy.ProblemsData, init_args: {draw: my_task.draw,
+  text: my_task.text}}``), so ``rltrainer fit`` / ``rltrainer validate`` run a toy task.
 
 A whole new task in under 40 lines: ``.ci/docs/pages/new-task.md`` (the docs site's "A new task"). Nothing here is imported by
 ``import rltrainer``; ``from rltrainer import toy`` imports transformers only when a function needs it.
@@ -138,6 +141,46 @@ class Problems(Generic[P]):
         prompt) and the ``answer`` text (what :func:`exact_match` reads)."""
         return [{"prompt_ids": encode_prompt(tokenizer, prompt), "answer": answer}
                 for prompt, answer in self.texts(problems)]
+
+
+class ProblemsData:
+    """A data module of :class:`Problems` (``Problems(draw, text, num_val, seed)``): ``num_train``
+    training prompts and the ``num_val`` held-out ones, as rows :meth:`Problems.rows` makes
+    (``prompt_ids``, ``bos`` first as :func:`warm_up` saw them, and the ``answer`` :func:`exact_match`
+    reads). For the command line: ``draw`` and ``text`` are dotted paths in the config
+    (``my_task.draw``), the tokenizer is the module's (``setup(tokenizer)``); with the same ``draw``,
+    ``text``, ``num_val`` and ``seed`` as a warm-up's :class:`Problems`, the held-out set is the
+    same, never trained on by either."""
+
+    def __init__(self, draw: Callable[..., Any], text: Callable[..., Any], num_train: int = 2400, num_val: int = 300,
+                 seed: int = 0, batch_size: int = 16, val_batch_size: int = 256) -> None:
+        if bad := [f"{k}={v!r}" for k, v in (("num_train", num_train), ("num_val", num_val), ("batch_size", batch_size),
+                                             ("val_batch_size", val_batch_size)) if not isinstance(v, int) or v < 1]:
+            raise ValueError(f"ProblemsData needs positive ints; got {', '.join(bad)}")
+        self.problems = Problems(draw, text, num_val, seed)
+        self.num_train, self.seed, self.batch_size, self.val_batch_size = num_train, seed, batch_size, val_batch_size
+        self.tokenizer: Any = None
+
+    def setup(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def train_dataloader(self) -> Any:
+        from rltrainer.data import prompt_dataloader
+
+        problems = self.problems.sample(self.num_train)
+        return prompt_dataloader(self.problems.rows(problems, self._tokenizer()), self.batch_size, seed=self.seed)
+
+    def val_dataloader(self) -> Any:
+        from rltrainer.data import prompt_dataloader
+
+        rows = self.problems.rows(sorted(self.problems.val), self._tokenizer())
+        return prompt_dataloader(rows, self.val_batch_size, shuffle=False, drop_last=False)
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise RuntimeError("ProblemsData.setup(tokenizer) must be called before its dataloaders are built (the "
+                               "command line calls it with the module's tokenizer)")
+        return self.tokenizer
 
 
 def exact_match(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:

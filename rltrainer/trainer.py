@@ -52,7 +52,8 @@ class Trainer(DeprecatedTrainerMethods):
         num_nodes: nodes for distributed strategies.
         max_steps: stop after this many steps (``-1``: no limit).
         max_epochs: stop after this many passes over the prompts (default 1 without ``max_steps``).
-        val_check_interval: validate every N steps (``None``: only at the end of ``fit``).
+        val_check_interval: validate before the first step (logged as step 0, unless ``fit`` resumes) and
+            every N steps, so the log holds the start and the end (``None``: only at the end of ``fit``).
         limit_val_batches: validate on at most this many batches.
         log_every_n_steps: send metrics to the loggers every N steps.
         log_flush_s: loggers write their rows after every logged step (``0``), or at the first one
@@ -164,7 +165,7 @@ class Trainer(DeprecatedTrainerMethods):
                               type(module).__name__)
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self.estimated_total_steps = estimate_training_steps(train_loader, self.max_epochs, self.max_steps)
-        self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps)
+        self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps, self._engine_spec)
         resume = resolve_ckpt_path(self, ckpt_path) if ckpt_path is not None else None
         if resume is not None:  # before anything is logged: the resumed run writes on in the checkpointed run's log
             continue_logs(self.loggers, read_trainer_state(resume))
@@ -182,6 +183,8 @@ class Trainer(DeprecatedTrainerMethods):
                 trainer=self, pipeline=self.pipeline, strategy=self.strategy, module=module)})
             call_hooks(self, "on_fit_start")
             with stop_on_interrupt(self):
+                if val_loader is not None and self.val_check_interval and self.global_step == 0:
+                    self._run_validation(val_loader)  # the starting point, logged as step 0
                 self._fit_loop(train_loader, val_loader)
                 self.sync.wait()
                 if self.interrupted:
@@ -211,9 +214,7 @@ class Trainer(DeprecatedTrainerMethods):
             check_hooks(module)
             seed_controller(self.seed)
             self._setup(module)
-        _, loader = resolve_dataloaders(None, dataloaders, datamodule, need_train=False)
-        if loader is None:
-            raise ValueError("validate() needs val dataloaders (or a datamodule with val_dataloader())")
+        _, loader = resolve_dataloaders(None, dataloaders, datamodule, need_train=False, need_val="validate()")
         return self._run_validation(loader)
 
     @property

@@ -180,3 +180,32 @@ def test_ci_runs_the_readme_test_command():
     ci = next((line for line in lines if "pytest" in line and not line.startswith("#")), None)
     assert ci is not None, f".ci/run runs no pytest command: {lines}"
     assert any(ci == code.strip() for _, code, _ in README_BASH), f".ci/run's command is not in the README: {ci}"
+
+
+def requirements(extras: set[str]) -> set[str]:
+    """The distributions ``pip install -e ".[extras]"`` asks for: ``install_requires`` and those extras'."""
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    lines = setup["options"]["install_requires"].splitlines()
+    lines += [line for extra in extras for line in setup["options.extras_require"][extra].splitlines()]
+    return {re.split(r"[<>=!~;\[ #]", line.strip(), maxsplit=1)[0].lower().replace("_", "-")
+            for line in lines if line.strip() and not line.strip().startswith("#")}
+
+
+def test_the_readme_install_gives_the_command_line():
+    """Issue 44, item 9: the README's first command installs ``.[plot]``; the ``rltrainer`` console
+    script must work after it, so every package rltrainer/cli.py imports (its parser, jsonargparse,
+    imported lazily) is a requirement of that install."""
+    import importlib.metadata
+
+    (install,) = [w for _, words in commands() for w in words if re.fullmatch(r"\.\[(.+)\]", w)][:1]
+    installed = requirements(set(install[2:-1].split(",")))
+    tree = ast.parse((ROOT / "rltrainer" / "cli.py").read_text())
+    modules = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+                and not node.level}
+    by_module = importlib.metadata.packages_distributions()
+    needed = {dist.lower().replace("_", "-") for m in modules - set(sys.stdlib_module_names) - {"rltrainer", "__future__"}
+              for dist in by_module.get(m, [m])}
+    assert "jsonargparse" in needed
+    assert needed <= installed, f"the README's `pip install -e \"{install}\"` leaves out {sorted(needed - installed)}"

@@ -58,8 +58,10 @@ class EpochShuffle(Sampler[int]):
         return iter(order.tolist())
 
 
-def resolve_dataloaders(train: Any, val: Any, datamodule: Any, need_train: bool = True) -> tuple[Any, Any]:
-    """Take loaders directly or from a datamodule (anything with ``train_dataloader()``)."""
+def resolve_dataloaders(train: Any, val: Any, datamodule: Any, need_train: bool = True,
+                        need_val: str = "") -> tuple[Any, Any]:
+    """Take loaders directly or from a datamodule (anything with ``train_dataloader()``); ``need_val``:
+    what needs validation prompts (``"validate()"``), which then raises if there are none."""
     if datamodule is not None:
         if train is not None or val is not None:
             raise ValueError("Pass either dataloaders or a datamodule, not both")
@@ -67,6 +69,9 @@ def resolve_dataloaders(train: Any, val: Any, datamodule: Any, need_train: bool 
         val = datamodule.val_dataloader() if hasattr(datamodule, "val_dataloader") else None
     if need_train and train is None:
         raise ValueError("fit() needs train_dataloaders or a datamodule with train_dataloader()")
+    if need_val and val is None:
+        raise ValueError(f"{need_val} needs validation prompts, and none were given: pass val_dataloaders (or a "
+                         "datamodule with val_dataloader(); command line: data.val_file).")
     return train, val
 
 

@@ -122,6 +122,16 @@ class RolloutEngine(abc.ABC):
         """Build the inference model from a transformers config (weights arrive by ``update_weights``)."""
 
     # -- what a request means on this engine (checked before any model is built) ----------------
+    def check_model(self, model_config: Any, device_type: str) -> None:
+        """Raise a ``ValueError`` if this engine cannot run the policy of ``model_config`` on devices of
+        ``device_type`` (``"cpu"``, ``"cuda"``): checked where the engine's processes are known, before it
+        starts (vLLM on CPU: its attention's head sizes). Default: any model."""
+
+    def plan_notes(self) -> list[str]:
+        """Lines for the run plan (:mod:`rltrainer.plan`) on what this engine costs on this machine.
+        Default: none."""
+        return []
+
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Raise a ``ValueError`` if this engine cannot sample as ``sampling`` asks (vLLM: its
         temperature range). Default: any valid :class:`SamplingParams`."""

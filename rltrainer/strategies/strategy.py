@@ -152,6 +152,7 @@ class Strategy(abc.ABC):
         and return the engine the controller calls (:meth:`connect` also returns its sync owner).
         The next sync sends every weight."""
         refuse_other_environment(engine, engine.runtime_env, f"in the controller's process (strategy {type(self).__name__})")
+        engine.check_model(self.model_config(), self.device.type)
         engine.setup(self.model_config(), tokenizer, device=self.device)
         self.set_weight_view(enable_engine_adapters(engine, self.lora_config))
         self.versions.set_groups(engine.weight_groups(self.weight_names()))

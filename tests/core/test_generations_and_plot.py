@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ def short(completions, **kwargs):
 
 @pytest.fixture(scope="module")
 def logged_run(tmp_path_factory, tiny_config, bpe_tokenizer, gsm8k_prompts):
-    """3 steps with CSV and TensorBoard loggers: generations every 2 steps (3 rows), validation at step 2."""
+    """3 steps with CSV and TensorBoard loggers: generations every 2 steps (3 rows), validation at steps 0, 2
+    (val_check_interval) and 3 (the end)."""
     root = tmp_path_factory.mktemp("run")
     module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=[odd_length, short], num_generations=2, max_new_tokens=6,
                   lr=1e-3)
@@ -49,8 +51,8 @@ def test_csv_logger_writes_generations_jsonl_beside_metrics_csv(logged_run):
     rows = [json.loads(line) for line in (log_dir / "generations.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["split"] == "train"]
     val = [r for r in rows if r["split"] == "val"]
-    assert [r["step"] for r in train] == [2, 2, 2] and len(val) == 4  # 3 rows at step 2; 2 validations x 2 prompts
-    assert {r["step"] for r in val} == {2, 3}  # the val_check_interval one and the final one
+    assert [r["step"] for r in train] == [2, 2, 2] and len(val) == 6  # 3 rows at step 2; 3 validations x 2 prompts
+    assert {r["step"] for r in val} == {0, 2, 3}  # before the first step, the val_check_interval one, the final one
     assert all(set(r) == ROW_KEYS for r in rows)
     for r in rows:
         assert "<|im_start|>user" in r["prompt"] and isinstance(r["response"], str)
@@ -101,10 +103,38 @@ def test_plot_draws_one_png_from_the_csv_log(logged_run, tmp_path):
     out = main([str(root), "-o", str(tmp_path / "run.png")])  # finds the newest metrics.csv below root
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
     series = read_series(Path(logged_run.loggers[0].log_dir) / "metrics.csv")
-    assert series["critic/score/mean"][0] == [1.0, 2.0, 3.0] and series["val/score"][0] == [2.0, 3.0]
-    assert sum(any(n in series for n in names) for names in PANELS.values()) == 5  # KL: kl_coef=0, not logged
+    assert series["critic/score/mean"][0] == [1.0, 2.0, 3.0] and series["val/score"][0] == [0.0, 2.0, 3.0]
+    assert all(any(n in series for n in names) for names in PANELS.values())  # KL: actor/ppo_kl (kl_coef=0)
     with pytest.raises(FileNotFoundError, match="No metrics.csv in or below"):
         main([str(tmp_path)])
+
+
+GETTING_STARTED = Path(__file__).resolve().parents[2] / ".ci" / "docs" / "pages" / "getting-started.md"
+
+
+def test_the_panels_draw_what_the_run_logged_as_the_getting_started_page_says(tmp_path, tiny_config, bpe_tokenizer,
+                                                                                gsm8k_prompts):
+    """Issue 44, item 16: validation draws val/accuracy where it exists (not val/score); the KL panel draws
+    the KL metrics the run logged, as the getting-started page names them for the addition recipe's run
+    (sync, the hf engine, kl_coef=0, several optimizer steps a batch), and a run with one optimizer step a
+    batch (the new-task page's) gets a curve too, not "not logged"."""
+    from rltrainer.plot import panel_curves, read_series
+
+    def logged(**kwargs):
+        module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=odd_length, num_generations=2, max_new_tokens=3,
+                      lr=1e-3, **kwargs)
+        trainer = Trainer(max_steps=1, logger="csv", default_root_dir=tmp_path, enable_progress_bar=False)
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=4),
+                    val_dataloaders=prompt_dataloader(gsm8k_prompts.select(range(2)), batch_size=2, shuffle=False))
+        return read_series(Path(trainer.loggers[0].log_dir) / "metrics.csv")
+
+    recipe = logged(mini_batch_size=4)  # 8 rows a step: 2 optimizer steps, as the recipe's 4
+    assert {"val/score", "val/accuracy"} <= set(recipe) and panel_curves("validation", recipe) == ["val/accuracy"]
+    sentence = re.search(r"the KL panel shows (.*?)\)", GETTING_STARTED.read_text().replace("\n", " "))[1]
+    named = re.findall(r"`(\w+/\w+)`", sentence)
+    assert panel_curves("KL", recipe) == ["rollout_corr/kl", "actor/ppo_kl"] and set(named) == set(
+        panel_curves("KL", recipe)), sentence
+    assert panel_curves("KL", logged()) == ["actor/ppo_kl"]  # one optimizer step a batch
 
 
 def _png_size(path: Path) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import math
 
 import pytest
@@ -61,6 +62,7 @@ def test_hook_order(tiny_config, bpe_tokenizer, gsm8k_prompts):
     validation = ["on_validation_start", "cb:on_validation_start", "validation_step", "reward_step",
                   "on_validation_end", "cb:on_validation_end"]
     expected = (["configure_model", "configure_optimizers", "on_fit_start", "cb:on_fit_start"]
+                + validation  # before the first step (step 0)
                 + step + ["on_step_end", "cb:on_step_end"]
                 + step + validation + ["on_step_end", "cb:on_step_end"]
                 + ["on_fit_end", "cb:on_fit_end"])
@@ -178,6 +180,33 @@ def test_validate_before_fit(tiny_config, bpe_tokenizer, gsm8k_prompts):
     metrics = trainer.validate(module, prompt_dataloader(gsm8k_prompts, 6, shuffle=False))
     assert set(metrics) == {"val/score", "val/full_credit", "val/accuracy"} and 0 <= metrics["val/accuracy"] <= 1
     assert metrics["val/accuracy"] == metrics["val/full_credit"]  # zero_reward declares no correctness
+
+
+def test_validation_runs_before_the_first_step_too_logged_as_step_0_but_not_on_a_resume(tiny_config, bpe_tokenizer,
+                                                                                        gsm8k_prompts, tmp_path):
+    """Issue 44, item 14: with val_check_interval, the log holds the starting point (step 0) and the end."""
+    class Validations(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_validation_end(self, trainer, module, metrics):
+            self.steps.append((trainer.global_step, sorted(metrics)))
+
+    def fit(max_steps, ckpt_path=None, **kwargs):
+        seen = Validations()
+        trainer = Trainer(max_steps=max_steps, enable_progress_bar=False, default_root_dir=tmp_path,
+                          callbacks=[seen, ModelCheckpoint(every_n_steps=1)], **kwargs)
+        trainer.fit(make_module(tiny_config, bpe_tokenizer, max_new_tokens=2), prompt_dataloader(gsm8k_prompts, 2),
+                    prompt_dataloader(gsm8k_prompts.select(range(2)), 2, shuffle=False), ckpt_path=ckpt_path)
+        return [s for s, _ in seen.steps], trainer
+
+    steps, trainer = fit(3, val_check_interval=2)
+    assert steps == [0, 2, 3]  # before the first step, every 2 steps, and at the end
+    with open(f"{trainer.loggers[0].log_dir}/metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val/accuracy")]
+    assert [int(r["step"]) for r in rows] == [0, 2, 3]
+    assert fit(4, ckpt_path="last", val_check_interval=2)[0] == [4]  # a resume does not measure the start again
+    assert fit(1, logger=False)[0] == [1]  # without val_check_interval: only at the end
 
 
 # -- bad input ------------------------------------------------------------------------------------

@@ -202,9 +202,16 @@ def test_grpo_raises_held_out_accuracy_of_a_moe_policy_with_real_vllm(recipe, vl
     assert gain >= 0.15, f"GRPO with vLLM raised a MoE policy's held-out accuracy by only {gain:+.1%}: {result}"
 
 
-def test_rollout_vllm_needs_a_head_size_of_32(recipe):
-    with pytest.raises(ValueError, match="head size of at least 32.*--num-heads 2"):
-        recipe.build_engine(recipe.parse_args(["--rollout", "vllm"]))
+def test_rollout_vllm_picks_a_head_size_vllms_cpu_attention_runs(recipe):
+    """Issue 44, item 17: ``--rollout vllm`` alone runs (2 heads of 32; hf keeps 4 of 16); a head count
+    given that vLLM cannot run is refused at once, naming the sizes it runs and the fix."""
+    config = recipe.parse_args(["--preset", "quick", "--rollout", "vllm"])
+    assert recipe.num_heads(config) == 2 and recipe.build_engine(config).dtype.is_floating_point
+    assert recipe.num_heads(recipe.parse_args(["--preset", "quick"])) == 4
+    assert recipe.build_model(config, recipe.build_tokenizer()).config.num_attention_heads == 2
+    with pytest.raises(ValueError, match=r"runs head sizes 32, 64, 80.*hidden size 64 / 4 heads is 16\. Use "
+                                         r"--num-heads 2 \(head size 32\), or leave --num-heads out"):
+        recipe.build_engine(recipe.parse_args(["--rollout", "vllm", "--num-heads", "4"]))
     assert recipe.build_engine(recipe.parse_args(["--rollout", "vllm", "--num-heads", "2"])).dtype.is_floating_point
     with pytest.raises(ValueError, match="choose from hf, vllm"):
         recipe.build_engine(recipe.parse_args(["--rollout", "sglang"]))

@@ -176,3 +176,62 @@ def test_a_sync_that_brings_the_model_nothing_opens_no_vllm_session():
     engine.update_weights([])
     engine.finish_weight_update()
     assert engine.llm.calls == []
+
+
+def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_vllm_starts(bpe_tokenizer):
+    """Issue 44, item 17: head size 16 started vLLM and failed inside it 35 s later ("Unsupported CPU
+    attention configuration: head_dim=16") under 200 lines of warnings; now one line at setup, before
+    vLLM is imported, naming the sizes its CPU attention runs and the fix."""
+    from rltrainer.rollout.vllm import VLLM_CPU_HEAD_SIZES
+    from rltrainer.testing import tiny_qwen3_config
+
+    sixteen = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_heads=4)
+    with pytest.raises(ValueError, match=r"^rollout='vllm' on CPU: vLLM's CPU attention runs head sizes 32, 64, 80, "
+                                         r".*, 512; this model's is 16 \(hidden_size 64, 4 attention heads\)\. Use "
+                                         r"num_attention_heads=2 \(head size 32\), or rollout='hf'\.$"):
+        VLLMEngine().setup(sixteen, bpe_tokenizer, device="cpu")
+    assert "vllm" not in sys.modules
+    VLLMEngine().check_model(sixteen, "cuda")  # the GPU kernels are not the CPU's
+    for fine in (tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_heads=2),
+                 tiny_qwen3_config(len(bpe_tokenizer), hidden_size=64, num_heads=4)):  # head_dim 32 given
+        VLLMEngine().check_model(fine, "cpu")
+    with pytest.raises(ValueError, match=r"this model's is 24 .*Set head_dim to one of them"):
+        VLLMEngine().check_model(tiny_qwen3_config(len(bpe_tokenizer), hidden_size=64, num_heads=4, head_dim=24), "cpu")
+    assert 16 not in VLLM_CPU_HEAD_SIZES and 32 in VLLM_CPU_HEAD_SIZES
+
+
+def test_strategies_check_the_model_where_the_engine_will_run_before_it_starts(tiny_config, bpe_tokenizer,
+                                                                               gsm8k_prompts):
+    """The controller asks the engine before setting it up, with the device type of the processes it
+    will run in: the Trainer's fit fails with the one-line error, nothing left running."""
+    from rltrainer import GRPO, Trainer, prompt_dataloader
+    from rltrainer.strategies import FSDP2Strategy
+    from rltrainer.testing import length_reward
+
+    strategy = FSDP2Strategy(devices=1)  # colocated; VLLMEngine(python=this interpreter): no environment of its own
+    trainer = Trainer(strategy=strategy, rollout=VLLMEngine(python=sys.executable), logger=False,
+                      enable_progress_bar=False, max_steps=1)
+    sixteen = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_heads=4)
+    module = GRPO(sixteen, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"on CPU: vLLM's CPU attention runs head sizes .* this model's is 16"):
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    assert strategy.group is None and not trainer._is_setup and "vllm" not in sys.modules
+
+
+def test_the_run_plan_says_what_vllm_costs_on_cpu(tiny_config, bpe_tokenizer, gsm8k_prompts, monkeypatch):
+    """On CPU the run plan says the engine's start-up and the model size from which vLLM generates
+    faster than hf (tests/benchmarks/README.md); the hf engine's plan says nothing of it."""
+    from rltrainer import GRPO, prompt_dataloader
+    from rltrainer.plan import build_plan
+    from rltrainer.rollout.hf import HFEngine
+    from rltrainer.strategies import SingleDeviceStrategy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = GRPO(tiny_config, bpe_tokenizer, reward_funcs="gsm8k", num_generations=2, max_new_tokens=4)
+    loader = prompt_dataloader(gsm8k_prompts, batch_size=2)
+    plan = build_plan(module, SingleDeviceStrategy(), loader, 10, VLLMEngine())
+    table = plan.table()
+    assert "note: vLLM on CPU: the engine takes 20-40 s to start" in table
+    assert "0.59x as fast as rollout='hf' at hidden 64 x 2 layers and 1.82x at hidden 512 x 8 layers" in table
+    assert not any("note" in key for key in plan.as_dict())
+    assert "note" not in build_plan(module, SingleDeviceStrategy(), loader, 10, HFEngine()).table()
