@@ -274,6 +274,13 @@ class PrintProgress(rltrainer.Callback):
     def __init__(self, every: int) -> None:
         self.every, self.history = every, []
         self.gen_s = self.gen_tokens = 0.0  # the engine's generation time and tokens over the run
+        self.val_accuracy: list[float] = []  # each validation's held-out accuracy, in order
+
+    def on_validation_end(self, trainer: rltrainer.Trainer, module: rltrainer.RLModule,
+                          metrics: dict[str, float]) -> None:
+        self.val_accuracy.append(metrics["val/accuracy"])
+        if len(self.val_accuracy) == 1:
+            print(f"held-out accuracy before GRPO: {self.val_accuracy[0]:.1%}", flush=True)
 
     def on_step_end(self, trainer: rltrainer.Trainer, module: rltrainer.RLModule, metrics: dict[str, float]) -> None:
         self.history.append({k: metrics[k] for k in PRINTED if k in metrics})
@@ -389,11 +396,15 @@ def run(config: Config) -> dict[str, Any]:
                 default_root_dir=config.output_dir or None,
                 enable_progress_bar=config.progress_bar, callbacks=[progress],
             )
-            acc_before = trainer.validate(module, val_loader)["val/accuracy"]
-            print(f"warm-up: {warmup['steps']} steps in {warmup_s:.0f}s (digits right: {warmup['digits']}); "
-                  f"held-out accuracy before GRPO: {acc_before:.1%}", flush=True)
-            trainer.fit(module, train_loader, val_loader if config.val_every else None)
-            acc_after = trainer.validate(module, val_loader)["val/accuracy"]
+            print(f"warm-up: {warmup['steps']} steps in {warmup_s:.0f}s (digits right: {warmup['digits']})",
+                  flush=True)
+            if config.val_every:  # fit validates before its first step, every val_every steps and at its end
+                trainer.fit(module, train_loader, val_loader)
+            else:
+                trainer.validate(module, val_loader)
+                trainer.fit(module, train_loader)
+                trainer.validate(module, val_loader)
+            acc_before, acc_after = progress.val_accuracy[0], progress.val_accuracy[-1]
             steps = trainer.global_step
             log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
             trainer.teardown()

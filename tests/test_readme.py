@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed
 
 from rltrainer.registry import Registry
 
@@ -114,11 +115,14 @@ def test_cpu_snippet_runs(where, code, run, monkeypatch):
     name = "readme_" + re.sub(r"\W", "_", where)
     registries = [r for r in gc.get_objects() if isinstance(r, Registry)]
     kept = [(r, dict(r._entries), dict(r._descriptions)) for r in registries]
+    grouped = torch.distributed.is_initialized()
     try:
         exec(compile(code, where, "exec"), {"__name__": name})
-    finally:  # what a snippet registers (a user's loss, say) is the snippet's: later tests see the package's own
+    finally:  # what a snippet registers (a user's loss, say) or starts (a process group) is the snippet's
         for registry, entries, descriptions in kept:
             registry._entries, registry._descriptions = entries, descriptions
+        if not grouped and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def commands() -> list[tuple[str, list[str]]]:
