@@ -101,6 +101,21 @@ def raising_ranks_disk_full() -> Iterator[None]:
                                          f"report)", cause.filename) from exc
 
 
+def check_writable(directory: Path, what: str) -> None:
+    """Create ``directory`` if needed and write (then remove) a file in it, so a directory that cannot
+    be written (read-only, not permitted, under a file) is refused now, not at its first write; the
+    error (of the same ``OSError`` kind) names ``what`` it is for and the reason."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".rltrainer-write-test-{uuid.uuid4().hex[:8]}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"{what} cannot write to {directory}: {exc.strerror or exc} (at {exc.filename}). "
+                                   "Nothing was trained yet. Give it a directory you can write to.") from exc
+
+
 def _existing(path: Path) -> Path:
     """``path`` or its nearest existing parent (what ``shutil.disk_usage`` can look at)."""
     path = Path(path)

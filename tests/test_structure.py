@@ -27,8 +27,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rltrainer"
 #: matching prefix names a module's layer.
 LAYERS: list[tuple[str, ...]] = [
     # 0: plumbing that knows nothing of RL
-    ("rltrainer.files", "rltrainer.registry", "rltrainer.weights", "rltrainer.controller", "rltrainer.allocator",
-     "rltrainer.optim", "rltrainer.schedulers", "rltrainer.process_groups"),
+    ("rltrainer.files", "rltrainer.registry", "rltrainer.values", "rltrainer.weights", "rltrainer.controller",
+     "rltrainer.allocator", "rltrainer.optim", "rltrainer.schedulers", "rltrainer.process_groups"),
     # 1: the batch, the data, the checkpoint format
     ("rltrainer.data", "rltrainer.packing", "rltrainer.contracts", "rltrainer.lora", "rltrainer.checkpoints",
      "rltrainer.training_checkpoint", "rltrainer.hf_export"),

@@ -26,6 +26,7 @@ from rltrainer.callbacks.callback import Callback
 from rltrainer.checkpoints import (CheckpointError, clean_leftovers, dangling_last, find_last, find_last_run,
                                    fresh_run_directory, is_complete, point_last, remove_checkpoint, run_directories,
                                    step_checkpoints)
+from rltrainer.files import check_writable
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -118,6 +119,8 @@ class ModelCheckpoint(Callback):
 
     def on_fit_start(self, trainer: Trainer, module: RLModule) -> None:
         base, resumed = self.checkpoint_dir(trainer), trainer.ckpt_path
+        check_writable(base, "ModelCheckpoint" + (f"(dirpath={str(self.dirpath)!r})" if self.dirpath else
+                                                  f" (default_root_dir={trainer.default_root_dir!r} + checkpoints)"))
         for directory in run_directories(base):  # deletions a crash interrupted: already decided
             clean_leftovers(directory)
         newest = {last.resolve(): d for d in run_directories(base) if (last := find_last(d)) is not None}

@@ -25,6 +25,7 @@ import torch
 
 from rltrainer.algorithms.advantages import group_index, group_signal_metrics
 from rltrainer.callbacks.callback import Callback
+from rltrainer.values import check_int
 
 if TYPE_CHECKING:
     from rltrainer.data.batch import RolloutBatch
@@ -61,9 +62,8 @@ class LearningSignal(Callback):
     """
 
     def __init__(self, patience: int = 3) -> None:
-        if not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"patience must be an int >= 0 (steps in a row; 0: off), got {patience!r}")
-        self.patience = patience
+        self.patience = check_int("patience", patience, at_least=0, meaning="steps in a row; 0: off",
+                                  owner="LearningSignal")
         self.streaks: dict[str, int] = {}
         self.warned: set[str] = set()
         self._decoded = False

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.values import check_int
 
 
 def collate_rows(rows: Sequence[Mapping[str, Any]]) -> RolloutBatch:
@@ -21,8 +22,8 @@ def prompt_dataloader(dataset: Any, batch_size: int, shuffle: bool = True, seed:
                       drop_last: bool = True) -> DataLoader:
     """A ``DataLoader`` of ``batch_size`` prompts per step over a map-style dataset (a HF
     ``datasets.Dataset`` or a list of dicts). Shuffling is seeded, so runs are reproducible."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    batch_size = check_int("batch_size", batch_size, at_least=1, meaning="prompts per step", owner="prompt_dataloader")
+    seed = check_int("seed", seed, owner="prompt_dataloader")
     if len(dataset) < batch_size and drop_last:
         raise ValueError(f"The dataset has {len(dataset)} rows, fewer than batch_size={batch_size}; "
                          "lower batch_size or pass drop_last=False")

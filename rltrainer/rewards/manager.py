@@ -42,6 +42,7 @@ import torch
 
 from rltrainer.controller.watchdog import doing
 from rltrainer.rewards.parallel import RewardPool, RewardTimeout, is_async, run_async, sample_fields
+from rltrainer.values import check_float, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -190,19 +191,18 @@ class RewardManager:
                 f"Got {len(weights)} reward weights for {len(reward_funcs)} reward functions; "
                 "pass one weight per function, or weights=None for all 1.0."
             )
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0 (reward processes; 0: in this process), got {num_workers!r}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds per sample or None, got {timeout!r}")
-        if not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        weights = [check_float(f"weights[{i}]", w, meaning="a reward's weight") for i, w in enumerate(weights)]
+        num_workers = check_int("num_workers", num_workers, at_least=0, meaning="reward processes; 0: in this process")
+        timeout = check_float("timeout", timeout, above=0, none="no limit", meaning="seconds per sample")
+        max_concurrency = check_int("max_concurrency", max_concurrency, at_least=1,
+                                    meaning="async samples awaited at once")
         untimed = [reward_name(fn) for fn in reward_funcs if not is_async(fn)]
         if timeout is not None and num_workers == 0 and untimed:
             raise ValueError(f"timeout={timeout} needs num_workers > 0 for the synchronous reward functions {untimed}: "
                              "a call in this process cannot be interrupted. Set num_workers (a process pool), make "
                              "them async def, or leave timeout=None.")
         self.reward_funcs = reward_funcs
-        self.weights = [float(w) for w in weights]
+        self.weights = weights
         self.names = _unique_names(reward_funcs)
         self.timeout, self.max_concurrency = timeout, max_concurrency
         self.pool = RewardPool(num_workers, timeout) if num_workers else None
