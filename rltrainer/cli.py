@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rltrainer.callbacks import ModelCheckpoint
+from rltrainer.callbacks import LearningSignal, ModelCheckpoint
 from rltrainer.data.datamodule import DataModule
 from rltrainer.module import RLModule
 from rltrainer.testing import data_path
@@ -205,7 +205,8 @@ def resume_command(argv: Sequence[str]) -> str:
 
 
 def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
-    """A few lines at the end of a run: steps, wall time, the last metrics, where its outputs are."""
+    """A few lines at the end of a run: steps, wall time, the last metrics, where its outputs are, and
+    the warnings of :class:`~rltrainer.LearningSignal` (a run that cannot learn)."""
     state = "interrupted after" if trainer.interrupted else "done:"
     steps = f"{trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps != -1 else "")
     lines = [f"rltrainer fit {state} {steps} steps in {seconds:.0f} s"]
@@ -229,6 +230,8 @@ def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
                              f"{callback.best_model_score:.4g})")
     if trainer.interrupted:
         lines.append(f"  resume with:  {resume_command(argv)}")
+    warned = [w for c in trainer.callbacks if isinstance(c, LearningSignal) for w in c.warnings]
+    lines += [f"  warning:      {w}" for w in warned]  # said during the run too, easy to miss above
     return "\n".join(lines)
 
 
