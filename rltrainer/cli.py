@@ -182,13 +182,34 @@ def import_paths(argv: Sequence[str]) -> list[str]:
     """Where a user's modules and classes named in a config are imported from: the working directory,
     then the folder of each ``--config`` file (looked in after the installed packages, so a file there
     named like one of them does not hide it)."""
-    paths = [os.getcwd()]
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--config=") else (
-            argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
-        if value is not None:
-            paths.append(str(Path(value).expanduser().resolve().parent))
+    paths = [os.getcwd(), *(str(Path(value).expanduser().resolve().parent) for value in config_files(argv))]
     return list(dict.fromkeys(paths))
+
+
+def config_files(argv: Sequence[str]) -> list[str]:
+    """The ``--config`` files of a command line, in order."""
+    return [arg.split("=", 1)[1] if arg.startswith("--config=") else argv[i + 1] for i, arg in enumerate(argv)
+            if arg.startswith("--config=") or (arg == "--config" and i + 1 < len(argv))]
+
+
+def config_file_problem(argv: Sequence[str]) -> str | None:
+    """What is wrong with a ``--config`` file that is not a mapping of sections (empty, comments
+    only, a list), which jsonargparse reports as ``Unexpected config:`` and the file's text."""
+    import yaml
+
+    for name in config_files(argv):
+        try:
+            content = yaml.safe_load(Path(name).expanduser().read_text())
+        except (OSError, yaml.YAMLError):  # the parser says it: missing, unreadable, not YAML
+            continue
+        if not isinstance(content, dict):
+            what = "is empty (or holds only comments)" if content is None else f"holds a {type(content).__name__}"
+            return (f"the config file {name} {what}: a config is a YAML mapping of sections, at least `module:` "
+                    "(class_path and init_args: model, tokenizer, reward_funcs) and `data:` (train_file...), and "
+                    "`trainer:` for the run's length. Start from a shipped one (recipes/configs/grpo_gsm8k_cpu.yaml; "
+                    "the CLI page of the docs builds one step by step), or print every setting of one that works "
+                    "with --print_config")
+    return None
 
 
 def resume_command(argv: Sequence[str]) -> str:
@@ -269,7 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ArgumentError as exc:
         command = argv[0] if argv[:1] and argv[0] in parsers else None
         options = list(getattr(parsers[command], "_option_string_actions", {})) if command else []
-        print(usage_error(exc, f"rltrainer {command}" if command else "rltrainer", options), file=sys.stderr)
+        problem = config_file_problem(argv) if "Unexpected config" in str(exc) else None
+        print(usage_error(ArgumentError(None, problem) if problem else exc,
+                          f"rltrainer {command}" if command else "rltrainer", options), file=sys.stderr)
         return USAGE_ERROR
     if config.subcommand not in parsers:
         print(parser.format_usage(), file=sys.stderr)

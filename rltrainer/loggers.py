@@ -32,7 +32,7 @@ from rltrainer.values import check_float
 #: name -> (module, class).
 LOGGER_NAMES = {
     "csv": ("rltrainer.csv_logger", "CSVLogger"),  # Lightning's, never losing or truncating metrics.csv
-    "tensorboard": ("lightning.pytorch.loggers", "TensorBoardLogger"),
+    "tensorboard": ("rltrainer.tensorboard_logger", "TensorBoardLogger"),  # Lightning's; a full disk is DiskFullError
     "wandb": ("lightning.pytorch.loggers", "WandbLogger"),
     "mlflow": ("lightning.pytorch.loggers", "MLFlowLogger"),
 }

@@ -19,7 +19,7 @@ from rltrainer.callbacks import Callback, with_defaults
 from rltrainer.callbacks.checkpoint import resolve_ckpt_path
 from rltrainer.checkpoints import read_trainer_state, seed_controller
 from rltrainer.controller.watchdog import Watchdog
-from rltrainer.data.loader import estimate_training_steps, resolve_dataloaders
+from rltrainer.data.loader import check_prompt_lengths, estimate_training_steps, resolve_dataloaders
 from rltrainer.deprecated import DeprecatedTrainerMethods, moved_arguments
 from rltrainer.generations import LogGenerations
 from rltrainer.hf_export import save_hf
@@ -136,6 +136,7 @@ class Trainer(DeprecatedTrainerMethods):
         self.estimated_total_steps: int | None = None
         self.plan: RunPlan | None = None  # during and after fit: what a step does, in rows
         self.vocab_size: int | None = None  # after setup: the policy's, for checking prompt ids
+        self.max_positions: int | None = None  # after setup: its max_position_embeddings, for prompt lengths
         self._is_setup = False
         self._validated_this_step = False
 
@@ -164,6 +165,7 @@ class Trainer(DeprecatedTrainerMethods):
         self._setup(module)
         self.ckpt_path, self.interrupted, failure = None, False, None
         try:
+            check_prompt_lengths(self.max_positions, module.sampling.max_new_tokens, train=train_loader, val=val_loader)
             if resume is not None:
                 self._restore(resume)
             self._validated_this_step = self.should_stop = False
@@ -203,6 +205,7 @@ class Trainer(DeprecatedTrainerMethods):
             seed_controller(self.seed)
             self._setup(module)
         _, loader = resolve_dataloaders(None, dataloaders, datamodule, need_train=False, need_val="validate()")
+        check_prompt_lengths(self.max_positions, self.module.sampling.max_new_tokens, val=loader)
         return self._run_validation(loader)
 
     @property
@@ -297,6 +300,7 @@ class Trainer(DeprecatedTrainerMethods):
             self._is_setup = True
             config = self.strategy.model_config()
             self.vocab_size = getattr(config, "vocab_size", None)  # prompt ids are checked
+            self.max_positions = getattr(config, "max_position_embeddings", None)  # and prompt lengths
             if module.records_routes() and routing_shape(config) is not None:  # a MoE policy's routes (R3)
                 self._engine_spec.return_routed_experts = True
             self.sync = self.strategy.connect(self._engine_spec, module.tokenizer, watchdog=self.watchdog,

@@ -38,7 +38,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltrainer.module", "rltrainer.call", "rltrainer.modules", "rltrainer.strategies", "rltrainer.rollout",
      "rltrainer.envs", "rltrainer.plan"),
     # 4: the loop and what drives it
-    ("rltrainer.callbacks", "rltrainer.generations", "rltrainer.loggers", "rltrainer.csv_logger", "rltrainer.loop",
+    ("rltrainer.callbacks", "rltrainer.generations", "rltrainer.loggers", "rltrainer.csv_logger",
+     "rltrainer.tensorboard_logger", "rltrainer.loop",
      "rltrainer.pipelines", "rltrainer.interrupt", "rltrainer.deprecated", "rltrainer.export", "rltrainer.trainer"),
     # 5: entry points and helpers for tests
     ("rltrainer.cli", "rltrainer.plot", "rltrainer.testing", "rltrainer.toy", "rltrainer.__main__", "rltrainer"),

@@ -5,6 +5,7 @@ with the previous checkpoint and every metric already written intact."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -62,7 +63,7 @@ def steps_logged(path: Path) -> list[int]:
 
 # -- durable metrics ------------------------------------------------------------------------------------
 def test_log_flush_s_is_checked():
-    with pytest.raises(ValueError, match=r"log_flush_s must be a number of seconds >= 0 .* got -1"):
+    with pytest.raises(ValueError, match=r"log_flush_s must be a number >= 0 \(seconds; .* got -1"):
         Trainer(log_flush_s=-1, logger=False)
     with pytest.raises(ValueError, match="got '5'"):
         Trainer(log_flush_s="5", logger=False)
@@ -240,6 +241,17 @@ def test_a_full_disk_while_logging_is_one_clear_error_and_keeps_every_row_writte
     assert_disk_full(report, "metrics.csv")
     assert report["step"] >= 2
     assert steps_logged(kept / "lightning_logs" / "version_0" / "metrics.csv") == list(range(1, report["step"]))
+
+
+@needs_tmpfs
+def test_a_full_disk_under_tensorboard_is_the_csv_loggers_disk_full_error(tmp_path):
+    """It was Lightning's ``ValueError: you tried to log 1.0 which is currently not supported``, naming no file."""
+    report, kept, done = disk_full.run_disk_full(tmp_path, 0, every=100, logger="tensorboard")
+    assert done.returncode == 0 and report, done.stderr[-3000:]
+    assert_disk_full(report, "")
+    assert re.search(r"writing \S+/lightning_logs/version_0/events\.out\.tfevents\.\S+ \(TensorBoard's events: "
+                     r"\d+ metrics of step \d+\)", report["message"]), report["message"]
+    assert "not supported" not in report["message"]
 
 
 # -- which checkpoint a resume loaded -------------------------------------------------------------------
