@@ -307,3 +307,20 @@ def test_each_logged_step_is_on_disk_before_the_next_step(log_flush_s, tmp_path,
     if log_flush_s == 0:  # (TensorBoard's writer also flushes when its queue of 10 events fills: not a test of inf)
         assert seen["tb"] == [1, 2]
     assert steps_logged(Path(trainer.loggers[0].log_dir) / "metrics.csv") == [1, 2]  # all there at the end
+
+
+def test_a_full_disks_message_has_the_figures_that_explain_it(tmp_path):
+    """FSDP2's said a rank "needed 1,234,728 bytes" while "1,294,336 were free": the other rank's shards,
+    written into the same file system at once, were the rest of the story."""
+    from rltrainer.files import disk_full_error
+
+    shard = tmp_path / "shard"
+    shard.write_bytes(b"x" * 1000)
+    message = str(disk_full_error(shard, "this rank's shards", 5000, 3000, ("the 2 ranks' shards together", 10000)))
+    stats = os.statvfs(tmp_path)
+    assert (f"writing {shard} (this rank's shards): it needed about 5,000 bytes, and the 2 ranks' shards together "
+            f"about 10,000 bytes written into the same file system at once; 1,000 bytes were written there before the "
+            f"space ran out; 3,000 bytes were free when it started, of the {stats.f_blocks * stats.f_frsize:,} of the "
+            f"file system mounted at ") in message
+    reserved = (stats.f_bfree - stats.f_bavail) * stats.f_frsize
+    assert (f"({reserved:,} more are reserved for root)" in message) == (reserved > 0)
