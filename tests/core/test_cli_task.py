@@ -330,22 +330,26 @@ def test_mistakes_in_the_data_settings_are_one_message_and_exit_2(task, tmp_path
 
 
 def test_print_config_writes_a_config_that_runs_as_it_is(task, tmp_path, capsys, monkeypatch, forget_user_modules):
-    """``reward_funcs: [my_task.partial_credit]`` was printed as ``Unable to serialize instance``."""
+    """``reward_funcs: [my_task.partial_credit]`` of rltrainer.GRPO was printed as ``Unable to serialize
+    instance``: the printed config is parsed and built again here, and builds the same run."""
     import warnings
 
     from rltrainer.cli import build_parser, fit_parser, import_paths, instantiate_fit
 
-    monkeypatch.setattr(sys, "path", [*sys.path, *import_paths(["--config", str(task)])])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # jsonargparse warns "Unable to serialize instance" too
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(["fit", "--config", str(task), "--print_config"])
+    grpo = task.parent / "grpo.yaml"  # the task with rltrainer.GRPO itself (whose signature types reward_funcs)
+    grpo.write_text("\n".join(line for line in task.read_text().replace("my_task.ReverseGRPO", "rltrainer.GRPO")
+                               .splitlines() if "step_log" not in line))
+    monkeypatch.setattr(sys, "path", [*sys.path, *import_paths(["--config", str(grpo)])])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        build_parser().parse_args(["fit", "--config", str(grpo), "--print_config"])
     printed = capsys.readouterr().out
+    assert not [w for w in caught if "serialize" in str(w.message)]
     assert "Unable to serialize" not in printed and "reward_funcs:\n    - my_task.partial_credit" in printed
     (tmp_path / "printed.yaml").write_text(printed)
     parser = fit_parser()
     built = instantiate_fit(parser, parser.parse_args(["--config", str(tmp_path / "printed.yaml")]))
-    original = instantiate_fit(parser, parser.parse_args(["--config", str(task)]))
+    original = instantiate_fit(parser, parser.parse_args(["--config", str(grpo)]))
     assert built["module"].rewards.names == original["module"].rewards.names == ["partial_credit"]
     assert built["module"].model_spec.to_dict() == original["module"].model_spec.to_dict()
     assert (built["trainer"].max_steps, built["module"].sampling) == (original["trainer"].max_steps,
