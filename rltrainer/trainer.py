@@ -95,7 +95,8 @@ class Trainer(DeprecatedTrainerMethods):
         for name, value, low, none in (
                 ("max_epochs", max_epochs, 1, "1 without max_steps"), ("seed", seed, None, None),
                 ("num_nodes", num_nodes, 1, None),
-                ("val_check_interval", val_check_interval, 1, "at the end of fit only"), ("max_steps", max_steps, 1, None),
+                ("val_check_interval", val_check_interval, 1, "at the end of fit only"),
+                ("max_steps", max_steps, 1, None),
                 ("limit_val_batches", limit_val_batches, 1, "all"), ("log_every_n_steps", log_every_n_steps, 1, None),
                 ("fast_dev_run", fast_dev_run * 1 if isinstance(fast_dev_run, bool) else fast_dev_run, 0, None),
                 ("devices", 1 if devices == "auto" else devices, 1, None)):

@@ -14,7 +14,8 @@ What it watches, each cause warned once (a logged WARNING naming the cause and w
 
 The Trainer adds one with ``patience=3`` unless ``callbacks`` holds one; ``LearningSignal(patience=0)``
 turns it off. Its warnings are kept (:attr:`LearningSignal.warnings`): the command line repeats them in
-the run's closing summary, and a progress bar prints them on lines of their own. The loop logs the metrics it reads (:func:`signal_metrics`) on every step.
+the run's closing summary, and a progress bar prints them on lines of their own. The loop logs the
+metrics it reads (:func:`signal_metrics`) on every step.
 """
 
 from __future__ import annotations

@@ -68,10 +68,10 @@ class PromptDataModule:
         if format != "prompts" and prompt_column != "prompt":
             raise ValueError(f"PromptDataModule(prompt_column={prompt_column!r}) is read by format='prompts' only; "
                              f"format={format!r} takes its prompt from its own column. Set format='prompts'.")
-        for name, value, low, none in (("batch_size", batch_size, 1, None), ("val_batch_size", val_batch_size, 1, "batch_size"),
-                                       ("max_prompt_length", max_prompt_length, 1, "keep all"), ("seed", seed, None, None),
-                                       ("limit_train_rows", limit_train_rows, 1, "all"),
-                                       ("limit_val_rows", limit_val_rows, 1, "all")):
+        for name, value, low, none in (
+                ("batch_size", batch_size, 1, None), ("val_batch_size", val_batch_size, 1, "batch_size"),
+                ("max_prompt_length", max_prompt_length, 1, "keep all"), ("seed", seed, None, None),
+                ("limit_train_rows", limit_train_rows, 1, "all"), ("limit_val_rows", limit_val_rows, 1, "all")):
             check_int(name, value, at_least=low, none=none, owner="PromptDataModule")
         self.train_file, self.val_file, self.format = train_file, val_file, format
         self.prompt_column, self.instruction, self.system_prompt = prompt_column, instruction, system_prompt

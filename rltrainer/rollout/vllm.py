@@ -260,8 +260,8 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
                                          meaning="GPUs per replica")
         gpu_memory_utilization = check_float("gpu_memory_utilization", gpu_memory_utilization, above=0, at_most=1,
                                              owner="VLLMEngine", meaning="a share of GPU memory")
-        kv_cache_memory_bytes = check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, at_least=1, owner="VLLMEngine",
-                                          none="from gpu_memory_utilization", meaning="bytes")
+        kv_cache_memory_bytes = check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, at_least=1,
+                                          owner="VLLMEngine", none="from gpu_memory_utilization", meaning="bytes")
         max_model_len = check_int("max_model_len", max_model_len, at_least=1, owner="VLLMEngine",
                                   none="the model config's", meaning="tokens of prompt + response")
         max_lora_rank = check_int("max_lora_rank", max_lora_rank, at_least=1, owner="VLLMEngine")

@@ -81,7 +81,8 @@ def _processes_after(seconds: float) -> list[str]:
 
 
 def run_disk_full(tmp: Path, leave_bytes: int, every: int = 1, strategy: str = "single", devices: int = 1,
-                  size_bytes: int = 24 << 20, timeout: float = 300, logger: str = "csv") -> tuple[dict[str, Any], Path, Any]:
+                  size_bytes: int = 24 << 20, timeout: float = 300,
+                  logger: str = "csv") -> tuple[dict[str, Any], Path, Any]:
     """Run :func:`main` on a private tmpfs of ``size_bytes`` under ``tmp``: its report (``{}`` if
     ``fit`` ended without an error), the directory holding a copy of what it left on the disk, and
     the finished process."""

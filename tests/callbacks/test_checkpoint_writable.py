@@ -53,8 +53,8 @@ def test_a_read_only_file_system_is_refused(tmp_path):
     mount = tmp_path / "ro"
     mount.mkdir()
     probe = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r}); from rltrainer.files import "
-             f"check_writable\ntry:\n    check_writable({str(mount / 'ckpt')!r}, 'ModelCheckpoint')\nexcept OSError as e:"
-             "\n    print(e.errno, e)")
+             f"check_writable\ntry:\n    check_writable({str(mount / 'ckpt')!r}, 'ModelCheckpoint')\n"
+             "except OSError as e:\n    print(e.errno, e)")
     argv = _unshare(mount, 1 << 20, f"{sys.executable} -c {_quote(probe)}")
     argv[-1] = argv[-1].replace("mount -t tmpfs -o size=", "mount -t tmpfs -o ro,size=", 1)
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60)

@@ -144,7 +144,8 @@ def test_the_warning_is_on_a_line_of_its_own_under_the_progress_bar_and_in_the_s
     lines = err.replace("\r", "\n").split("\n")
     warning = [line for line in lines if "No learning signal" in line]
     assert warning and warning[0].startswith("WARNING rltrainer.callbacks.learning_signal: No learning signal"), err
-    assert logging.root.handlers.count(console) == 0 and not any("Tqdm" in type(h).__name__ for h in logging.root.handlers)
+    assert console not in logging.root.handlers
+    assert not any("Tqdm" in type(h).__name__ for h in logging.root.handlers)  # the redirection ended with fit
     text = summary(trainer, 3.0, ["fit"])
     assert text.splitlines()[-1].startswith("  warning:      No learning signal: every reward was 0.0 in the last 1 "
                                             "steps (up to step 1)")

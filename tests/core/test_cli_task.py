@@ -300,8 +300,8 @@ def test_a_fresh_run_writes_beside_an_earlier_runs_checkpoints(tmp_path, tiny_co
 
 def test_a_config_file_that_is_not_a_mapping_is_one_message(tmp_path, capsys):
     """An empty file gave `rltrainer fit: error: Unexpected config:` and nothing more."""
-    for text, what in (("", "is empty (or holds only comments)"), ("# nothing yet\n", "is empty (or holds only comments)"),
-                       ("- module\n- data\n", "holds a list")):
+    empty = "is empty (or holds only comments)"
+    for text, what in (("", empty), ("# nothing yet\n", empty), ("- module\n- data\n", "holds a list")):
         (tmp_path / "run.yaml").write_text(text)
         assert main(["fit", "--config", str(tmp_path / "run.yaml")]) == 2
         err = capsys.readouterr().err

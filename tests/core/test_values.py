@@ -186,3 +186,9 @@ def test_max_new_tokens_as_a_float_is_refused_by_grpo_not_by_torch():
     """The issue's case: 2.5 reached generation and failed there as torch's ``full(): argument 'size'``."""
     with pytest.raises(SettingError, match=r"max_new_tokens must be an int >= 1 .*got 2.5 \(a float\)"):
         GRPO("config", TOKENIZER, reward, max_new_tokens=2.5)
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": 2.0}, {"batch_size": True}, {"seed": "0"}])
+def test_prompt_dataloader_checks_its_numbers(kwargs):
+    with pytest.raises(SettingError, match=rf"prompt_dataloader\({next(iter(kwargs))}=...\)"):
+        prompt_dataloader([{"prompt_ids": [1]}] * 4, **{"batch_size": 2, **kwargs})

@@ -65,11 +65,13 @@ def test_prompts_longer_than_the_models_positions_are_refused_at_setup(bpe_token
             module, prompt_dataloader(prompts, batch_size=2, shuffle=False))
 
     with pytest.raises(ValueError, match=rf"^{over} of the {len(lengths)} train prompts have more tokens than the "
-                                         rf"model's max_position_embeddings \({positions}\): the longest, row {longest}, "
+                                         rf"model's max_position_embeddings \({positions}\): the longest, row "
+                                         rf"{longest}, "
                                          rf"has {lengths[longest]}\. The model has no positions for them\. Drop them: "
                                          rf"PromptDataModule\(max_prompt_length={positions - 4}\) \(in a config: "
-                                         r"data.max_prompt_length; .*\), which drops every prompt longer than that and leaves max_new_tokens "
-                                         r"positions for the response; or train a model with more positions\.$"):
+                                         r"data.max_prompt_length; .*\), which drops every prompt longer than that "
+                                         r"and leaves max_new_tokens positions for the response; or train a model "
+                                         r"with more positions\.$"):
         fit(gsm8k_prompts)
     assert Steps.steps == 0
     with caplog.at_level(logging.WARNING, logger="rltrainer.data.loader"):

@@ -140,6 +140,7 @@ def test_a_list_per_completion_is_refused_when_it_returns_with_both_readings() -
     with pytest.raises(ValueError, match=r"Reward function 'partial_credit' returned a list for completion 0 with 1 "
                                          r"value\(s\), \[0.4\], but its response has 5 tokens \(completion_ids\[0\]\); "
                                          r"it returned \[\[0.4\], \[0.7\]\] for the batch\. A reward is one number per "
-                                         r"completion \(return \[0.4, 0.7, ...\]; .*return \[x\[0\] for x in ...\]\) or, "
+                                         r"completion \(return \[0.4, 0.7, ...\]; .*return \[x\[0\] for x in "
+                                         r"...\]\) or, "
                                          r"for per-token rewards, a list of len\(completion_ids\[i\]\) numbers"):
         manager(["abcde", "fg"], {"completion_ids": [[1, 2, 3, 4, 5], [6, 7]]})
