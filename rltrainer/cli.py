@@ -195,15 +195,15 @@ def config_files(argv: Sequence[str]) -> list[str]:
 def config_file_problem(argv: Sequence[str]) -> str | None:
     """What is wrong with a ``--config`` file that is not a mapping of sections (empty, comments
     only, a list), which jsonargparse reports as ``Unexpected config:`` and the file's text."""
-    import yaml
-
     for name in config_files(argv):
         try:
-            content = yaml.safe_load(Path(name).expanduser().read_text())
-        except (OSError, yaml.YAMLError):  # the parser says it: missing, unreadable, not YAML
+            lines = [line for line in Path(name).expanduser().read_text().splitlines()
+                     if line.strip() and not line.lstrip().startswith(("#", "---"))]
+        except OSError:  # the parser says it: missing, unreadable
             continue
-        if not isinstance(content, dict):
-            what = "is empty (or holds only comments)" if content is None else f"holds a {type(content).__name__}"
+        if not lines or not any(":" in line and not line.startswith((" ", "-")) for line in lines):
+            what = ("is empty (or holds only comments)" if not lines else
+                    "holds a list" if lines[0].startswith("-") else f"holds no section (it starts {lines[0]!r})")
             return (f"the config file {name} {what}: a config is a YAML mapping of sections, at least `module:` "
                     "(class_path and init_args: model, tokenizer, reward_funcs) and `data:` (train_file...), and "
                     "`trainer:` for the run's length. Start from a shipped one (recipes/configs/grpo_gsm8k_cpu.yaml; "
