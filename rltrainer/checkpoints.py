@@ -72,15 +72,16 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing a part, truncated, not an rltrainer checkpoint, or of another model."""
 
 
-def tensor_bytes(obj: Any) -> int:
-    """The bytes of the tensors in ``obj`` (nested dicts, lists and tuples): about what saving it takes."""
+def tensor_bytes(obj: Any, whole: bool = False) -> int:
+    """The bytes of the tensors in ``obj`` (nested dicts, lists and tuples): about what saving it takes;
+    a DTensor counts this rank's shard, or with ``whole`` all ranks' (what they save together)."""
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's shard
+        local = obj.to_local() if hasattr(obj, "to_local") and not whole else obj  # a DTensor: this rank's shard
         return local.numel() * local.element_size()
     if isinstance(obj, Mapping):
-        return sum(tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v, whole) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v, whole) for v in obj)
     return 0
 
 

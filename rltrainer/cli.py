@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rltrainer.callbacks import ModelCheckpoint
+from rltrainer.callbacks import LearningSignal, ModelCheckpoint
 from rltrainer.data.datamodule import DataModule
 from rltrainer.module import RLModule
 from rltrainer.testing import data_path
@@ -182,13 +182,34 @@ def import_paths(argv: Sequence[str]) -> list[str]:
     """Where a user's modules and classes named in a config are imported from: the working directory,
     then the folder of each ``--config`` file (looked in after the installed packages, so a file there
     named like one of them does not hide it)."""
-    paths = [os.getcwd()]
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--config=") else (
-            argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
-        if value is not None:
-            paths.append(str(Path(value).expanduser().resolve().parent))
+    paths = [os.getcwd(), *(str(Path(value).expanduser().resolve().parent) for value in config_files(argv))]
     return list(dict.fromkeys(paths))
+
+
+def config_files(argv: Sequence[str]) -> list[str]:
+    """The ``--config`` files of a command line, in order."""
+    return [arg.split("=", 1)[1] if arg.startswith("--config=") else argv[i + 1] for i, arg in enumerate(argv)
+            if arg.startswith("--config=") or (arg == "--config" and i + 1 < len(argv))]
+
+
+def config_file_problem(argv: Sequence[str]) -> str | None:
+    """What is wrong with a ``--config`` file that is not a mapping of sections (empty, comments
+    only, a list), which jsonargparse reports as ``Unexpected config:`` and the file's text."""
+    for name in config_files(argv):
+        try:
+            lines = [line for line in Path(name).expanduser().read_text().splitlines()
+                     if line.strip() and not line.lstrip().startswith(("#", "---"))]
+        except OSError:  # the parser says it: missing, unreadable
+            continue
+        if not lines or not any(":" in line and not line.startswith((" ", "-")) for line in lines):
+            what = ("is empty (or holds only comments)" if not lines else
+                    "holds a list" if lines[0].startswith("-") else f"holds no section (it starts {lines[0]!r})")
+            return (f"the config file {name} {what}: a config is a YAML mapping of sections, at least `module:` "
+                    "(class_path and init_args: model, tokenizer, reward_funcs) and `data:` (train_file...), and "
+                    "`trainer:` for the run's length. Start from a shipped one (recipes/configs/grpo_gsm8k_cpu.yaml; "
+                    "the CLI page of the docs builds one step by step), or print every setting of one that works "
+                    "with --print_config")
+    return None
 
 
 def resume_command(argv: Sequence[str]) -> str:
@@ -205,7 +226,8 @@ def resume_command(argv: Sequence[str]) -> str:
 
 
 def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
-    """A few lines at the end of a run: steps, wall time, the last metrics, where its outputs are."""
+    """A few lines at the end of a run: steps, wall time, the last metrics, where its outputs are, and
+    the warnings of :class:`~rltrainer.LearningSignal` (a run that cannot learn)."""
     state = "interrupted after" if trainer.interrupted else "done:"
     steps = f"{trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps != -1 else "")
     lines = [f"rltrainer fit {state} {steps} steps in {seconds:.0f} s"]
@@ -229,6 +251,8 @@ def summary(trainer: Any, seconds: float, argv: Sequence[str]) -> str:
                              f"{callback.best_model_score:.4g})")
     if trainer.interrupted:
         lines.append(f"  resume with:  {resume_command(argv)}")
+    warned = [w for c in trainer.callbacks if isinstance(c, LearningSignal) for w in c.warnings]
+    lines += [f"  warning:      {w}" for w in warned]  # said during the run too, easy to miss above
     return "\n".join(lines)
 
 
@@ -266,7 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ArgumentError as exc:
         command = argv[0] if argv[:1] and argv[0] in parsers else None
         options = list(getattr(parsers[command], "_option_string_actions", {})) if command else []
-        print(usage_error(exc, f"rltrainer {command}" if command else "rltrainer", options), file=sys.stderr)
+        problem = config_file_problem(argv) if "Unexpected config" in str(exc) else None
+        print(usage_error(ArgumentError(None, problem) if problem else exc,
+                          f"rltrainer {command}" if command else "rltrainer", options), file=sys.stderr)
         return USAGE_ERROR
     if config.subcommand not in parsers:
         print(parser.format_usage(), file=sys.stderr)

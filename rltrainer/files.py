@@ -28,16 +28,60 @@ class DiskFullError(OSError):
         return str(self.strerror)
 
 
-def disk_full_error(path: Path, what: str, needed: int | None, free_before: int | None = None) -> DiskFullError:
-    """A :class:`DiskFullError` for ``path`` (``what`` it held), ``needed`` bytes (``None``: unknown)."""
-    with contextlib.suppress(OSError):
-        free_before = free_before if free_before is not None else shutil.disk_usage(_existing(path)).free
+def disk_full_error(path: Path, what: str, needed: int | None, free_before: int | None = None,
+                    together: tuple[str, int] | None = None) -> DiskFullError:
+    """A :class:`DiskFullError` for ``path`` (``what`` it held) with the figures that explain it: the
+    bytes it ``needed`` (``None``: unknown) and, with ``together`` (``(who, bytes)``), what the writes
+    beside it into the same file system needed at the same time; what was written there before the
+    space ran out (a directory's files); the free space when it started, of the file system's size,
+    where it is mounted, and the blocks reserved for root that an unprivileged writer cannot use."""
+    space = _space(path)
+    if free_before is None and space is not None:
+        free_before = space[1]
     need = f"about {needed:,} bytes" if needed is not None else "more space"
-    free = f"{free_before:,} bytes were free" if free_before is not None else "the free space is unknown"
+    if together is not None:
+        need += f", and {together[0]} about {together[1]:,} bytes written into the same file system at once"
+    written = _written(path)
+    if written:
+        need += f"; {written:,} bytes were written there before the space ran out"
+    if free_before is None:
+        free = "the free space is unknown"
+    elif space is None:
+        free = f"{free_before:,} bytes were free on its file system"
+    else:
+        mount, size, _, reserved = space[0], space[2], space[1], space[3]
+        free = (f"{free_before:,} bytes were free when it started, of the {size:,} of the file system mounted at "
+                f"{mount}" + (f" ({reserved:,} more are reserved for root)" if reserved else ""))
     return DiskFullError(errno.ENOSPC, f"The disk is full (No space left on device) writing {path} ({what}): it "
-                                       f"needed {need} and {free} on its file system. Nothing written before was "
-                                       f"changed. Free space there, or write elsewhere (default_root_dir, "
-                                       f"ModelCheckpoint(dirpath=...))", str(path))
+                                       f"needed {need}; {free}. Nothing written before was changed. Free space "
+                                       f"there, or write elsewhere (default_root_dir, ModelCheckpoint(dirpath=...))",
+                         str(path))
+
+
+def _space(path: Path) -> tuple[Path, int, int, int] | None:
+    """``(mount point, bytes free to this user, size, bytes reserved for root)`` of ``path``'s file
+    system, or ``None`` if it cannot be read."""
+    try:
+        existing = _existing(path).resolve()
+        stats = os.statvfs(existing)
+    except OSError:
+        return None
+    mount = existing
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    block = stats.f_frsize
+    return mount, stats.f_bavail * block, stats.f_blocks * block, (stats.f_bfree - stats.f_bavail) * block
+
+
+def _written(path: Path) -> int:
+    """The bytes of ``path`` (a directory: of its files), 0 if there are none or they cannot be read."""
+    path = Path(path)
+    with contextlib.suppress(OSError):
+        if path.is_file():
+            return path.stat().st_size
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return 0
 
 
 def is_disk_full(exc: BaseException, path: Path | None = None) -> bool:
@@ -67,9 +111,10 @@ def is_disk_full(exc: BaseException, path: Path | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def reporting_disk_full(path: Path, what: str, needed: int | None = None) -> Iterator[None]:
+def reporting_disk_full(path: Path, what: str, needed: int | None = None,
+                        together: tuple[str, int] | None = None) -> Iterator[None]:
     """Run the block that writes ``path``; a full disk in it raises :class:`DiskFullError` (from the
-    original error), any other error passes unchanged."""
+    original error, with the figures of :func:`disk_full_error`), any other error passes unchanged."""
     free = None
     with contextlib.suppress(OSError):
         free = shutil.disk_usage(_existing(path)).free
@@ -80,7 +125,7 @@ def reporting_disk_full(path: Path, what: str, needed: int | None = None) -> Ite
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if not is_disk_full(exc, path):
             raise
-        raise disk_full_error(path, what, needed, free) from exc
+        raise disk_full_error(path, what, needed, free, together) from exc
 
 
 @contextlib.contextmanager
@@ -99,6 +144,21 @@ def raising_ranks_disk_full() -> Iterator[None]:
         raise DiskFullError(cause.errno, f"Rank {getattr(exc, 'rank', '?')}: {cause.strerror}. The ranks were "
                                          f"stopped (the WorkerError this is raised from has each rank's "
                                          f"report)", cause.filename) from exc
+
+
+def check_writable(directory: Path, what: str) -> None:
+    """Create ``directory`` if needed and write (then remove) a file in it, so a directory that cannot
+    be written (read-only, not permitted, under a file) is refused now, not at its first write; the
+    error (of the same ``OSError`` kind) names ``what`` it is for and the reason."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".rltrainer-write-test-{uuid.uuid4().hex[:8]}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"{what} cannot write to {directory}: {exc.strerror or exc} (at {exc.filename}). "
+                                   "Nothing was trained yet. Give it a directory you can write to.") from exc
 
 
 def _existing(path: Path) -> Path:

@@ -36,6 +36,7 @@ import torch
 from rltrainer.callbacks.callback import Callback
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.files import append_bytes
+from rltrainer.values import check_int
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -57,12 +58,8 @@ class LogGenerations(Callback):
     too); they are written at the end of the step and of the validation."""
 
     def __init__(self, every_n_steps: int | None = 50, rows: int = 4) -> None:
-        for name, value in (("every_n_steps", every_n_steps), ("rows", rows)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"LogGenerations({name}=...) must be a positive int"
-                                 f"{' or None (never)' if name == 'every_n_steps' else ''}, got {value!r}")
-            if value is None and name == "rows":
-                raise ValueError("LogGenerations(rows=...) must be a positive int, got None")
+        every_n_steps = check_int("every_n_steps", every_n_steps, at_least=1, none="never", owner="LogGenerations")
+        rows = check_int("rows", rows, at_least=1, meaning="rows per logged step", owner="LogGenerations")
         self.every_n_steps, self.rows = every_n_steps, rows
         self._kept: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}  # rows to write, per split
 

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from rltrainer.files import read_rows, write_csv_atomically
+from rltrainer.values import check_float
 
 #: name -> (module, class).
 LOGGER_NAMES = {
     "csv": ("rltrainer.csv_logger", "CSVLogger"),  # Lightning's, never losing or truncating metrics.csv
-    "tensorboard": ("lightning.pytorch.loggers", "TensorBoardLogger"),
+    "tensorboard": ("rltrainer.tensorboard_logger", "TensorBoardLogger"),  # Lightning's; a full disk is DiskFullError
     "wandb": ("lightning.pytorch.loggers", "WandbLogger"),
     "mlflow": ("lightning.pytorch.loggers", "MLFlowLogger"),
 }
@@ -180,10 +181,9 @@ class LogFlush:
     alone would write every 100 steps)."""
 
     def __init__(self, every_s: float) -> None:
-        if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s >= 0:
-            raise ValueError(f"log_flush_s must be a number of seconds >= 0 (0: after every logged step; math.inf: "
-                             f"only at the end of fit), got {every_s!r}")
-        self.every_s, self.last = float(every_s), time.monotonic()
+        self.every_s = check_float("log_flush_s", every_s, at_least=0, finite=False, meaning=(
+            "seconds; 0: after every logged step; math.inf: only at the end of fit"))
+        self.last = time.monotonic()
 
     def log(self, loggers: list[Any], metrics: Mapping[str, float], step: int) -> None:
         """Send ``metrics`` of ``step`` to every logger, then save them if it is time to."""

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from rltrainer.rollout.engine import SamplingParams
 from rltrainer.rollout.hf import HFEngine
 from rltrainer.testing import tiny_qwen2_config
+from rltrainer.values import check_int
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +155,10 @@ class ProblemsData:
 
     def __init__(self, draw: Callable[..., Any], text: Callable[..., Any], num_train: int = 2400, num_val: int = 300,
                  seed: int = 0, batch_size: int = 16, val_batch_size: int = 256) -> None:
-        if bad := [f"{k}={v!r}" for k, v in (("num_train", num_train), ("num_val", num_val), ("batch_size", batch_size),
-                                             ("val_batch_size", val_batch_size)) if not isinstance(v, int) or v < 1]:
-            raise ValueError(f"ProblemsData needs positive ints; got {', '.join(bad)}")
+        for name, value in (("num_train", num_train), ("num_val", num_val), ("batch_size", batch_size),
+                            ("val_batch_size", val_batch_size)):
+            check_int(name, value, at_least=1, owner="ProblemsData")
+        check_int("seed", seed, owner="ProblemsData")
         self.problems = Problems(draw, text, num_val, seed)
         self.num_train, self.seed, self.batch_size, self.val_batch_size = num_train, seed, batch_size, val_batch_size
         self.tokenizer: Any = None

@@ -19,7 +19,7 @@ from rltrainer.callbacks import Callback, with_defaults
 from rltrainer.callbacks.checkpoint import resolve_ckpt_path
 from rltrainer.checkpoints import read_trainer_state, seed_controller
 from rltrainer.controller.watchdog import Watchdog
-from rltrainer.data.loader import estimate_training_steps, resolve_dataloaders
+from rltrainer.data.loader import check_prompt_lengths, estimate_training_steps, resolve_dataloaders
 from rltrainer.deprecated import DeprecatedTrainerMethods, moved_arguments
 from rltrainer.generations import LogGenerations
 from rltrainer.hf_export import save_hf
@@ -36,6 +36,7 @@ from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, resolve_strategy
 from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.training_checkpoint import PendingCheckpoint, load_checkpoint, write_checkpoint
+from rltrainer.values import check_float, check_int
 
 log = logging.getLogger(__name__)
 
@@ -82,38 +83,26 @@ class Trainer(DeprecatedTrainerMethods):
     former keywords that moved to their owners warn with the new spelling (:data:`rltrainer.deprecated.MOVED`).
     """
 
-    def __init__(
-        self,
-        strategy: str | Strategy = "single",
-        rollout: str | RolloutEngine = "hf",
-        devices: int | str = 1,
-        num_nodes: int = 1,
-        max_steps: int = -1,
-        max_epochs: int | None = None,
-        val_check_interval: int | None = None,
-        limit_val_batches: int | None = None,
-        log_every_n_steps: int = 1,
-        log_flush_s: float = 0.0,
-        precision: str = "32-true",
-        gradient_clip_val: float | None = 1.0,
-        seed: int = 0,
-        default_root_dir: str | Path | None = None,
-        callbacks: list[Callback] | None = None,
-        logger: Any = True,
-        fast_dev_run: bool | int = False,
-        enable_progress_bar: bool = True,
-        pipeline: Pipeline | str = "sync",
-        stage_timeout_s: float | dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, strategy: str | Strategy = "single", rollout: str | RolloutEngine = "hf", devices: int | str = 1,
+                 num_nodes: int = 1, max_steps: int = -1, max_epochs: int | None = None,
+                 val_check_interval: int | None = None, limit_val_batches: int | None = None,
+                 log_every_n_steps: int = 1, log_flush_s: float = 0.0, precision: str = "32-true",
+                 gradient_clip_val: float | None = 1.0, seed: int = 0, default_root_dir: str | Path | None = None,
+                 callbacks: list[Callback] | None = None, logger: Any = True, fast_dev_run: bool | int = False,
+                 enable_progress_bar: bool = True, pipeline: Pipeline | str = "sync",
+                 stage_timeout_s: float | dict[str, float] | None = None, **kwargs: Any) -> None:
         moved = moved_arguments(kwargs, Trainer)  # the former keywords, by new home (warns); unknown: TypeError
-        for name, value in (("max_steps", max_steps), ("log_every_n_steps", log_every_n_steps)):
-            if not isinstance(value, int) or (value < 1 and not (name == "max_steps" and value == -1)):
-                raise ValueError(f"{name} must be a positive int{' or -1' if name == 'max_steps' else ''}, got {value!r}")
-        if max_epochs is not None and max_epochs < 1:
-            raise ValueError(f"max_epochs must be >= 1 or None, got {max_epochs}")
-        if val_check_interval is not None and val_check_interval < 1:
-            raise ValueError(f"val_check_interval must be a positive number of steps or None, got {val_check_interval}")
+        for name, value, low, none in (
+                ("max_epochs", max_epochs, 1, "1 without max_steps"), ("seed", seed, None, None),
+                ("num_nodes", num_nodes, 1, None),
+                ("val_check_interval", val_check_interval, 1, "at the end of fit only"),
+                ("max_steps", max_steps, 1, None),
+                ("limit_val_batches", limit_val_batches, 1, "all"), ("log_every_n_steps", log_every_n_steps, 1, None),
+                ("fast_dev_run", fast_dev_run * 1 if isinstance(fast_dev_run, bool) else fast_dev_run, 0, None),
+                ("devices", 1 if devices == "auto" else devices, 1, None)):
+            check_int(name, value, at_least=low, none=none, owner="Trainer",
+                      special={-1: "no limit"} if name == "max_steps" else None)
+        check_float("gradient_clip_val", gradient_clip_val, above=0, none="no clipping", owner="Trainer")
         self.pipeline = resolve_pipeline(pipeline, **moved["pipeline"])
         self.strategy = resolve_strategy(strategy, devices=devices, num_nodes=num_nodes, precision=precision,
                                          gradient_clip_val=gradient_clip_val, **moved["strategy"])
@@ -148,6 +137,7 @@ class Trainer(DeprecatedTrainerMethods):
         self.estimated_total_steps: int | None = None
         self.plan: RunPlan | None = None  # during and after fit: what a step does, in rows
         self.vocab_size: int | None = None  # after setup: the policy's, for checking prompt ids
+        self.max_positions: int | None = None  # after setup: its max_position_embeddings, for prompt lengths
         self._is_setup = False
         self._validated_this_step = False
 
@@ -176,6 +166,7 @@ class Trainer(DeprecatedTrainerMethods):
         self._setup(module)
         self.ckpt_path, self.interrupted, failure = None, False, None
         try:
+            check_prompt_lengths(self.max_positions, module.sampling.max_new_tokens, train=train_loader, val=val_loader)
             if resume is not None:
                 self._restore(resume)
             self._validated_this_step = self.should_stop = False
@@ -215,6 +206,7 @@ class Trainer(DeprecatedTrainerMethods):
             seed_controller(self.seed)
             self._setup(module)
         _, loader = resolve_dataloaders(None, dataloaders, datamodule, need_train=False, need_val="validate()")
+        check_prompt_lengths(self.max_positions, self.module.sampling.max_new_tokens, val=loader)
         return self._run_validation(loader)
 
     @property
@@ -309,6 +301,7 @@ class Trainer(DeprecatedTrainerMethods):
             self._is_setup = True
             config = self.strategy.model_config()
             self.vocab_size = getattr(config, "vocab_size", None)  # prompt ids are checked
+            self.max_positions = getattr(config, "max_position_embeddings", None)  # and prompt lengths
             if module.records_routes() and routing_shape(config) is not None:  # a MoE policy's routes (R3)
                 self._engine_spec.return_routed_experts = True
             self.sync = self.strategy.connect(self._engine_spec, module.tokenizer, watchdog=self.watchdog,

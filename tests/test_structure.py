@@ -27,8 +27,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rltrainer"
 #: matching prefix names a module's layer.
 LAYERS: list[tuple[str, ...]] = [
     # 0: plumbing that knows nothing of RL
-    ("rltrainer.files", "rltrainer.registry", "rltrainer.weights", "rltrainer.controller", "rltrainer.allocator",
-     "rltrainer.optim", "rltrainer.schedulers", "rltrainer.process_groups"),
+    ("rltrainer.files", "rltrainer.registry", "rltrainer.values", "rltrainer.weights", "rltrainer.controller",
+     "rltrainer.allocator", "rltrainer.optim", "rltrainer.schedulers", "rltrainer.process_groups"),
     # 1: the batch, the data, the checkpoint format
     ("rltrainer.data", "rltrainer.packing", "rltrainer.contracts", "rltrainer.lora", "rltrainer.checkpoints",
      "rltrainer.training_checkpoint", "rltrainer.hf_export"),
@@ -38,7 +38,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltrainer.module", "rltrainer.call", "rltrainer.modules", "rltrainer.strategies", "rltrainer.rollout",
      "rltrainer.envs", "rltrainer.plan"),
     # 4: the loop and what drives it
-    ("rltrainer.callbacks", "rltrainer.generations", "rltrainer.loggers", "rltrainer.csv_logger", "rltrainer.loop",
+    ("rltrainer.callbacks", "rltrainer.generations", "rltrainer.loggers", "rltrainer.csv_logger",
+     "rltrainer.tensorboard_logger", "rltrainer.loop",
      "rltrainer.pipelines", "rltrainer.interrupt", "rltrainer.deprecated", "rltrainer.export", "rltrainer.trainer"),
     # 5: entry points and helpers for tests
     ("rltrainer.cli", "rltrainer.plot", "rltrainer.testing", "rltrainer.toy", "rltrainer.__main__", "rltrainer"),

@@ -22,6 +22,7 @@ import torch
 
 from rltrainer.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from rltrainer.registry import Registry
+from rltrainer.values import check_float
 
 ADVANTAGES: Registry = Registry("advantage estimator")
 
@@ -329,8 +330,7 @@ def gae_estimator(scores: torch.Tensor, response_mask: torch.Tensor, uids: Seque
 
 def _check_coefs(**values: float) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        check_float(name, value, at_least=0, at_most=1 if name in ("gamma", "lam") else None)
 
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,

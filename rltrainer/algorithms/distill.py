@@ -18,6 +18,7 @@ import torch
 from rltrainer.algorithms.part import BaseModels, Part, Setup, Step
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import build_causal_lm, freeze, response_log_probs
+from rltrainer.values import check_float, check_int
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,9 @@ class Teacher(Part):
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.coef, (int, float)) or not self.coef >= 0:
-            raise ValueError(f"Teacher(coef={self.coef!r}): the distillation weight must be a number >= 0 "
-                             "(lambda in A - lambda * (log pi - log pi_teacher)).")
+        check_float("coef", self.coef, at_least=0, owner="Teacher",
+                    meaning="the distillation weight: lambda in A - lambda * (log pi - log pi_teacher)")
+        check_int("seed", self.seed, none="the RNG as the policy's init left it", owner="Teacher")
 
     reads: ClassVar[tuple[str, ...]] = ("old_log_probs", "teacher_log_probs")
     adds: ClassVar[tuple[str, ...]] = ("teacher_log_probs",)

@@ -28,6 +28,7 @@ import torch
 
 from rltrainer.algorithms.aggregation import aggregate, masked_sum_over
 from rltrainer.registry import Registry
+from rltrainer.values import check_float
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 
@@ -87,8 +88,7 @@ def _check_clip(low: float | None, high: float, low_below_one: bool = True) -> N
 
 def _check_positive(**values: Any) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        check_float(name, value, above=0)
 
 
 def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float

@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rltrainer.registry import Registry
+from rltrainer.values import check_float
 
 ROLLOUT_CORRECTIONS: Registry = Registry("rollout correction")
 
@@ -79,8 +80,7 @@ def check_rollout_correction(name: str, params: dict[str, Any]) -> dict[str, Any
 
 
 def _check_threshold(threshold: float) -> None:
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-        raise ValueError(f"threshold (the IS weight cap) must be a number > 0, got {threshold!r}; typical: 2.0")
+    check_float("threshold", threshold, above=0, meaning="the IS weight cap; typical: 2.0")
 
 
 def _check_bounds(low: float, high: float) -> None:

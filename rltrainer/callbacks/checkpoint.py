@@ -26,6 +26,8 @@ from rltrainer.callbacks.callback import Callback
 from rltrainer.checkpoints import (CheckpointError, clean_leftovers, dangling_last, find_last, find_last_run,
                                    fresh_run_directory, is_complete, point_last, remove_checkpoint, run_directories,
                                    step_checkpoints)
+from rltrainer.files import check_writable
+from rltrainer.values import check_int
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -66,10 +68,10 @@ class ModelCheckpoint(Callback):
     def __init__(self, dirpath: str | Path | None = None, every_n_steps: int = 100, save_last: bool = True,
                  keep: int = 1, async_save: bool = False, monitor: str | None = None, mode: str = "min",
                  save_top_k: int = 1) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 (how many step=N.ckpt to keep), got {keep}")
+        every_n_steps = check_int("every_n_steps", every_n_steps, at_least=1, owner="ModelCheckpoint")
+        keep = check_int("keep", keep, at_least=1, meaning="how many step=N.ckpt to keep", owner="ModelCheckpoint")
+        save_top_k = check_int("save_top_k", save_top_k, at_least=1, owner="ModelCheckpoint",
+                               meaning="how many of the best checkpoints by monitor to keep")
         self._check_ranking(monitor, mode, save_top_k)
         self.dirpath = Path(dirpath) if dirpath else None
         self.every_n_steps, self.save_last, self.keep, self.async_save = every_n_steps, save_last, keep, async_save
@@ -88,9 +90,6 @@ class ModelCheckpoint(Callback):
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' (lower is better, a loss) or 'max' (higher is better, an "
                              f"accuracy), got {mode!r}")
-        if not isinstance(save_top_k, int) or isinstance(save_top_k, bool) or save_top_k < 1:
-            raise ValueError(f"save_top_k must be an int >= 1 (how many of the best checkpoints by monitor to keep), "
-                             f"got {save_top_k!r}")
         if monitor is None and save_top_k != 1:
             raise ValueError(f"save_top_k={save_top_k} keeps the best checkpoints by a metric, but monitor is None. "
                              "Name the metric (e.g. monitor='val/accuracy', mode='max'), or use keep=N for the "
@@ -118,6 +117,8 @@ class ModelCheckpoint(Callback):
 
     def on_fit_start(self, trainer: Trainer, module: RLModule) -> None:
         base, resumed = self.checkpoint_dir(trainer), trainer.ckpt_path
+        check_writable(base, "ModelCheckpoint" + (f"(dirpath={str(self.dirpath)!r})" if self.dirpath else
+                                                  f" (default_root_dir={trainer.default_root_dir!r} + checkpoints)"))
         for directory in run_directories(base):  # deletions a crash interrupted: already decided
             clean_leftovers(directory)
         newest = {last.resolve(): d for d in run_directories(base) if (last := find_last(d)) is not None}

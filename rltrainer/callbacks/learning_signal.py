@@ -13,7 +13,9 @@ What it watches, each cause warned once (a logged WARNING naming the cause and w
   a multi-turn environment builds its prompts itself).
 
 The Trainer adds one with ``patience=3`` unless ``callbacks`` holds one; ``LearningSignal(patience=0)``
-turns it off. The loop logs the metrics it reads (:func:`signal_metrics`) on every step.
+turns it off. Its warnings are kept (:attr:`LearningSignal.warnings`): the command line repeats them in
+the run's closing summary, and a progress bar prints them on lines of their own. The loop logs the
+metrics it reads (:func:`signal_metrics`) on every step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from rltrainer.algorithms.advantages import group_index, group_signal_metrics
 from rltrainer.callbacks.callback import Callback
+from rltrainer.values import check_int
 
 if TYPE_CHECKING:
     from rltrainer.data.batch import RolloutBatch
@@ -61,11 +64,11 @@ class LearningSignal(Callback):
     """
 
     def __init__(self, patience: int = 3) -> None:
-        if not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"patience must be an int >= 0 (steps in a row; 0: off), got {patience!r}")
-        self.patience = patience
+        self.patience = check_int("patience", patience, at_least=0, meaning="steps in a row; 0: off",
+                                  owner="LearningSignal")
         self.streaks: dict[str, int] = {}
         self.warned: set[str] = set()
+        self.warnings: list[str] = []  # what it warned, in order (the CLI's summary repeats them)
         self._decoded = False
 
     def on_step_start(self, trainer: Trainer, module: RLModule, batch: RolloutBatch) -> None:
@@ -93,7 +96,11 @@ class LearningSignal(Callback):
             self.streaks[cause] = self.streaks.get(cause, 0) + 1 if holds else 0
             if self.streaks[cause] >= self.patience and cause not in self.warned:
                 self.warned.add(cause)
-                log.warning(self._message(cause, metrics, trainer.global_step))
+                self._warn(self._message(cause, metrics, trainer.global_step))
+
+    def _warn(self, message: str) -> None:
+        self.warnings.append(message)
+        log.warning(message)
 
     def _message(self, cause: str, metrics: dict[str, float], step: int) -> str:
         steps = f"the last {self.streaks[cause]} steps (up to step {step})"
@@ -126,10 +133,10 @@ class LearningSignal(Callback):
         what = (f"{sum(n for _, n in bad)} of the {total} prompt tokens of this step are the tokenizer's unknown token "
                 f"(ids {sorted(unknown)}; row {bad[0][0]} decodes to {safe_decode(tokenizer, prompts[bad[0][0]])[:80]!r})"
                 if bad else f"a prompt decodes to the replacement character: {decoded[:80]!r}")
-        log.warning("The model cannot read its prompts: %s. The tokenizer cannot encode part of the prompt text (an "
-                    "instruction or template with characters outside its vocabulary?). Check the dataset's prompt "
-                    "column and the data format (the CLI's gsm8k format adds an instruction), and tokenise with the "
-                    "model's own tokenizer.", what)
+        self._warn(f"The model cannot read its prompts: {what}. The tokenizer cannot encode part of the prompt text "
+                   "(an instruction or template with characters outside its vocabulary?). Check the dataset's prompt "
+                   "column and the data format (the CLI's gsm8k format adds an instruction), and tokenise with the "
+                   "model's own tokenizer.")
 
     def _check_start(self, tokenizer: Any, prompts: list[list[int]]) -> None:
         bos = getattr(tokenizer, "bos_token_id", None)
@@ -138,10 +145,10 @@ class LearningSignal(Callback):
         missing = sum(not ids or ids[0] != bos for ids in prompts)
         if missing:
             self.warned.add("no_start_token")
-            log.warning("%d of %d prompts do not start with the start token %r (id %d), which the tokenizer adds to "
-                        "text it encodes, so the model saw it first in training. Tokenise the prompts with the "
-                        "tokenizer's defaults (add_special_tokens=True) or prepend it.", missing, len(prompts),
-                        getattr(tokenizer, "bos_token", None), bos)
+            self._warn(f"{missing} of {len(prompts)} prompts do not start with the start token "
+                       f"{getattr(tokenizer, 'bos_token', None)!r} (id {bos}), which the tokenizer adds to text it "
+                       "encodes, so the model saw it first in training. Tokenise the prompts with the tokenizer's "
+                       "defaults (add_special_tokens=True) or prepend it.")
 
 
 def unknown_ids(tokenizer: Any) -> set[int]:

@@ -33,6 +33,7 @@ debugger or ``py-spy dump`` on the controller shows the rest.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import itertools
 import logging
 import shutil
@@ -49,10 +50,54 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from rltrainer.controller.errors import WorkerError
+from rltrainer.values import check_float
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 INNER_GRACE_S = 30.0  # past its own deadline, an outer wait gives an inner watched wait this long to report
+
+#: The groups a stage (``<group>.<method>``) belongs to: the training ranks, the engine replicas, and the
+#: controller's own waits (a wait on both worker groups at once is ``actor+rollout.<method>``).
+STAGE_GROUPS = ("actor", "rollout", "reward", "single", "weights", "pipeline")
+#: The controller's own stages (watched with ``stage_timeout_s`` set).
+CONTROLLER_STAGES = ("reward.reward_step", "rollout.rollout_step", "rollout.validation_step", "single.compute",
+                     "single.train_step", "weights.push", "pipeline.wait")
+#: The worker methods the controller waits on, by their stage name (``@remote(stage=...)``; the
+#: test of this module holds the list to the workers' own).
+WORKER_METHODS = (
+    "checkpoint_digests", "compute", "destroy_distributed", "device_type", "engine_sleep", "engine_teardown",
+    "engine_wake_up", "engine_weight_digests", "engine_weight_groups", "engine_weight_version", "engine_weights",
+    "forget_synced", "generate", "init_distributed", "load_checkpoint", "load_state_dict", "master_address",
+    "model_config", "node_ip", "pid", "python", "receive_weights", "rng_state", "save_checkpoint", "seed_rng",
+    "send_weights", "set_rng_state", "set_weight_groups", "set_weight_view", "setup", "setup_engine", "state_dict",
+    "train_step", "use_shared_memory", "verify_checkpoint", "wait_checkpoint", "weight_names")
+
+
+def stage_names() -> list[str]:
+    """Every name ``stage_timeout_s`` may key a timeout by: the groups, the methods, the stages."""
+    methods = sorted({*WORKER_METHODS, *(s.split(".", 1)[1] for s in CONTROLLER_STAGES)})
+    return [*STAGE_GROUPS, *methods, *CONTROLLER_STAGES]
+
+
+def check_stage_names(timeouts: Mapping[str, Any]) -> None:
+    """Raise for a key of ``stage_timeout_s`` that names no stage, method or group (``"rewrad"``):
+    its timeout would never apply, and the stage would keep its default."""
+    known = stage_names()
+    methods = set(known) - set(STAGE_GROUPS) - set(CONTROLLER_STAGES)
+
+    def names_a_stage(key: str) -> bool:
+        group, _, method = key.partition(".")
+        return key in known or (all(g in STAGE_GROUPS for g in group.split("+")) and (not method or method in methods))
+
+    unknown = [key for key in timeouts if not isinstance(key, str) or not names_a_stage(key)]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"Trainer(stage_timeout_s={dict(timeouts)!r}): {unknown[0]!r} names no stage, so its timeout would never "
+            f"apply.{hint} A key is a group ({', '.join(STAGE_GROUPS)}), a method ({', '.join(sorted(methods))}) or a "
+            f"stage, group.method (the controller's own: {', '.join(CONTROLLER_STAGES)}); e.g. "
+            "stage_timeout_s={'reward_step': 60, 'train_step': 900}.")
 
 
 class StageTimeout(WorkerError):
@@ -105,10 +150,12 @@ class Watchdog:
 
     def __init__(self, timeout_s: float | Mapping[str, float] | None = None, factor: float = 10.0,
                  floor_s: float = 300.0, first_timeout_s: float = 1800.0, window: int = 20) -> None:
-        timeouts = timeout_s.values() if isinstance(timeout_s, Mapping) else [timeout_s]
-        if any(t is not None and (not isinstance(t, (int, float)) or t <= 0) for t in timeouts):
-            raise ValueError(f"stage_timeout_s must be positive seconds, a dict of them by stage or method name "
-                             f"(e.g. {{'train_step': 600}}), or None for the default; got {timeout_s!r}")
+        if isinstance(timeout_s, Mapping):
+            check_stage_names(timeout_s)
+        for key, value in (timeout_s.items() if isinstance(timeout_s, Mapping) else [(None, timeout_s)]):
+            check_float("stage_timeout_s" + (f"[{key!r}]" if key is not None else ""), value, above=0, finite=False,
+                        none="the default: 10x the stage's median, >= 300 s" if key is None else None, owner="Trainer",
+                        meaning="seconds; math.inf: no limit; or a dict of them by stage, method or group name")
         if factor <= 0 or floor_s <= 0 or first_timeout_s <= 0:
             raise ValueError(f"factor, floor_s and first_timeout_s must be positive, got {factor}, {floor_s}, "
                              f"{first_timeout_s}")

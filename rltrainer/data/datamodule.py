@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rltrainer.data.datasets import load_rows, prepare_gsm8k, prepare_math500, prepare_prompts
 from rltrainer.data.loader import prompt_dataloader
+from rltrainer.values import check_int
 
 #: ``format=`` names: how raw rows become prompt rows. ``"prompts"``: any rows, the prompt from
 #: ``prompt_column`` (:func:`~rltrainer.data.prepare_prompts`).
@@ -67,6 +68,11 @@ class PromptDataModule:
         if format != "prompts" and prompt_column != "prompt":
             raise ValueError(f"PromptDataModule(prompt_column={prompt_column!r}) is read by format='prompts' only; "
                              f"format={format!r} takes its prompt from its own column. Set format='prompts'.")
+        for name, value, low, none in (
+                ("batch_size", batch_size, 1, None), ("val_batch_size", val_batch_size, 1, "batch_size"),
+                ("max_prompt_length", max_prompt_length, 1, "keep all"), ("seed", seed, None, None),
+                ("limit_train_rows", limit_train_rows, 1, "all"), ("limit_val_rows", limit_val_rows, 1, "all")):
+            check_int(name, value, at_least=low, none=none, owner="PromptDataModule")
         self.train_file, self.val_file, self.format = train_file, val_file, format
         self.prompt_column, self.instruction, self.system_prompt = prompt_column, instruction, system_prompt
         self.use_chat_template = use_chat_template
@@ -74,31 +80,41 @@ class PromptDataModule:
         self.max_prompt_length, self.seed = max_prompt_length, seed
         self.limit_train_rows, self.limit_val_rows = limit_train_rows, limit_val_rows
         self.tokenizer: Any = None
+        self._datasets: dict[str, Any] = {}  # by split, prepared by setup()
 
     def setup(self, tokenizer: Any) -> None:
-        """Set the tokenizer the prompts are tokenised with (the module's)."""
+        """Prepare the prompts with ``tokenizer`` (the module's): a file that is not there, a column that
+        is missing or a row that cannot be read is refused here (a ``ValueError`` naming the setting,
+        from the error that says what is wrong), before any model is built."""
         self.tokenizer = tokenizer
+        self._datasets = {"train": self._prepared("train_file", self.train_file, self.limit_train_rows),
+                          "val": self._prepared("val_file", self.val_file, self.limit_val_rows)
+                          if self.val_file is not None else None}
 
     def train_dataloader(self) -> Any:
-        return prompt_dataloader(self._prepared(self.train_file, self.limit_train_rows), self.batch_size,
-                                 seed=self.seed)
+        return prompt_dataloader(self._dataset("train"), self.batch_size, seed=self.seed)
 
     def val_dataloader(self) -> Any:
         if self.val_file is None:
             return None
-        return prompt_dataloader(self._prepared(self.val_file, self.limit_val_rows), self.val_batch_size,
-                                 shuffle=False, drop_last=False)
+        return prompt_dataloader(self._dataset("val"), self.val_batch_size, shuffle=False, drop_last=False)
 
-    def _prepared(self, source: str, limit: int | None) -> Any:
+    def _dataset(self, split: str) -> Any:
         if self.tokenizer is None:
             raise RuntimeError("PromptDataModule.setup(tokenizer) must be called before its dataloaders are built")
-        rows = load_rows(source)
-        if limit is not None:
-            rows = rows.select(range(min(limit, len(rows))))
+        return self._datasets[split]
+
+    def _prepared(self, setting: str, source: str, limit: int | None) -> Any:
         options: dict[str, Any] = {"system_prompt": self.system_prompt, "use_chat_template": self.use_chat_template,
                                    "max_prompt_length": self.max_prompt_length}
         if self.format == "prompts":
             options["prompt_column"] = self.prompt_column
         if self.instruction is not None or self.format == "prompts":
             options["instruction"] = self.instruction
-        return FORMATS[self.format](rows, self.tokenizer, **options)
+        try:
+            rows = load_rows(source)
+            if limit is not None:
+                rows = rows.select(range(min(limit, len(rows))))
+            return FORMATS[self.format](rows, self.tokenizer, **options)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # what load_rows and the formats raise
+            raise ValueError(f"PromptDataModule({setting}={source!r}, format={self.format!r}): {exc}") from exc

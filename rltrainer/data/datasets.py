@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rltrainer.values import check_int
+
 if TYPE_CHECKING:  # `datasets` is imported where used: it is slow to import
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase
@@ -252,8 +254,7 @@ def prepare_prompts(
     Returns:
         The prepared dataset, or ``(dataset, n_dropped)`` when ``return_dropped``.
     """
-    if max_prompt_length is not None and (not isinstance(max_prompt_length, int) or max_prompt_length <= 0):
-        raise ValueError(f"max_prompt_length must be a positive int or None; got {max_prompt_length!r}.")
+    check_int("max_prompt_length", max_prompt_length, at_least=1, none="keep all", meaning="tokens")
     if prompt_column not in dataset.column_names:
         raise ValueError(f"prepare_prompts(prompt_column={prompt_column!r}): the dataset has no such column; its "
                          f"columns are {dataset.column_names}. Pass the column that holds the prompt (a string, or a "

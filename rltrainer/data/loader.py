@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -9,6 +10,9 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.values import check_int
+
+log = logging.getLogger(__name__)
 
 
 def collate_rows(rows: Sequence[Mapping[str, Any]]) -> RolloutBatch:
@@ -21,8 +25,8 @@ def prompt_dataloader(dataset: Any, batch_size: int, shuffle: bool = True, seed:
                       drop_last: bool = True) -> DataLoader:
     """A ``DataLoader`` of ``batch_size`` prompts per step over a map-style dataset (a HF
     ``datasets.Dataset`` or a list of dicts). Shuffling is seeded, so runs are reproducible."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    batch_size = check_int("batch_size", batch_size, at_least=1, meaning="prompts per step", owner="prompt_dataloader")
+    seed = check_int("seed", seed, owner="prompt_dataloader")
     if len(dataset) < batch_size and drop_last:
         raise ValueError(f"The dataset has {len(dataset)} rows, fewer than batch_size={batch_size}; "
                          "lower batch_size or pass drop_last=False")
@@ -85,3 +89,46 @@ def estimate_training_steps(loader: Any, max_epochs: int | None, max_steps: int)
     by_epochs = per_epoch * max_epochs if per_epoch is not None and max_epochs else None
     candidates = [n for n in (by_epochs, max_steps if max_steps != -1 else None) if n is not None]
     return min(candidates) if candidates else None
+
+
+def prompt_lengths(loader: Any) -> list[int] | None:
+    """The token count of each prompt of a loader's dataset (its ``prompt_ids``), or ``None`` where it
+    cannot be read without iterating the loader (an iterable dataset, rows without ``prompt_ids``)."""
+    dataset = getattr(loader, "dataset", None)
+    names = getattr(dataset, "column_names", None)
+    if names is not None:  # a datasets.Dataset
+        return [len(ids) for ids in dataset["prompt_ids"]] if "prompt_ids" in names else None
+    if isinstance(dataset, Sequence) and len(dataset) and all(
+            isinstance(row, Mapping) and "prompt_ids" in row for row in dataset):
+        return [len(row["prompt_ids"]) for row in dataset]
+    return None
+
+
+def check_prompt_lengths(max_positions: int | None, max_new_tokens: int, **loaders: Any) -> None:
+    """Before the first step: refuse prompts longer than the model's ``max_positions``
+    (``max_position_embeddings``), with their count, the longest and how to drop them; warn when
+    a prompt leaves fewer than ``max_new_tokens`` positions for its response. ``loaders`` by name
+    (``train=...``, ``val=...``); one whose prompts cannot be read without iterating is skipped."""
+    if not max_positions:
+        return
+    room = max_positions - max_new_tokens
+    fix = (f"Drop them: PromptDataModule(max_prompt_length={room if room > 0 else max_positions}) (in a config: "
+           f"data.max_prompt_length; in Python prepare_prompts(..., max_prompt_length=...)), which drops every "
+           f"prompt longer than that{' and leaves max_new_tokens positions for the response' if room > 0 else ''}; "
+           "or train a model with more positions.")
+    for name, loader in loaders.items():
+        lengths = prompt_lengths(loader) if loader is not None else None
+        if not lengths:
+            continue
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        over = sum(n > max_positions for n in lengths)
+        if over:
+            raise ValueError(f"{over} of the {len(lengths)} {name} prompts have more tokens than the model's "
+                             f"max_position_embeddings ({max_positions:,}): the longest, row {longest}, has "
+                             f"{lengths[longest]:,}. The model has no positions for them. {fix}")
+        cut = sum(n + max_new_tokens > max_positions for n in lengths)
+        if cut:
+            log.warning("%d of the %d %s prompts leave fewer than max_new_tokens=%d positions for the response (the "
+                        "model's max_position_embeddings is %d; the longest prompt, row %d, has %d tokens): their "
+                        "responses can run past the model's last position. %s", cut, len(lengths), name,
+                        max_new_tokens, max_positions, longest, lengths[longest], fix)

@@ -36,6 +36,7 @@ from rltrainer.envs.chat import ChatFormat
 from rltrainer.envs.environment import as_messages, as_step_result, check_environment, tool_methods, tool_schemas
 from rltrainer.envs.tools import parser_for, run_tool
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
+from rltrainer.values import check_float, check_int
 
 log = logging.getLogger(__name__)
 _LOGGED: set[tuple[str, str, str]] = set()  # (environment, phase, error type) already logged in this process
@@ -102,15 +103,12 @@ class MultiTurn:
                  tool_parser: str | None = None, template_kwargs: dict[str, Any] | None = None,
                  max_workers: int = 32, batch_wait_s: float = 0.02, env_timeout_s: float | None = None) -> None:
         check_environment(environment)
-        problems = [f"{name}={value!r} (need an int >= 1)" for name, value in
-                    (("max_turns", max_turns), ("max_episode_tokens", max_episode_tokens))
-                    if not isinstance(value, int) or value < 1]
-        if not isinstance(max_workers, int) or max_workers < 0:
-            problems.append(f"max_workers={max_workers!r} (need an int >= 0; 0 runs them in the controller thread)")
-        if batch_wait_s < 0 or (env_timeout_s is not None and env_timeout_s <= 0):
-            problems.append(f"batch_wait_s={batch_wait_s!r}, env_timeout_s={env_timeout_s!r} (need >= 0 and > 0)")
-        if problems:
-            raise ValueError("MultiTurn got " + ", ".join(problems))
+        max_turns = check_int("max_turns", max_turns, at_least=1, owner="MultiTurn")
+        max_episode_tokens = check_int("max_episode_tokens", max_episode_tokens, at_least=1, owner="MultiTurn")
+        max_workers = check_int("max_workers", max_workers, at_least=0, owner="MultiTurn",
+                                meaning="0 runs them in the controller thread")
+        batch_wait_s = check_float("batch_wait_s", batch_wait_s, at_least=0, owner="MultiTurn")
+        env_timeout_s = check_float("env_timeout_s", env_timeout_s, above=0, none="no limit", owner="MultiTurn")
         self.environment = environment
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.tool_parser, self.template_kwargs = tool_parser, dict(template_kwargs or {})

@@ -17,6 +17,7 @@ from rltrainer.models import ModelSpec
 from rltrainer.modules.policy_gradient import PolicyGradient
 from rltrainer.rewards.model import RewardSpec
 from rltrainer.rollout.engine import RolloutEngine
+from rltrainer.values import check_float, check_int
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class DAPO(PolicyGradient):
         self,
         model: ModelSpec,
         tokenizer: Any,
-        reward_funcs: RewardSpec | Sequence[RewardSpec] | None,
+        reward_funcs: Sequence[RewardSpec] | RewardSpec | None,
         *,
         num_generations: int = 16,
         max_new_tokens: int = 512,
@@ -87,17 +88,15 @@ class DAPO(PolicyGradient):
     ) -> None:
         super().__init__(model, tokenizer, reward_funcs, num_generations=num_generations, max_new_tokens=max_new_tokens,
                          **settings)
-        if max_gen_rounds is not None and (not isinstance(max_gen_rounds, int) or max_gen_rounds < 1):
-            raise ValueError(f"max_gen_rounds must be an int >= 1 (generation rounds per step) or None (no bound), "
-                             f"got {max_gen_rounds!r}")
-        if not overlong_penalty_factor >= 0:
-            raise ValueError(f"overlong_penalty_factor must be >= 0 (0: no overlong shaping), got "
-                             f"{overlong_penalty_factor!r}")
+        max_gen_rounds = check_int("max_gen_rounds", max_gen_rounds, at_least=1, none="no bound",
+                                   meaning="generation rounds per step", owner="DAPO")
+        overlong_penalty_factor = check_float("overlong_penalty_factor", overlong_penalty_factor, at_least=0,
+                                              meaning="0: no overlong shaping", owner="DAPO")
         if overlong_buffer_len is None:
             overlong_buffer_len = max(1, int(max_new_tokens * OVERLONG_BUFFER_SHARE))
-        if not isinstance(overlong_buffer_len, int) or not 0 < overlong_buffer_len <= max_new_tokens:
-            raise ValueError(f"overlong_buffer_len must be an int in [1, max_new_tokens={max_new_tokens}] (L_cache "
-                             f"within L_max), got {overlong_buffer_len!r}; leave it None for max_new_tokens / 5")
+        overlong_buffer_len = check_int("overlong_buffer_len", overlong_buffer_len, at_least=1, at_most=max_new_tokens,
+                                        meaning="L_cache within L_max = max_new_tokens; None: max_new_tokens / 5",
+                                        owner="DAPO")
         self.dynamic_sampling, self.max_gen_rounds = dynamic_sampling, max_gen_rounds
         self.overlong_penalty_factor, self.overlong_buffer_len = overlong_penalty_factor, overlong_buffer_len
         self.mask_truncated = mask_truncated

@@ -28,6 +28,7 @@ from rltrainer.modules.settings import Optimizer, Rewards, flat_signature, route
 from rltrainer.rewards.manager import declares_correctness, reward_max_score
 from rltrainer.rewards.model import RewardSpec, split_rewards
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
+from rltrainer.values import check_int
 
 #: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
 ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason", "baseline_response_text",
@@ -97,7 +98,7 @@ class PolicyGradient(RLModule):
     preset: ClassVar[dict[str, Any]] = {}
     signature_order: ClassVar[tuple[str, ...]] = SIGNATURE_ORDER
 
-    def __init__(self, model: ModelSpec, tokenizer: Any, reward_funcs: RewardSpec | Sequence[RewardSpec] | None, *,
+    def __init__(self, model: ModelSpec, tokenizer: Any, reward_funcs: Sequence[RewardSpec] | RewardSpec | None, *,
                  num_generations: int = 8, max_new_tokens: int = 512, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, update_epochs: int = 1, mini_batch_size: int | None = None,
                  model_seed: int | None = 0, teacher: Teacher | None = None, environment: Any = None,
@@ -114,8 +115,14 @@ class PolicyGradient(RLModule):
         if lora is not None:
             check_lora_config(lora)
         self.lora = lora
-        if num_generations < 1:
-            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        owner = type(self).__name__
+        num_generations = check_int("num_generations", num_generations, at_least=1, meaning="samples per prompt, G",
+                                    owner=owner)
+        update_epochs = check_int("update_epochs", update_epochs, at_least=1, meaning="passes over each batch",
+                                  owner=owner)
+        mini_batch_size = check_int("mini_batch_size", mini_batch_size, at_least=1, none="the whole batch",
+                                    meaning="rows per optimizer step", owner=owner)
+        model_seed = check_int("model_seed", model_seed, none="unseeded", owner=owner)
         if teacher is not None and not isinstance(teacher, Teacher):
             raise TypeError(f"teacher must be a rltrainer.algorithms.distill.Teacher (the model and its coef), got "
                             f"{type(teacher).__name__}; e.g. teacher=Teacher('Qwen/Qwen3-8B', coef=1.0).")

@@ -35,6 +35,6 @@ class PPO(PolicyGradient):
                        "gamma", "lam", "kl_in_reward_coef", "num_generations", "advantage_estimator",
                        "advantage_kwargs", *SIGNATURE_ORDER)
 
-    def __init__(self, model: ModelSpec, tokenizer: Any, reward_funcs: RewardSpec | Sequence[RewardSpec] | None, *,
+    def __init__(self, model: ModelSpec, tokenizer: Any, reward_funcs: Sequence[RewardSpec] | RewardSpec | None, *,
                  num_generations: int = 1, **settings: Any) -> None:
         super().__init__(model, tokenizer, reward_funcs, num_generations=num_generations, **settings)

@@ -22,6 +22,7 @@ import torch
 
 from rltrainer.optim import adamw
 from rltrainer.schedulers import build_lr_scheduler, check_lr_scheduler
+from rltrainer.values import check_float, check_int
 
 
 @dataclass
@@ -45,6 +46,10 @@ class Optimizer:
     lr_scheduler_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.lr = check_float("lr", self.lr, above=0, meaning="the policy's learning rate")
+        self.weight_decay = check_float("weight_decay", self.weight_decay, at_least=0, meaning="AdamW's")
+        self.warmup_steps = check_int("warmup_steps", self.warmup_steps, at_least=0,
+                                      meaning="optimizer steps of linear warm-up")
         check_lr_scheduler(self.lr_scheduler_type, self.warmup_steps)
 
     def build(self, params: list[torch.nn.Parameter], estimated_steps: int | None) -> dict[str, Any]:
@@ -72,6 +77,12 @@ class Rewards:
     reward_weights: Sequence[float] | None = None
     reward_num_workers: int = 0
     reward_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        self.reward_num_workers = check_int("reward_num_workers", self.reward_num_workers, at_least=0,
+                                            meaning="reward processes; 0: on the controller")
+        self.reward_timeout = check_float("reward_timeout", self.reward_timeout, above=0, none="no limit",
+                                          meaning="seconds a sample's reward may take")
 
     def exposed(self) -> dict[str, Any]:
         return settings_of(self)

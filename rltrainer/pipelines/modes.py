@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rltrainer.pipelines.runs import AsyncRun, OneStepOffRun, SyncRun
+from rltrainer.values import check_int
 
 if TYPE_CHECKING:
     from rltrainer.loop import FitContext
@@ -105,9 +106,8 @@ class AsyncPipeline(Pipeline):
     push_mode = "overlap"
 
     def __init__(self, max_staleness: int = 1, staleness_policy: str = "wait") -> None:
-        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
-            raise ValueError(f"max_staleness must be an int >= 0 (policy versions a row may lag), "
-                             f"got {max_staleness!r}")
+        max_staleness = check_int("max_staleness", max_staleness, at_least=0, owner="AsyncPipeline",
+                                  meaning="policy versions a row may lag")
         if staleness_policy not in STALENESS_POLICIES:
             raise ValueError(f"staleness_policy={staleness_policy!r}; choose from {', '.join(STALENESS_POLICIES)}")
         self.max_staleness, self.staleness_policy = max_staleness, staleness_policy

@@ -22,7 +22,13 @@ function that never returns is the Trainer's ``stage_timeout_s`` to catch (stage
 
 Per-token rewards: a function may return, for a completion, a list of numbers (one per response
 token) instead of one number; ``per_func`` and ``scores`` hold their sums and ``token_scores`` the
-weighted lists (see :class:`RewardResult`).
+weighted lists (see :class:`RewardResult`). Where the batch has ``completion_ids`` (the Trainer's
+does), a list of another length is refused as soon as the function returns, naming it.
+
+What counts as a number: ``int`` and ``float``, numpy's numbers and 0-d tensors (a 1-d one is a
+per-token list), and ``bool`` (``True`` is 1.0, ``False`` 0.0: ``[answer == truth for ...]`` is a
+correctness reward; numpy's ``bool_`` too). A string is refused, even ``"1"``: it is a bug
+(a parsed answer returned instead of its score), not a score.
 
 A non-finite score (NaN, inf) is caught where it enters: it counts in ``errors``, the rows are
 logged with the function's name, and they are marked in ``invalid`` (GRPO leaves them out of the
@@ -34,6 +40,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +49,7 @@ import torch
 
 from rltrainer.controller.watchdog import doing
 from rltrainer.rewards.parallel import RewardPool, RewardTimeout, is_async, run_async, sample_fields
+from rltrainer.values import check_float, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +136,11 @@ class RewardResult:
             rest = float(self.scores[i])
             if tokens is not None:
                 if len(tokens) != length:
-                    raise ValueError(f"A per-token reward gave completion {i} {len(tokens)} values; its response has "
-                                     f"{length} tokens (response_mask). Return one value per response token.")
+                    raise ValueError(
+                        f"A reward function returned a list for completion {i} with {len(tokens)} value(s), "
+                        f"{_preview(tokens)}, but its response has {length} tokens (response_mask). A reward is one "
+                        f"number per completion (return [0.4, 0.7, ...], not a list each) or, for per-token "
+                        f"rewards, a list of one number per response token.")
                 rewards[i, :length] = torch.tensor(tokens, dtype=torch.float32)
                 rest -= float(sum(tokens))
             if length:
@@ -190,19 +201,18 @@ class RewardManager:
                 f"Got {len(weights)} reward weights for {len(reward_funcs)} reward functions; "
                 "pass one weight per function, or weights=None for all 1.0."
             )
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0 (reward processes; 0: in this process), got {num_workers!r}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds per sample or None, got {timeout!r}")
-        if not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        weights = [check_float(f"weights[{i}]", w, meaning="a reward's weight") for i, w in enumerate(weights)]
+        num_workers = check_int("num_workers", num_workers, at_least=0, meaning="reward processes; 0: in this process")
+        timeout = check_float("timeout", timeout, above=0, none="no limit", meaning="seconds per sample")
+        max_concurrency = check_int("max_concurrency", max_concurrency, at_least=1,
+                                    meaning="async samples awaited at once")
         untimed = [reward_name(fn) for fn in reward_funcs if not is_async(fn)]
         if timeout is not None and num_workers == 0 and untimed:
             raise ValueError(f"timeout={timeout} needs num_workers > 0 for the synchronous reward functions {untimed}: "
                              "a call in this process cannot be interrupted. Set num_workers (a process pool), make "
                              "them async def, or leave timeout=None.")
         self.reward_funcs = reward_funcs
-        self.weights = [float(w) for w in weights]
+        self.weights = weights
         self.names = _unique_names(reward_funcs)
         self.timeout, self.max_concurrency = timeout, max_concurrency
         self.pool = RewardPool(num_workers, timeout) if num_workers else None
@@ -255,6 +265,8 @@ class RewardManager:
                 else:
                     outcomes = self._evaluate(fn, name, completions, columns)
             values, errors = self._collect(name, outcomes)
+            if "completion_ids" in columns:  # per-token lists: one value per response token, checked now
+                _check_token_lists(name, values, columns["completion_ids"])
             scores = torch.tensor([_total(v) for v in values], dtype=torch.float32)  # [N]
             bad = self._non_finite(name, scores)  # [N] bool
             per_func[name] = scores.masked_fill(bad, 0.0)
@@ -365,12 +377,36 @@ def _as_list(result: Any, expected: int) -> list[Any]:
 
 
 def _value(x: Any) -> Value:
-    """One completion's reward: a float, or a list of floats (per token)."""
+    """One completion's reward: a float, or a list of floats (per token); see the module docstring
+    for what counts as a number."""
     if isinstance(x, torch.Tensor):
-        return float(x) if x.dim() == 0 else [float(v) for v in x.flatten()]
-    if isinstance(x, (list, tuple)):
-        return [float(v) for v in x]
+        return _number(x) if x.dim() == 0 else [_number(v) for v in x.flatten()]
+    if isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) >= 1:  # a numpy array: per token
+        return [_number(v) for v in x]
+    return _number(x)
+
+
+def _number(x: Any) -> float:
+    """``x`` as a float if it is a number (a bool, numpy's, a 0-d tensor or array included)."""
+    numeric = isinstance(x, numbers.Real) or (getattr(x, "shape", None) == () and getattr(
+        getattr(x, "dtype", None), "kind", "") in "biuf" and not isinstance(x, (str, bytes)))
+    if not numeric or isinstance(x, (str, bytes)):
+        raise TypeError(f"{x!r} is a {type(x).__name__}, not a number; return float(...) of the score (a string is "
+                        f"refused, even {'1'!r}: it is a parsed answer, not a score)")
     return float(x)
+
+
+def _check_token_lists(name: str, values: list[Value], completion_ids: Sequence[Sequence[int]]) -> None:
+    """Raise if a per-token list of ``name`` does not have one value per response token."""
+    for i, (value, ids) in enumerate(zip(values, completion_ids)):
+        if isinstance(value, list) and len(value) != len(ids):
+            lists = [v for v in values if isinstance(v, list)]
+            raise _RewardLengthError(
+                f"Reward function {name!r} returned a list for completion {i} with {len(value)} value(s), "
+                f"{_preview(value)}, but its response has {len(ids)} tokens (completion_ids[{i}]); "
+                f"it returned {_preview(lists, 120)} for the batch. A reward is one number per completion "
+                f"(return [0.4, 0.7, ...]; if each list holds that number, return [x[0] for x in ...]) or, for "
+                f"per-token rewards, a list of len(completion_ids[i]) numbers per completion.")
 
 
 def _total(value: Value) -> float:

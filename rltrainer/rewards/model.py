@@ -19,6 +19,7 @@ import torch
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import init_from_config, load_pretrained
 from rltrainer.rewards import RewardManager, resolve_reward
+from rltrainer.values import check_float, check_int
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class RewardModel:
     model: Any
     name: str = "reward_model"
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("seed", self.seed, none="the RNG as the models before left it", owner="RewardModel")
 
 
 def build_reward_model(spec: Any, pad_token_id: int, seed: int | None = None) -> torch.nn.Module:
@@ -93,7 +97,8 @@ def split_rewards(reward_funcs: RewardSpec | Sequence[RewardSpec] | None, weight
     reward model among ``reward_funcs`` (at most one) and its weight; ``weights`` has one entry per element."""
     entries = [] if reward_funcs is None else (
         list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
-    weights = [1.0] * len(entries) if weights is None else [float(w) for w in weights]
+    weights = [1.0] * len(entries) if weights is None else [
+        check_float(f"reward_weights[{i}]", w, meaning="a reward's weight") for i, w in enumerate(weights)]
     if len(weights) != len(entries):
         raise ValueError(f"Got {len(weights)} reward_weights for {len(entries)} reward_funcs; pass one weight per "
                          "entry (reward models included), or reward_weights=None for all 1.0.")

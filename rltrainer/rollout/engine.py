@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rltrainer.registry import Registry
+from rltrainer.values import check_float, check_int
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,15 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.n < 1:
-            problems.append(f"n={self.n} (need >= 1)")
-        if self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens={self.max_new_tokens} (need >= 1)")
-        if self.temperature < 0:
-            problems.append(f"temperature={self.temperature} (need >= 0; 0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p={self.top_p} (need 0 < top_p <= 1)")
-        if self.top_k < 0:
-            problems.append(f"top_k={self.top_k} (need >= 0; 0 is off)")
-        if problems:
-            raise ValueError("Invalid SamplingParams: " + ", ".join(problems))
+        self.n = check_int("n", self.n, at_least=1, meaning="samples per prompt: num_generations")
+        self.max_new_tokens = check_int("max_new_tokens", self.max_new_tokens, at_least=1,
+                                        meaning="tokens a response may have")
+        self.temperature = check_float("temperature", self.temperature, at_least=0, meaning="0 is greedy")
+        self.top_p = check_float("top_p", self.top_p, above=0, at_most=1, meaning="1.0 is off")
+        self.top_k = check_int("top_k", self.top_k, at_least=0, meaning="0 is off")
+        self.seed = check_int("seed", self.seed, none="unseeded")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = [check_int("stop_token_ids[]", t, at_least=0) for t in self.stop_token_ids]
 
 
 @dataclass

@@ -28,6 +28,7 @@ from rltrainer.models.moe import capturing, take_routes
 from rltrainer.models.support import chunkable_head
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       stop_token_ids)
+from rltrainer.values import check_int
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,8 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, max_batch_size: int = 256, dtype: torch.dtype | str | None = None,
                  compile: bool = False, share_weights: bool = True) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size}; need >= 1")
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = check_int("max_batch_size", max_batch_size, at_least=1, owner="HFEngine",
+                                        meaning="rows generated at once")
         self.dtype = _resolve_dtype(dtype)
         self.compile = compile
         if not isinstance(share_weights, bool):

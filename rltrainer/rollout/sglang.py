@@ -56,6 +56,7 @@ import torch
 from rltrainer.rollout.adapters import AdapterFiles, LoadsAdaptersFromDisk
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       free_cached_blocks, gpu_engine_files, missing_engine, stop_token_ids)
+from rltrainer.values import check_float, check_int
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, bucketed, entry_nbytes
 
 log = logging.getLogger(__name__)
@@ -134,16 +135,18 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
                  enable_memory_saver: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  enable_lora: bool = False, max_lora_rank: int = 64, lora_target_modules: str | list[str] = "all",
                  engine_kwargs: dict[str, Any] | None = None, context_length: int | None = None) -> None:
-        if not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"SGLangEngine(tp_size={tp_size!r}): need an int >= 1 (GPUs per SGLang engine)")
+        tp_size = check_int("tp_size", tp_size, at_least=1, owner="SGLangEngine", meaning="GPUs per SGLang engine")
+        mem_fraction_static = check_float("mem_fraction_static", mem_fraction_static, above=0, at_most=1,
+                                          owner="SGLangEngine", meaning="a share of GPU memory")
+        bucket_bytes = check_int("bucket_bytes", bucket_bytes, at_least=1, owner="SGLangEngine", meaning="bytes")
+        max_lora_rank = check_int("max_lora_rank", max_lora_rank, at_least=1, owner="SGLangEngine")
+        context_length = check_int("context_length", context_length, at_least=1, owner="SGLangEngine",
+                                   none="the model config's", meaning="tokens of prompt + response")
         self.tp_size, self.mem_fraction_static = tp_size, mem_fraction_static
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.enable_memory_saver, self.bucket_bytes = enable_memory_saver, bucket_bytes
         self.engine_kwargs = dict(engine_kwargs or {})
         if context_length is not None:
-            if not isinstance(context_length, int) or context_length < 1:
-                raise ValueError(f"SGLangEngine(context_length={context_length!r}): need a positive int (tokens of "
-                                 "prompt + response) or None (the model config's)")
             if self.engine_kwargs.get("context_length", context_length) != context_length:
                 raise ValueError(f"SGLangEngine: context_length={context_length} and engine_kwargs['context_length']="
                                  f"{self.engine_kwargs['context_length']}; set it once (the argument)")

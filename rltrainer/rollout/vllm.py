@@ -76,6 +76,7 @@ from rltrainer.rollout.adapters import AdapterFiles, LoadsAdaptersFromDisk, is_a
 from rltrainer.rollout.engine import (ENGINES, Generation, RolloutEngine, SamplingParams, check_sleep_level,
                                       gpu_engine_files, missing_engine, stop_token_ids)
 from rltrainer.rollout.vllm_weights import CheckpointForm
+from rltrainer.values import check_float, check_int
 
 log = logging.getLogger(__name__)
 
@@ -255,14 +256,15 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
                  max_model_len: int | None = None, enforce_eager: bool | None = None, enable_lora: bool = False,
                  max_lora_rank: int = 64, kv_cache_memory_bytes: int | None = None, python: str | None = None,
                  llm_kwargs: dict[str, Any] | None = None) -> None:
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (a share of GPU memory), got "
-                             f"{gpu_memory_utilization!r}")
-        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1:
-            raise ValueError(f"kv_cache_memory_bytes must be a positive number of bytes or None, got "
-                             f"{kv_cache_memory_bytes!r}")
+        tensor_parallel_size = check_int("tensor_parallel_size", tensor_parallel_size, at_least=1, owner="VLLMEngine",
+                                         meaning="GPUs per replica")
+        gpu_memory_utilization = check_float("gpu_memory_utilization", gpu_memory_utilization, above=0, at_most=1,
+                                             owner="VLLMEngine", meaning="a share of GPU memory")
+        kv_cache_memory_bytes = check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, at_least=1,
+                                          owner="VLLMEngine", none="from gpu_memory_utilization", meaning="bytes")
+        max_model_len = check_int("max_model_len", max_model_len, at_least=1, owner="VLLMEngine",
+                                  none="the model config's", meaning="tokens of prompt + response")
+        max_lora_rank = check_int("max_lora_rank", max_lora_rank, at_least=1, owner="VLLMEngine")
         self.tensor_parallel_size = tensor_parallel_size
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

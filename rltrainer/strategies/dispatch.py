@@ -32,6 +32,7 @@ from rltrainer.rollout.remote import RemoteEngine
 from rltrainer.rollout.worker import InOrderWorker, Worker
 from rltrainer.strategies.rank_worker import TrainingWorker
 from rltrainer.strategies.strategy import Strategy, combine_metrics, form_micro_batches, refuse_other_environment
+from rltrainer.values import check_float, check_int
 from rltrainer.weights.delta import DeltaSync
 from rltrainer.weights.group import DEFAULT_TIMEOUT_S
 from rltrainer.weights.transports import (WEIGHT_TRANSPORTS, BroadcastTransport, ColocatedTransport,
@@ -64,13 +65,20 @@ class WorkerGroupStrategy(Strategy):
         super().__init__(**kwargs)
         if devices == "auto":
             devices = max(torch.cuda.device_count(), 1)
-        if not isinstance(devices, int) or devices < 1 or not isinstance(num_nodes, int) or num_nodes < 1:
-            raise ValueError(f"{self.name} needs devices >= 1 and num_nodes >= 1 (ints), got devices={devices!r}, "
-                             f"num_nodes={num_nodes!r}")
+        devices = check_int("devices", devices, at_least=1, meaning="training ranks per node, or 'auto'",
+                            owner=type(self).__name__)
+        num_nodes = check_int("num_nodes", num_nodes, at_least=1, owner=type(self).__name__)
         if rollout_placement not in PLACEMENTS:
             raise ValueError(f"rollout_placement={rollout_placement!r}; choose from {', '.join(PLACEMENTS)}")
-        if rollout_replicas < 1:
-            raise ValueError(f"rollout_replicas must be >= 1, got {rollout_replicas}")
+        rollout_replicas = check_int("rollout_replicas", rollout_replicas, at_least=1, owner=type(self).__name__,
+                                     meaning="engine replicas with split placement")
+        bucket_bytes = check_int("bucket_bytes", bucket_bytes, at_least=1, owner=type(self).__name__,
+                                 meaning="bytes of a weight-sync bucket")
+        cpus_per_worker = check_float("cpus_per_worker", cpus_per_worker, above=0, owner=type(self).__name__)
+        gpus_per_worker = check_float("gpus_per_worker", gpus_per_worker, at_least=0, owner=type(self).__name__,
+                                      none="1 where the cluster has GPUs, else 0")
+        threads_per_worker = check_int("threads_per_worker", threads_per_worker, at_least=1, owner=type(self).__name__,
+                                       none="cpus_per_worker")
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport={weight_transport!r}; choose from {', '.join(WEIGHT_TRANSPORTS)} "
                              "(how split placement moves weights to the rollout replicas)")
@@ -384,11 +392,10 @@ class WorkerGroupStrategy(Strategy):
 
 def check_weight_sync_timeout(seconds: Any) -> None:
     """Raise unless ``seconds`` is a finite number of seconds > 0 (``weight_sync_timeout_s``)."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
-        raise ValueError(f"weight_sync_timeout_s must be a finite number of seconds > 0 (how long the weight "
-                         f"broadcast group waits for its members to join and for each bucket's broadcast), got "
-                         f"{seconds!r}. Raise it for slow links or large buckets, or, with SGLang (which starts "
-                         f"receiving a sync once its running request is done), for requests that run longer.")
+    check_float("weight_sync_timeout_s", seconds, above=0, meaning=(
+        "seconds the weight broadcast group waits for its members to join and for each bucket's broadcast; raise it "
+        "for slow links or large buckets, or, with SGLang (which starts receiving a sync once its running request is "
+        "done), for requests that run longer"))
 
 
 def ship_user_code(module: Any) -> None:

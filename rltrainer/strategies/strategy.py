@@ -28,6 +28,7 @@ from rltrainer.registry import Registry
 from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightTransport
 from rltrainer.weights.versions import ParamVersions, WeightVersions, stepped_parameter_names
+from rltrainer.values import check_float, check_int
 
 if TYPE_CHECKING:
     from rltrainer.controller.watchdog import Watchdog
@@ -65,15 +66,12 @@ class Strategy(abc.ABC):
 
     def __init__(self, micro_batch_size: int = 8, max_tokens_per_micro_batch: int | None = None,
                  gradient_clip_val: float | None = 1.0, precision: str = "32-true", padding_free: bool = False) -> None:
-        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be an int >= 1 (rows per forward/backward), got {micro_batch_size!r}")
-        if max_tokens_per_micro_batch is not None and (not isinstance(max_tokens_per_micro_batch, int)
-                                                       or max_tokens_per_micro_batch < 1):
-            raise ValueError(f"max_tokens_per_micro_batch must be a positive int (tokens per forward/backward) or "
-                             f"None (micro_batch_size rows), got {max_tokens_per_micro_batch!r}")
-        if gradient_clip_val is not None and not gradient_clip_val > 0:
-            raise ValueError(f"gradient_clip_val must be > 0 (the max global gradient norm) or None (no clipping), "
-                             f"got {gradient_clip_val!r}")
+        micro_batch_size = check_int("micro_batch_size", micro_batch_size, at_least=1,
+                                     meaning="rows per forward/backward")
+        max_tokens_per_micro_batch = check_int("max_tokens_per_micro_batch", max_tokens_per_micro_batch, at_least=1,
+                                               none="micro_batch_size rows", meaning="tokens per forward/backward")
+        gradient_clip_val = check_float("gradient_clip_val", gradient_clip_val, above=0, none="no clipping",
+                                        meaning="the max global gradient norm")
         if precision not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Available: {', '.join(PRECISIONS)}")
         if not isinstance(padding_free, bool):

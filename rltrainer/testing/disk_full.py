@@ -1,8 +1,9 @@
 """A tiny GRPO run that meets a full disk, for the tests of what that does (single and FSDP2 ranks).
 
 ``run_disk_full(tmp, leave_bytes, ...)`` runs ``python -m rltrainer.testing.disk_full`` on a private
-tmpfs (:mod:`rltrainer.testing.tmpfs`): a checkpoint every ``every`` steps; at the end of step 1 the
-disk is filled but ``leave_bytes``. It returns the run's report (the error that ended ``fit``: its
+tmpfs (:mod:`rltrainer.testing.tmpfs`): a checkpoint every ``every`` steps, metrics to ``logger`` (a
+Trainer ``logger`` name: ``"csv"``, ``"tensorboard"``); at the end of step 1 the disk is filled but
+``leave_bytes``. It returns the run's report (the error that ended ``fit``: its
 type, errno, message, step, and the seconds from filling the disk to the error) and a copy of what
 the run left on the disk.
 """
@@ -29,7 +30,7 @@ def _parity(completions: list[str], **kwargs: Any) -> list[float]:
     return [float(len(c) % 2) for c in completions]
 
 
-def main(root: str, leave: int, strategy: str, devices: int, every: int, report_path: str) -> None:
+def main(root: str, leave: int, strategy: str, devices: int, every: int, report_path: str, logger: str = "csv") -> None:
     torch.set_num_threads(1)
     filled: dict[str, float] = {}
 
@@ -49,7 +50,7 @@ def main(root: str, leave: int, strategy: str, devices: int, every: int, report_
     module = GRPO(tiny_qwen2_config(len(tok), hidden_size=32, num_layers=2), tok, reward_funcs=_parity,
                   num_generations=2, max_new_tokens=4, lr=1e-3)
     trainer = Trainer(strategy=strategy, devices=devices, max_steps=3 if every == 1 else 16,
-                      enable_progress_bar=False, default_root_dir=root,
+                      enable_progress_bar=False, default_root_dir=root, logger=logger,
                       callbacks=[LogGenerations(every_n_steps=None), ModelCheckpoint(every_n_steps=every), FillDisk()])
     report: dict[str, Any] = {}
     try:
@@ -80,7 +81,8 @@ def _processes_after(seconds: float) -> list[str]:
 
 
 def run_disk_full(tmp: Path, leave_bytes: int, every: int = 1, strategy: str = "single", devices: int = 1,
-                  size_bytes: int = 24 << 20, timeout: float = 300) -> tuple[dict[str, Any], Path, Any]:
+                  size_bytes: int = 24 << 20, timeout: float = 300,
+                  logger: str = "csv") -> tuple[dict[str, Any], Path, Any]:
     """Run :func:`main` on a private tmpfs of ``size_bytes`` under ``tmp``: its report (``{}`` if
     ``fit`` ended without an error), the directory holding a copy of what it left on the disk, and
     the finished process."""
@@ -89,11 +91,11 @@ def run_disk_full(tmp: Path, leave_bytes: int, every: int = 1, strategy: str = "
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1",
            "RAY_AUTH_MODE": "disabled"}
     argv = [sys.executable, "-m", "rltrainer.testing.disk_full", str(mnt), str(leave_bytes), strategy, str(devices),
-            str(every), str(report)]
+            str(every), str(report), logger]
     done = run_in_tmpfs(argv, mnt, size_bytes, keep=kept, env=env, timeout=timeout)
     return (json.loads(report.read_text()) if report.is_file() else {}), kept, done
 
 
 if __name__ == "__main__":
-    root_, leave_, strategy_, devices_, every_, report_ = sys.argv[1:7]
-    main(root_, int(leave_), strategy_, int(devices_), int(every_), report_)
+    root_, leave_, strategy_, devices_, every_, report_, logger_ = sys.argv[1:8]
+    main(root_, int(leave_), strategy_, int(devices_), int(every_), report_, logger_)

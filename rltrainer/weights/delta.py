@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rltrainer.values import check_float, check_int
 from rltrainer.weights import _kernels
 from rltrainer.weights.wire import (Encoding, Entry, bucket_nbytes, bucket_views, entry_offsets, flatten_bucket,
                                    flatten_into, itemsize)
@@ -84,10 +85,9 @@ class DeltaSync:
     copies: str = "host"
 
     def __post_init__(self) -> None:
-        if not 0 < self.max_share <= 1:
-            raise ValueError(f"DeltaSync(max_share={self.max_share!r}): a share of the bucket's bytes, in (0, 1]")
-        if not isinstance(self.checksum_every, int) or self.checksum_every < 0:
-            raise ValueError(f"DeltaSync(checksum_every={self.checksum_every!r}): an int >= 0 (0: never verify)")
+        check_float("max_share", self.max_share, above=0, at_most=1, owner="DeltaSync",
+                    meaning="a share of the bucket's bytes")
+        check_int("checksum_every", self.checksum_every, at_least=0, owner="DeltaSync", meaning="0: never verify")
         if self.copies not in COPIES:
             raise ValueError(f"DeltaSync(copies={self.copies!r}): one of {', '.join(map(repr, COPIES))} (where the "
                              "base and the mirrors live: host memory, or beside the weights on their device)")

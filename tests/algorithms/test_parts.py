@@ -39,7 +39,7 @@ def test_parts_declare_the_fields_they_read_and_add() -> None:
 
 
 def test_settings_are_checked_where_they_are_declared() -> None:
-    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+    with pytest.raises(ValueError, match="clip_ratio_c must be a number > 1"):
         PolicyLoss(clip_ratio_c=0.5)
     with pytest.raises(ValueError, match="Unknown KL estimator 'k9'"):
         KLPenalty(kl_estimator="k9")

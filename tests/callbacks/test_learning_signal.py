@@ -121,3 +121,31 @@ def test_one_sample_per_prompt_with_a_group_estimator_is_refused(tiny_config, bp
         GRPO(tiny_config, bpe_tokenizer, reward_funcs=parity_reward, num_generations=1, advantage_estimator=estimator)
     GRPO(tiny_config, bpe_tokenizer, reward_funcs=parity_reward, num_generations=1,
          advantage_estimator="reinforce_plus_plus")  # no group: allowed
+
+
+def test_the_warning_is_on_a_line_of_its_own_under_the_progress_bar_and_in_the_summary(
+        tiny_config, bpe_tokenizer, gsm8k_prompts, capsys):
+    """With the bar on (the CLI's default) the warning was written after the bar's last update, inside
+    its line; it goes above the bar now, and the CLI's closing summary says it again."""
+    import sys
+
+    from rltrainer.cli import summary
+
+    console = logging.StreamHandler(sys.stderr)  # what the CLI's logging.basicConfig sets up
+    console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.root.addHandler(console)
+    try:
+        module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=always_zero, num_generations=2, max_new_tokens=4)
+        trainer = Trainer(max_steps=2, logger=False, seed=1, callbacks=[LearningSignal(patience=1)])
+        trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
+    finally:
+        logging.root.removeHandler(console)
+    err = capsys.readouterr().err
+    lines = err.replace("\r", "\n").split("\n")
+    warning = [line for line in lines if "No learning signal" in line]
+    assert warning and warning[0].startswith("WARNING rltrainer.callbacks.learning_signal: No learning signal"), err
+    assert console not in logging.root.handlers
+    assert not any("Tqdm" in type(h).__name__ for h in logging.root.handlers)  # the redirection ended with fit
+    text = summary(trainer, 3.0, ["fit"])
+    assert text.splitlines()[-1].startswith("  warning:      No learning signal: every reward was 0.0 in the last 1 "
+                                            "steps (up to step 1)")

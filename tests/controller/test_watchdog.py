@@ -121,8 +121,44 @@ def test_fixed_timeouts_by_stage_or_method_and_bad_values():
     assert dog.timeout_for("actor.compute") == dog.first_timeout_s
     assert Watchdog(12).timeout_for("anything.at_all") == 12
     for bad in (0, -1, {"train_step": "soon"}):
-        with pytest.raises(ValueError, match="stage_timeout_s must be positive seconds"):
+        with pytest.raises(ValueError, match=r"stage_timeout_s(\['train_step'\])? must be a number > 0"):
             Trainer(stage_timeout_s=bad, logger=False, enable_progress_bar=False)
+
+
+def test_a_timeout_for_a_stage_that_does_not_exist_is_refused_listing_the_known_ones():
+    """{"rewrad": 5} was taken, and the reward stage kept its 1800 s default."""
+    with pytest.raises(ValueError, match=r"stage_timeout_s=\{'rewrad': 5\}\): 'rewrad' names no stage, so its timeout "
+                                         r"would never apply\. Did you mean 'reward'\? A key is a group \(actor, "
+                                         r"rollout, reward, .*\), a method \(.*reward_step.*train_step.*\) or a stage"):
+        Trainer(stage_timeout_s={"rewrad": 5}, logger=False, enable_progress_bar=False)
+    for key in ("reward", "reward_step", "reward.reward_step", "train_step", "actor.train_step", "send_weights",
+                "actor+rollout.send_weights", "rollout.generate", "pipeline"):
+        assert Trainer(stage_timeout_s={key: 5}, logger=False, enable_progress_bar=False).watchdog.timeout_s == {key: 5}
+    for key in ("actor.reward", "trainstep", "rollout.generat"):
+        with pytest.raises(ValueError, match="names no stage"):
+            Watchdog({key: 5})
+
+
+def test_the_known_stage_names_are_the_workers_and_the_controllers():
+    """WORKER_METHODS is the workers' @remote stages and the methods called by name; CONTROLLER_STAGES
+    the controller's own watched calls (read from the source)."""
+    import re
+
+    from rltrainer.controller.methods import remote_methods
+    from rltrainer.controller.watchdog import CONTROLLER_STAGES, STAGE_GROUPS, WORKER_METHODS
+    from rltrainer.rollout.worker import InOrderWorker, Worker
+    from rltrainer.strategies.fsdp2.worker import FSDP2Worker
+    from rltrainer.strategies.megatron.worker import MegatronWorker
+
+    source = "\n".join(p.read_text() for p in (Path(__file__).parents[2] / "rltrainer").rglob("*.py"))
+    by_name = set(re.findall(r"execute_(?:all|rank_zero)(?:_async)?\(\"(\w+)\"", source))
+    remote = {spec.stage for cls in (Worker, InOrderWorker, FSDP2Worker, MegatronWorker)
+              for spec in remote_methods(cls).values()}
+    assert set(WORKER_METHODS) == remote | by_name
+    watched = set(re.findall(r"watchdog\.(?:call|wait_first)\(\"([\w.]+)\"", source))
+    assert set(CONTROLLER_STAGES) == watched
+    assert {s.split(".")[0] for s in CONTROLLER_STAGES} <= set(STAGE_GROUPS)
+    assert set(re.findall(r'_ray_group\(.*?, "(\w+)"', source)) | {"actor"} <= set(STAGE_GROUPS)
 
 
 def test_stacks_of_a_process_or_why_there_are_none():

@@ -296,3 +296,61 @@ def test_a_fresh_run_writes_beside_an_earlier_runs_checkpoints(tmp_path, tiny_co
     assert os.readlink(tmp_path / "checkpoints-3" / "last.ckpt") == "step=2.ckpt"  # not over the first run's step 2
     assert torch.equal(torch.load(checkpoints / "step=2.ckpt" / "trainer.pt", weights_only=False)["rng"]["torch"],
                        kept)
+
+
+def test_a_config_file_that_is_not_a_mapping_is_one_message(tmp_path, capsys):
+    """An empty file gave `rltrainer fit: error: Unexpected config:` and nothing more."""
+    empty = "is empty (or holds only comments)"
+    for text, what in (("", empty), ("# nothing yet\n", empty), ("- module\n- data\n", "holds a list")):
+        (tmp_path / "run.yaml").write_text(text)
+        assert main(["fit", "--config", str(tmp_path / "run.yaml")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"rltrainer fit: error: the config file {tmp_path / 'run.yaml'} {what}: a config is a "
+                              "YAML mapping of sections, at least `module:`"), err
+        assert "Unexpected config" not in err and "recipes/configs/grpo_gsm8k_cpu.yaml" in err
+
+
+def test_mistakes_in_the_data_settings_are_one_message_and_exit_2(task, tmp_path, capsys, monkeypatch,
+                                                                  forget_user_modules):
+    """A missing prompt_column or a misspelt train_file was a 24-line traceback and exit 1."""
+    monkeypatch.setattr(sys, "path", [*sys.path])
+    assert main(["fit", "--config", str(task), "--data.prompt_column", "numbr"]) == 2
+    err = capsys.readouterr().err
+    err = err[err.index("rltrainer fit: error:"):]  # after the datasets library's progress
+    assert err.startswith(f"rltrainer fit: error: ValueError: PromptDataModule(train_file='{tmp_path}/reverse.jsonl', "
+                          "format='prompts'): prepare_prompts(prompt_column='numbr'): the dataset has no such column; "
+                          "its columns are ['number', 'target']"), err
+    assert "Traceback" not in err and len(err.splitlines()) <= 3
+    assert main(["fit", "--config", str(task), "--data.train_file", str(tmp_path / "revers.jsonl")]) == 2
+    err = capsys.readouterr().err
+    err = err[err.index("rltrainer fit: error:"):]
+    assert err.startswith(f"rltrainer fit: error: ValueError: PromptDataModule(train_file='{tmp_path}/revers.jsonl', "
+                          f"format='prompts'): Dataset file '{tmp_path}/revers.jsonl' does not exist"), err
+    assert "Traceback" not in err
+
+
+def test_print_config_writes_a_config_that_runs_as_it_is(task, tmp_path, capsys, monkeypatch, forget_user_modules):
+    """``reward_funcs: [my_task.partial_credit]`` of rltrainer.GRPO was printed as ``Unable to serialize
+    instance``: the printed config is parsed and built again here, and builds the same run."""
+    import warnings
+
+    from rltrainer.cli import build_parser, fit_parser, import_paths, instantiate_fit
+
+    grpo = task.parent / "grpo.yaml"  # the task with rltrainer.GRPO itself (whose signature types reward_funcs)
+    grpo.write_text("\n".join(line for line in task.read_text().replace("my_task.ReverseGRPO", "rltrainer.GRPO")
+                               .splitlines() if "step_log" not in line))
+    monkeypatch.setattr(sys, "path", [*sys.path, *import_paths(["--config", str(grpo)])])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        build_parser().parse_args(["fit", "--config", str(grpo), "--print_config"])
+    printed = capsys.readouterr().out
+    assert not [w for w in caught if "serialize" in str(w.message)]
+    assert "Unable to serialize" not in printed and "reward_funcs:\n    - my_task.partial_credit" in printed
+    (tmp_path / "printed.yaml").write_text(printed)
+    parser = fit_parser()
+    built = instantiate_fit(parser, parser.parse_args(["--config", str(tmp_path / "printed.yaml")]))
+    original = instantiate_fit(parser, parser.parse_args(["--config", str(grpo)]))
+    assert built["module"].rewards.names == original["module"].rewards.names == ["partial_credit"]
+    assert built["module"].model_spec.to_dict() == original["module"].model_spec.to_dict()
+    assert (built["trainer"].max_steps, built["module"].sampling) == (original["trainer"].max_steps,
+                                                                       original["module"].sampling)

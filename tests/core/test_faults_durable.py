@@ -5,6 +5,7 @@ with the previous checkpoint and every metric already written intact."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -62,7 +63,7 @@ def steps_logged(path: Path) -> list[int]:
 
 # -- durable metrics ------------------------------------------------------------------------------------
 def test_log_flush_s_is_checked():
-    with pytest.raises(ValueError, match=r"log_flush_s must be a number of seconds >= 0 .* got -1"):
+    with pytest.raises(ValueError, match=r"log_flush_s must be a number >= 0 \(seconds; .* got -1"):
         Trainer(log_flush_s=-1, logger=False)
     with pytest.raises(ValueError, match="got '5'"):
         Trainer(log_flush_s="5", logger=False)
@@ -242,6 +243,17 @@ def test_a_full_disk_while_logging_is_one_clear_error_and_keeps_every_row_writte
     assert steps_logged(kept / "lightning_logs" / "version_0" / "metrics.csv") == list(range(1, report["step"]))
 
 
+@needs_tmpfs
+def test_a_full_disk_under_tensorboard_is_the_csv_loggers_disk_full_error(tmp_path):
+    """It was Lightning's ``ValueError: you tried to log 1.0 which is currently not supported``, naming no file."""
+    report, kept, done = disk_full.run_disk_full(tmp_path, 0, every=100, logger="tensorboard")
+    assert done.returncode == 0 and report, done.stderr[-3000:]
+    assert_disk_full(report, "")
+    assert re.search(r"writing \S+/lightning_logs/version_0/events\.out\.tfevents\.\S+ \(TensorBoard's events: "
+                     r"\d+ metrics of step \d+\)", report["message"]), report["message"]
+    assert "not supported" not in report["message"]
+
+
 # -- which checkpoint a resume loaded -------------------------------------------------------------------
 def test_a_resume_logs_which_checkpoint_it_loaded_and_the_summary_says_it(tmp_path, tiny_config, bpe_tokenizer,
                                                                           gsm8k_prompts, caplog):
@@ -295,3 +307,20 @@ def test_each_logged_step_is_on_disk_before_the_next_step(log_flush_s, tmp_path,
     if log_flush_s == 0:  # (TensorBoard's writer also flushes when its queue of 10 events fills: not a test of inf)
         assert seen["tb"] == [1, 2]
     assert steps_logged(Path(trainer.loggers[0].log_dir) / "metrics.csv") == [1, 2]  # all there at the end
+
+
+def test_a_full_disks_message_has_the_figures_that_explain_it(tmp_path):
+    """FSDP2's said a rank "needed 1,234,728 bytes" while "1,294,336 were free": the other rank's shards,
+    written into the same file system at once, were the rest of the story."""
+    from rltrainer.files import disk_full_error
+
+    shard = tmp_path / "shard"
+    shard.write_bytes(b"x" * 1000)
+    message = str(disk_full_error(shard, "this rank's shards", 5000, 3000, ("the 2 ranks' shards together", 10000)))
+    stats = os.statvfs(tmp_path)
+    assert (f"writing {shard} (this rank's shards): it needed about 5,000 bytes, and the 2 ranks' shards together "
+            f"about 10,000 bytes written into the same file system at once; 1,000 bytes were written there before the "
+            f"space ran out; 3,000 bytes were free when it started, of the {stats.f_blocks * stats.f_frsize:,} of the "
+            f"file system mounted at ") in message
+    reserved = (stats.f_bfree - stats.f_bavail) * stats.f_frsize
+    assert (f"({reserved:,} more are reserved for root)" in message) == (reserved > 0)

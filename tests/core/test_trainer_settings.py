@@ -51,8 +51,8 @@ def test_strategy_instance_keeps_its_own_settings_and_conflicts_raise():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"micro_batch_size": 0}, r"micro_batch_size must be an int >= 1.*got 0"),
-    ({"max_tokens_per_micro_batch": -5}, r"max_tokens_per_micro_batch must be a positive int.*got -5"),
-    ({"gradient_clip_val": 0.0}, r"gradient_clip_val must be > 0.*or None \(no clipping\), got 0.0"),
+    ({"max_tokens_per_micro_batch": -5}, r"max_tokens_per_micro_batch must be an int >= 1.*got -5"),
+    ({"gradient_clip_val": 0.0}, r"gradient_clip_val must be a number > 0.*or None \(no clipping\), got 0.0"),
 ])
 def test_bad_micro_batch_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):

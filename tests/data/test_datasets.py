@@ -114,7 +114,7 @@ def test_over_long_prompts_are_dropped_and_counted(
 
     kept, dropped = filter_long_prompts(full, max_prompt_length=1)
     assert (len(kept), dropped) == (0, 7)
-    with pytest.raises(ValueError, match="positive int or None; got 0"):
+    with pytest.raises(ValueError, match=r"max_prompt_length must be an int >= 1 .* or None \(keep all\), got 0"):
         prepare_gsm8k(raw, small_tokenizer, max_prompt_length=0)
 
 

@@ -213,7 +213,7 @@ def test_turn_and_token_limits():
     assert out["env_finish"].tolist() == ["max_tokens"]
     assert int(out["attention_mask"][0, out["prompts"].shape[1]:].sum()) <= 30
     assert max(limit for _, _, limit in engine.requests) <= 30
-    with pytest.raises(ValueError, match="max_turns=0"):
+    with pytest.raises(ValueError, match="max_turns must be an int >= 1, got 0"):
         MultiTurn(Echo, max_turns=0)
     with pytest.raises(TypeError, match="reset"):
         MultiTurn(int)

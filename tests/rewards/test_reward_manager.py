@@ -2,6 +2,7 @@ import logging
 from functools import partial
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,37 @@ def test_scores_from_tensors_and_empty_batch() -> None:
     torch.testing.assert_close(result.scores, torch.ones(2))
     empty = RewardManager([tensor_reward])([], {})
     assert empty.scores.shape == (0,) and empty.metrics()["reward/mean"] == 0.0
+
+
+def test_a_string_score_is_refused_even_one() -> None:
+    """``"1"`` was scored 1.0: a string is a parsed answer returned in place of its score."""
+    def parsed(completions: list[str], **kwargs: Any) -> list[Any]:
+        return ["1" for _ in completions]
+
+    with pytest.raises(TypeError, match=r"Reward function 'parsed' returned \['1', '1'\], which is not a list of "
+                                        r"numbers .*'1' is a str, not a number; return float\(...\) of the score"):
+        RewardManager([parsed])(["a", "b"])
+
+
+def test_bools_and_numpy_numbers_are_scores() -> None:
+    """What the module docstring promises: True is 1.0, numpy's numbers and 0-d arrays are numbers."""
+    def mixed(completions: list[str], **kwargs: Any) -> list[Any]:
+        return [True, np.float32(0.5), np.int64(2), np.bool_(False), np.array(0.25)]
+
+    assert RewardManager([mixed])(list("abcde")).scores.tolist() == [1.0, 0.5, 2.0, 0.0, 0.25]
+
+
+def test_a_list_per_completion_is_refused_when_it_returns_with_both_readings() -> None:
+    """``[[0.4], [0.7]]`` (a one-element list each) against 5- and 2-token responses: named at once,
+    with what came back and the two shapes a reward may have."""
+    def partial_credit(completions: list[str], **kwargs: Any) -> list[list[float]]:
+        return [[0.4], [0.7]]
+
+    manager = RewardManager([length_reward, partial_credit])
+    with pytest.raises(ValueError, match=r"Reward function 'partial_credit' returned a list for completion 0 with 1 "
+                                         r"value\(s\), \[0.4\], but its response has 5 tokens \(completion_ids\[0\]\); "
+                                         r"it returned \[\[0.4\], \[0.7\]\] for the batch\. A reward is one number per "
+                                         r"completion \(return \[0.4, 0.7, ...\]; .*return \[x\[0\] for x in "
+                                         r"...\]\) or, "
+                                         r"for per-token rewards, a list of len\(completion_ids\[i\]\) numbers"):
+        manager(["abcde", "fg"], {"completion_ids": [[1, 2, 3, 4, 5], [6, 7]]})

@@ -80,7 +80,8 @@ def test_per_token_rewards_sum_into_scores_and_lay_out_on_the_tokens():
     tokens = result.token_level_scores(mask)
     assert tokens.tolist() == [[1.0, 1.0, 2.0, 0.0], [1.0, 2.0, 0.0, 0.0]]  # the outcome on the last token
     torch.testing.assert_close(tokens.sum(-1), result.scores)
-    with pytest.raises(ValueError, match="gave completion 0 3 values; its response has 2 tokens"):
+    with pytest.raises(ValueError, match=r"returned a list for completion 0 with 3 value\(s\), \[1.0, 1.0, 1.0\], "
+                                         r"but its response has 2 tokens"):
         result.token_level_scores(torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0]]))
 
 

@@ -200,7 +200,7 @@ def test_sglang_tensor_parallel_needs_its_gpus_visible(monkeypatch, tiny_config,
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match="GPUs 1..2 of this process, which sees 2"):
         SGLangEngine(tp_size=2).setup(tiny_config, bpe_tokenizer, device="cuda:1")
-    with pytest.raises(ValueError, match=r"tp_size=0.*int >= 1"):
+    with pytest.raises(ValueError, match=r"tp_size must be an int >= 1.*got 0"):
         SGLangEngine(tp_size=0)
 
 

@@ -24,6 +24,10 @@ def test_a_full_disk_on_two_ranks_is_one_clear_error_and_loses_nothing_written(t
     assert message.startswith("Rank ") and "The disk is full (No space left on device) writing " in message
     assert "/checkpoints/.step=2.ckpt.tmp-" in message and "/training (this rank's shards" in message
     assert "needed about 1," in message and "bytes were free" in message  # half of ~2.5 MB per rank
+    # the figures that explain it: both ranks write into one file system at once
+    assert "and the 2 ranks' shards together about 2,4" in message
+    assert "bytes written into the same file system" in message
+    assert "65,536 bytes were free when it started, of the 25,165,824 of the file system mounted at " in message
     assert "WorkerError" in report["traceback"] and "unexpected pos" not in message
     assert report["seconds"] < 30
     assert os.readlink(kept / "checkpoints" / "last.ckpt") == "step=1.ckpt"

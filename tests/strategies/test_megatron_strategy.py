@@ -206,7 +206,7 @@ def test_bad_megatron_arguments():
         MegatronStrategy(devices=2, pipeline_model_parallel_size=3)
     with pytest.raises(ValueError, match="must divide"):
         MegatronStrategy(devices=3, tensor_model_parallel_size=2)
-    with pytest.raises(ValueError, match="must divide"):
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size must be an int >= 1, got 0"):
         MegatronStrategy(devices=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=0)
     with pytest.raises(ValueError, match="precision"):
         MegatronStrategy(precision="bf16-mixed")

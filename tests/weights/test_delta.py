@@ -455,9 +455,10 @@ def test_an_engine_that_receives_broadcasts_itself_refuses_a_delta():
 
 
 # -- settings --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [({"max_share": 0}, "max_share=0"), ({"max_share": 1.5}, "max_share=1.5"),
-                                           ({"max_share": -0.1}, r"\(0, 1\]"),
-                                           ({"checksum_every": -1}, "checksum_every=-1"),
+@pytest.mark.parametrize("kwargs, match", [({"max_share": 0}, "max_share must be a number > 0 and <= 1 .*got 0"),
+                                           ({"max_share": 1.5}, "max_share must be .*got 1.5"),
+                                           ({"max_share": -0.1}, r"> 0 and <= 1 \(a share of the bucket's bytes\)"),
+                                           ({"checksum_every": -1}, "checksum_every must be an int >= 0.*got -1"),
                                            ({"checksum_every": 2.5}, "an int >= 0")])
 def test_delta_sync_settings_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -16,6 +16,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import ModelSpec, init_from_config, pad_columns, trim_padding_columns
 from rltrainer.optim import adamw
 from rltrainer.packing import packed_rows_for
+from rltrainer.values import check_float
 
 
 def build_value_model(spec: ModelSpec, seed: int | None = None) -> torch.nn.Module:
@@ -80,6 +81,12 @@ class Critic(Part):
 
     reads: ClassVar[tuple[str, ...]] = ("values", "returns", "response_mask")
     adds: ClassVar[tuple[str, ...]] = ("values",)
+
+    def __post_init__(self) -> None:
+        self.critic_lr = check_float("critic_lr", self.critic_lr, above=0, meaning="the critic's learning rate")
+        self.vf_coef = check_float("vf_coef", self.vf_coef, at_least=0, meaning="weight of the value loss")
+        self.cliprange_value = check_float("cliprange_value", self.cliprange_value, above=0,
+                                           meaning="the value clip range around the old values")
 
     def stages(self, off_policy: bool) -> tuple[str, ...]:
         return ("values",)

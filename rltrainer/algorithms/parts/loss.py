@@ -15,6 +15,7 @@ from rltrainer.algorithms.losses import POLICY_LOSSES, LossContext, check_policy
 from rltrainer.algorithms.part import Part, Step, Update, settings_of
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.registry import entry_params
+from rltrainer.values import check_float
 
 #: The shorthands that set a policy loss's parameter of the same name, with their defaults.
 LOSS_SHORTHANDS = {"clip_ratio_low": ("clip_ratio_low", 0.2), "clip_ratio_high": ("clip_ratio_high", 0.2),
@@ -59,11 +60,13 @@ class PolicyLoss(Part):
 
     def __post_init__(self) -> None:
         AGGREGATIONS.get(self.loss_agg_mode)  # an unknown name raises here
-        low, high, cap = self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c
-        if not 0 <= low < 1 or high < 0:
-            raise ValueError(f"Need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {low}, {high}")
-        if cap is not None and cap <= 1:
-            raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip cap) or None to disable it, got {cap}")
+        low = self.clip_ratio_low = check_float("clip_ratio_low", self.clip_ratio_low, at_least=0, below=1,
+                                                meaning="the ratio's clip below 1: 1 - low")
+        high = self.clip_ratio_high = check_float("clip_ratio_high", self.clip_ratio_high, at_least=0,
+                                                  meaning="the ratio's clip above 1: 1 + high")
+        cap = self.clip_ratio_c = check_float("clip_ratio_c", self.clip_ratio_c, above=1, none="no dual clip",
+                                              meaning="the dual-clip cap")
+        self.entropy_coef = check_float("entropy_coef", self.entropy_coef, meaning="weight of the entropy bonus")
         # the entry itself travels with the module (pickled to the training ranks), so a loss a user
         # registered in their script is there even where their registration never ran
         self._fn = POLICY_LOSSES.get(self.policy_loss)
@@ -121,6 +124,7 @@ class KLPenalty(Part):
 
     def __post_init__(self) -> None:
         KL_ESTIMATORS.get(self.kl_estimator)  # an unknown name raises here
+        self.kl_coef = check_float("kl_coef", self.kl_coef, at_least=0, meaning="0: no KL term")
 
     def stages(self, off_policy: bool) -> tuple[str, ...]:
         return ("ref",) if self.kl_coef > 0 else ()

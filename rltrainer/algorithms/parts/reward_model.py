@@ -12,6 +12,7 @@ import torch
 from rltrainer.algorithms.part import BaseModels, Log, Part, Step
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rewards.model import RewardModel, build_reward_model, sequence_scores
+from rltrainer.values import check_float
 
 
 def log_scores(scores: torch.Tensor, log: Log) -> None:
@@ -32,6 +33,9 @@ class RewardModelScores(Part):
 
     reads: ClassVar[tuple[str, ...]] = ("rm_scores", "scores")
     adds: ClassVar[tuple[str, ...]] = ("rm_scores",)
+
+    def __post_init__(self) -> None:
+        self.weight = check_float("weight", self.weight, owner="RewardModelScores", meaning="the reward model's weight")
 
     def stages(self, off_policy: bool) -> tuple[str, ...]:
         return ("reward_model",)

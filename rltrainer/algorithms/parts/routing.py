@@ -11,6 +11,7 @@ import torch
 
 from rltrainer.algorithms.part import Part, Update
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.values import check_float
 
 ROUTING_REPLAY = ("rollout", "compare", "off")
 
@@ -52,9 +53,8 @@ class Routing(Part):
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay={self.routing_replay!r}; choose from {', '.join(map(repr, ROUTING_REPLAY))}"
                              " (replay the engine's routes, only compare with them, or neither)")
-        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
-            raise ValueError(f"router_aux_loss_coef must be >= 0 (0: no load-balancing loss) or None (the config's), "
-                             f"got {self.router_aux_loss_coef!r}")
+        self.router_aux_loss_coef = check_float("router_aux_loss_coef", self.router_aux_loss_coef, at_least=0,
+                                                none="the config's", meaning="0: no load-balancing loss")
 
     @property
     def records_routes(self) -> bool:

@@ -98,8 +98,12 @@ def save_sharded(state: dict[str, Any], directory: str | Path, async_save: bool 
     from torch.distributed.checkpoint import save as dcp_save
 
     if not async_save:
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        together = (f"the {ranks} ranks' shards together", tensor_bytes(state, whole=True)) if ranks > 1 else None
         with reporting_disk_full(Path(directory), "this rank's shards (torch.distributed.checkpoint)",
-                                 tensor_bytes(state)):
+                                 tensor_bytes(state), together):
             dcp_save(state, checkpoint_id=str(directory))
         return None
     from torch.distributed.checkpoint import async_save as dcp_async_save

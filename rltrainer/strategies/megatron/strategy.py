@@ -8,6 +8,7 @@ from typing import Any
 from rltrainer.strategies.dispatch import WorkerGroupStrategy
 from rltrainer.strategies.megatron.worker import MegatronWorker
 from rltrainer.strategies.strategy import STRATEGIES
+from rltrainer.values import check_int
 
 
 @STRATEGIES.register("megatron", description="megatron-core: tensor x pipeline x data parallel (Ray workers)")
@@ -55,12 +56,15 @@ class MegatronStrategy(WorkerGroupStrategy):
                  overlap_grad_reduce: bool = False, grad_reduce_in_fp32: bool = True,
                  ddp_bucket_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(devices=devices, num_nodes=num_nodes, **kwargs)
-        tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-        if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1 or self.world_size % (tp * pp):
+        tp = check_int("tensor_model_parallel_size", tensor_model_parallel_size, at_least=1, owner="MegatronStrategy")
+        pp = check_int("pipeline_model_parallel_size", pipeline_model_parallel_size, at_least=1,
+                       owner="MegatronStrategy")
+        if self.world_size % (tp * pp):
             raise ValueError(f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} must divide the "
                              f"{self.world_size} ranks (devices x num_nodes)")
-        ep, dp = expert_model_parallel_size, self.world_size // (tp * pp)
-        if not isinstance(ep, int) or ep < 1 or dp % ep:
+        ep = check_int("expert_model_parallel_size", expert_model_parallel_size, at_least=1, owner="MegatronStrategy")
+        dp = self.world_size // (tp * pp)
+        if dp % ep:
             raise ValueError(f"expert_model_parallel_size={ep} must divide the data-parallel size, {dp} "
                              f"({self.world_size} ranks / (tensor_model_parallel_size={tp} x "
                              f"pipeline_model_parallel_size={pp}))")
@@ -70,8 +74,8 @@ class MegatronStrategy(WorkerGroupStrategy):
                              "padding_free=False with megatron, or strategy='fsdp2' / 'single' to pack")
         if self.precision in ("bf16-mixed", "16-mixed"):
             raise ValueError(f"strategy='megatron' takes precision '32-true' or 'bf16-true', got {self.precision!r}")
-        if ddp_bucket_size is not None and (not isinstance(ddp_bucket_size, int) or ddp_bucket_size < 1):
-            raise ValueError(f"ddp_bucket_size must be a positive number of elements or None, got {ddp_bucket_size!r}")
+        ddp_bucket_size = check_int("ddp_bucket_size", ddp_bucket_size, at_least=1, owner="MegatronStrategy",
+                                    none="megatron's default", meaning="elements")
         self.tp, self.pp = tp, pp
         self.options.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                             expert_model_parallel_size=ep, moe_grouped_gemm=bool(moe_grouped_gemm),
