@@ -12,13 +12,14 @@ engine reports it; a push lands between two requests of a replica, never inside 
 of a row comes from the same version. Split replicas receive a push while they generate
 (:mod:`rltrainer.weights.staging`).
 
-Which version a row comes from is a function of its place in the run, not of timing (a seeded run
-is reproducible on any machine, under any load): ``sync`` generates step ``t`` with version ``t``,
-``one_step_off`` with ``t - 1``, ``async`` with ``max(0, t - max_staleness)``. The pipeline sends a
-rollout once its version has been pushed and, before the push of anything newer, has its replicas
-*hold* that version (:meth:`~rltrainer.rollout.remote.RemoteEngine.hold`): the newer sync's bytes
-still arrive while the rollout generates, but are applied only after it (a replica that receives in
-order with its requests, tensor-parallel vLLM, cannot hold: the push then waits for the rollout).
+Which version a row comes from is a function of its place in the run, not of timing (with a
+seeded engine a run repeats bit for bit, however loaded the machine): ``sync`` generates step ``t``
+with version ``t``, ``one_step_off`` with ``t - 1``, ``async`` with ``max(0, t - max_staleness)``.
+The pipeline sends a rollout once its version has been pushed and, before the push of anything
+newer, has its replicas *hold* that version (:meth:`~rltrainer.rollout.remote.RemoteEngine.hold`):
+the newer sync's bytes still arrive while the rollout generates, but are applied only after it (a
+replica that receives in order with its requests, tensor-parallel vLLM, cannot hold: the push then
+waits for the rollout).
 ``AsyncPipeline(deterministic=False)`` (and ``staleness_policy="drop"``) is the timing-driven mode:
 a request asks for the version last pushed when it is sent and gets that one or a later one.
 
@@ -32,8 +33,8 @@ async           ...work through up to ``max_staleness + 1`` batches of queued pr
                 row is trained at most ``max_staleness`` versions after the one that made it)
 ==============  ==========================================================================
 
-``async`` sends one request per replica share of a batch (share ``j`` to replica ``j``; a
-replica's requests run one after another, in order) and streams the finished groups into a
+``async`` sends one request per replica share of a batch (scheduled: share ``j`` to replica ``j``,
+a replica's rollouts one after another, in order) and streams the finished groups into a
 buffer; the trainer takes ``B`` groups at a time. ``staleness_policy="wait"`` takes the oldest
 request's groups first, waiting for them, and the producer never has more than
 ``(max_staleness + 1) * B`` prompts out, so no row can exceed the bound. ``"drop"`` (timing-driven)

@@ -132,7 +132,8 @@ class AsyncPipeline(Pipeline):
 
     def __repr__(self) -> str:  # what one would type: deterministic only where it is not the policy's default
         chosen = f", deterministic={self.deterministic!r}" * (self.deterministic != (self.staleness_policy == "wait"))
-        return f"AsyncPipeline(max_staleness={self.max_staleness!r}, staleness_policy={self.staleness_policy!r}{chosen})"
+        return (f"AsyncPipeline(max_staleness={self.max_staleness!r}, "
+                f"staleness_policy={self.staleness_policy!r}{chosen})")
 
 
 #: The shorthand names ``Trainer(pipeline=...)`` takes.

@@ -164,10 +164,11 @@ class RemoteEngine(RolloutEngine):
             parts = outputs[:: self.ranks_per_replica_]  # each replica's first rank
             generation = concat_generations(parts, self.tokenizer)
             used = [p.weight_version if p.weight_version is not None else version for p in parts]
-            if any(v < version for v in used) or (self._version is not None and set(used) != {version}):
+            exact = self._version is not None  # a scheduled request: that version and no other
+            if any(v < version for v in used) or (exact and set(used) != {version}):
                 raise RuntimeError(f"Replicas {ranks} generated with weight versions {used} for a request that asked "
-                                   f"for version {version}{' or later' * (self._version is None)} (the replicas "
-                                   f"lost a push{', or applied a newer one past a hold' * (self._version is not None)})")
+                                   f"for version {version}{' or later' * (not exact)} (the replicas lost a push"
+                                   f"{', or applied a newer one past a hold' * exact})")
             generation.weight_version = min(used)  # the replicas say which weights they used
             if len(set(used)) > 1:  # a push landed on one replica before the request started there
                 generation.row_weight_versions = torch.tensor(

@@ -1,12 +1,13 @@
 """A ``one_step_off`` / ``async`` run SIGKILLed between steps or at a step boundary, with rows in
 flight, and resumed from its last checkpoint trains on the same prompts as an uninterrupted run
 (none skipped, none repeated, across an epoch boundary) and ends with bit-equal weights (a seeded
-engine; one replica, and two at ``max_staleness=2``: the versions are the schedule's). The runs are subprocesses (``pipeline_resume_run.py``) on the session's Ray
-cluster; each records the prompts of every step it trained, flushed before the step's checkpoint.
+engine; one replica, and two at ``max_staleness=2``: the versions are the schedule's). The runs
+are subprocesses (``pipeline_resume_run.py``) on the session's Ray cluster; each records the
+prompts of every step it trained, flushed before the step's checkpoint.
 
 The unit tests at the end check what ``AsyncPipeline`` keeps, groups in ``ready`` included (one
-replica never leaves finished groups over at a step boundary; two would, but which ones depends
-on timing)."""
+replica never leaves finished groups over at a step boundary; two timing-driven ones would, but
+which ones depends on timing)."""
 
 from __future__ import annotations
 
