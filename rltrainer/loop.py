@@ -45,6 +45,7 @@ class FitContext:
     call_hooks: Callable[..., None]  # (name, *args): a lifecycle event, the module's hook, then the callbacks'
     call_module: Callable[..., Any]  # (name, *args): a module hook, its result checked against its contract
     log: Callable[[dict[str, float]], None]  # add to this step's metrics
+    before_push: Callable[[int], None] = lambda version: None  # the pipeline readies the engines for a push
 
 
 @contextmanager
@@ -74,6 +75,7 @@ def training_step(fit: FitContext, batch: RolloutBatch, metrics: dict[str, float
     with timer(metrics, "update_actor"):
         metrics.update(update_policy(module, strategy, batch, seed=fit.seed + step))
     with timer(metrics, "update_weights"):
+        fit.before_push(step + 1)  # rollouts scheduled with older versions keep them (rltrainer.pipelines)
         metrics.update(fit.sync.push(step + 1))
     metrics.update(staleness_metrics(batch, step))
     return metrics

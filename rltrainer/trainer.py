@@ -318,7 +318,8 @@ class Trainer(DeprecatedTrainerMethods):
         return FitContext(self.module, self.strategy, self.engine, self.sync, self.watchdog, self.seed,
                           step=lambda: self.global_step, call_hooks=functools.partial(call_hooks, self),
                           call_module=functools.partial(call_module_hook, self),
-                          log=lambda metrics: self.step_metrics.update(metrics))  # the step's dict now
+                          log=lambda metrics: self.step_metrics.update(metrics),  # the step's dict now
+                          before_push=lambda version: self._run.before_push(version) if self._run else None)
 
     def _fit_loop(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None) -> None:
         if self._done():

@@ -100,23 +100,40 @@ class AsyncPipeline(Pipeline):
         staleness_policy: ``"wait"`` (train on the oldest requests first, never exceed the bound) or
             ``"drop"`` (train on what finished first; drop rows that fell behind the bound, count
             them and generate their prompts again).
+        deterministic: ``True`` (the default with ``"wait"``): the prompts of step ``s`` are
+            generated with policy version ``max(0, s - max_staleness)`` exactly, whatever the timing,
+            so a seeded run is reproducible and resumes bit for bit; a row is always exactly
+            ``max_staleness`` versions old once the run is past its first steps. ``False`` (the only
+            choice with ``"drop"``): each request generates with the newest version the engine holds
+            when it starts (at most ``max_staleness`` old), which depends on timing.
     """
 
     mode = "async"
     push_mode = "overlap"
 
-    def __init__(self, max_staleness: int = 1, staleness_policy: str = "wait") -> None:
+    def __init__(self, max_staleness: int = 1, staleness_policy: str = "wait",
+                 deterministic: bool | None = None) -> None:
         max_staleness = check_int("max_staleness", max_staleness, at_least=0, owner="AsyncPipeline",
                                   meaning="policy versions a row may lag")
         if staleness_policy not in STALENESS_POLICIES:
             raise ValueError(f"staleness_policy={staleness_policy!r}; choose from {', '.join(STALENESS_POLICIES)}")
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic must be True, False or None (True with staleness_policy='wait'), "
+                             f"got {deterministic!r}")
+        if deterministic and staleness_policy == "drop":
+            raise ValueError("deterministic=True needs staleness_policy='wait': 'drop' trains on whichever groups "
+                             "finished first, which is timing. Use staleness_policy='wait' for a reproducible run, "
+                             "or deterministic=False with 'drop'")
         self.max_staleness, self.staleness_policy = max_staleness, staleness_policy
+        self.deterministic = staleness_policy == "wait" if deterministic is None else deterministic
 
     def start(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]]) -> SyncRun:
-        return AsyncRun(fit, prompt_batches, self.max_staleness, self.staleness_policy)
+        return AsyncRun(fit, prompt_batches, self.max_staleness, self.staleness_policy, self.deterministic)
 
-    def __repr__(self) -> str:
-        return f"AsyncPipeline(max_staleness={self.max_staleness!r}, staleness_policy={self.staleness_policy!r})"
+    def __repr__(self) -> str:  # what one would type: deterministic only where it is not the policy's default
+        chosen = f", deterministic={self.deterministic!r}" * (self.deterministic != (self.staleness_policy == "wait"))
+        return (f"AsyncPipeline(max_staleness={self.max_staleness!r}, "
+                f"staleness_policy={self.staleness_policy!r}{chosen})")
 
 
 #: The shorthand names ``Trainer(pipeline=...)`` takes.

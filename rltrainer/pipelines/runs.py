@@ -5,6 +5,7 @@ threads (:mod:`rltrainer.pipelines` describes the modes). A pipeline object make
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -84,7 +85,7 @@ class SyncRun:
         self._last_loader_batch: tuple[int, int] | None = None  # (epoch, index) of the latest batch handed out
         self._exhausted = False
         self._drew = False  # whether the rollout_step running now drew prompts of its own
-        self._executor: ThreadPoolExecutor | None = None
+        self._executors: dict[int | None, ThreadPoolExecutor] = {}  # None: shared; a lane: one replica's, in order
         self._in_flight: list[Future] = []
         self._sleeps = engine_shares_memory(fit.strategy)  # inline rollouts: wake, generate, sleep
         self._window = time.perf_counter()
@@ -122,8 +123,12 @@ class SyncRun:
                 self._last_loader_batch = (epoch, index)
                 yield Prompts(batch, [(epoch, index, row) for row in range(len(batch))])
 
-    def _submit(self, prompts: Prompts, engine: Any = None, inline: bool = False) -> Future:
-        """``rollout_step`` on ``prompts``: now (``inline``) or in a controller thread."""
+    def _submit(self, prompts: Prompts, engine: Any = None, inline: bool = False, version: int | None = None,
+                lane: int = 0) -> Future:
+        """``rollout_step`` on ``prompts``: now (``inline``) or in a controller thread. With ``version``
+        (the schedule's): generated with exactly that weight version, in the thread of ``lane`` (one
+        replica's rollouts run one at a time, in the order sent); the replicas hold the version from
+        now until the rollout is over (:meth:`before_push`)."""
         engine = engine or self.fit.engine
         if inline:  # the trainer waits for it all along: idle time
             future: Future = Future()
@@ -138,14 +143,38 @@ class SyncRun:
                 engine.sleep()
             self._waited += time.perf_counter() - start
             return future
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=self.max_requests(), thread_name_prefix="rltrainer-rollout")
-        future = self._executor.submit(self._run, prompts, engine)
-        future.prompts = prompts  # type: ignore[attr-defined]
+        held = None
+        if version is not None:
+            if getattr(engine, "holds_versions", False):
+                held = engine.hold(version)  # before the push of anything newer (the loop's before_push)
+            engine = engine.at_version(version) if hasattr(engine, "at_version") else engine
+        key = lane if version is not None else None
+        if key not in self._executors:
+            self._executors[key] = ThreadPoolExecutor(max_workers=self.max_requests() if key is None else 1,
+                                                      thread_name_prefix="rltrainer-rollout")
+        future = self._executors[key].submit(self._run, prompts, engine, held is not None)
+        future.prompts, future.version, future.held = prompts, version, held  # type: ignore[attr-defined]
+        future.release = engine.release if held is not None else None  # type: ignore[attr-defined]
         self._in_flight.append(future)
         return future
 
-    def _run(self, prompts: Prompts, engine: Any) -> RolloutBatch:
+    def before_push(self, version: int) -> None:
+        """Before the push of ``version``: the rollouts scheduled with an older one are held on their
+        replicas (the holds have arrived), or, where a replica cannot hold (it receives in order with
+        its requests), done. Time spent here is the trainer's idle time."""
+        start = time.perf_counter()
+        for future in self._in_flight:
+            scheduled = getattr(future, "version", None)
+            if scheduled is None or scheduled >= version:
+                continue
+            if callable(future.held):  # the hold's calls in flight: wait until they are in place
+                self.fit.watchdog.call("pipeline.wait", future.held)
+                future.held = True
+            elif future.held is None and not future.done():  # not held: the push waits for the rollout
+                self._finished(future)
+        self._waited += time.perf_counter() - start
+
+    def _run(self, prompts: Prompts, engine: Any, release: bool = False) -> RolloutBatch:
         start, version = time.perf_counter(), engine.weight_version  # rollout_step may tag a later one
         self._drew = False
         logged: dict[str, float] = {}
@@ -153,8 +182,15 @@ class SyncRun:
         try:
             batch = self.fit.watchdog.call("rollout.rollout_step", self.fit.call_module, "rollout_step",
                                                with_positions(prompts), engine)  # an engine here: watched here
+        except BaseException:
+            if release:  # the rollout's error is the one to report
+                with contextlib.suppress(Exception):
+                    engine.release(version)
+            raise
         finally:
             LOG_TARGET.reset(token)
+        if release:  # after its last request: the replicas may take newer weights
+            engine.release(version)
         batch.meta["timing_s/gen"] = time.perf_counter() - start
         batch.meta["logged"] = {**batch.meta.get("logged", {}), **logged}
         return tag(batch, prompts, version, self.group_size, drew=self._drew)
@@ -210,11 +246,15 @@ class SyncRun:
         ``stage_timeout_s``, a request stuck past its stage's timeout is left behind."""
         dog = self.fit.watchdog
         patience = dog.timeout_for("pipeline.wait") if dog.watches_in_process else None
-        stuck = wait(self._in_flight, timeout=patience).not_done  # errors: the run is ending, maybe failing
-        self._in_flight = []
-        if self._executor is not None:
-            self._executor.shutdown(wait=not stuck, cancel_futures=True)
-            self._executor = None
+        in_flight, self._in_flight = self._in_flight, []
+        stuck = wait(in_flight, timeout=patience).not_done  # errors: the run is ending, maybe failing
+        for executor in self._executors.values():
+            executor.shutdown(wait=not stuck, cancel_futures=True)
+        self._executors = {}
+        for future in in_flight:  # never ran: its replicas still hold its version
+            if future.cancelled() and getattr(future, "release", None) is not None:
+                with contextlib.suppress(Exception):
+                    future.release(future.version)
 
 
 class OneStepOffRun(SyncRun):
@@ -231,10 +271,10 @@ class OneStepOffRun(SyncRun):
             batch, self._restored = self._restored, None
         else:
             first = next(prompts, None)
-            batch = self._wait(self._submit(first)) if first is not None else None  # version 0
+            batch = self._wait(self._submit(first, version=self.fit.step())) if first is not None else None
         while batch is not None:
-            following = next(prompts, None)
-            self._held = self._submit(following) if following is not None else None  # generated with version t
+            following = next(prompts, None)  # generated with version t exactly (held until it is done)
+            self._held = self._submit(following, version=self.fit.step()) if following is not None else None
             self.fit.call_hooks("on_step_start", batch)
             yield batch  # the loop trains on batch t (version t + 1) and pushes behind the request above
             batch = self._wait(self._held) if self._held is not None else None
@@ -263,14 +303,19 @@ class OneStepOffRun(SyncRun):
 
 class AsyncRun(SyncRun):
     """``async``: a producer keeps prompts in flight on every replica; the trainer takes ``B``
-    groups at a time from what finished. Args: also ``max_staleness`` and ``staleness_policy``."""
+    groups at a time from what finished. Args: also ``max_staleness``, ``staleness_policy`` and
+    ``deterministic`` (the schedule: the prompts of step ``s`` are generated with version
+    ``max(first step, s - max_staleness)``, sent once the trainer has pushed it, share ``j`` of a
+    step on replica ``j``; else each request takes the version pushed when it is sent, or later)."""
 
     mode = "async"
 
     def __init__(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]], max_staleness: int,
-                 staleness_policy: str) -> None:
+                 staleness_policy: str, deterministic: bool = False) -> None:
         super().__init__(fit, prompt_batches)
-        self.max_staleness, self.policy = max_staleness, staleness_policy
+        self.max_staleness, self.policy, self.deterministic = max_staleness, staleness_policy, deterministic
+        self.first_step = fit.step()  # the schedule's origin: the version of this fit's first requests
+        self.sent = 0  # prompts sent since (the next one trains at step first_step + sent // B)
         engine = fit.engine
         self.replicas = [engine.replica(i) for i in range(engine.replicas)] if hasattr(engine, "replica") else [engine]
         self.queue: deque[tuple[Position, RolloutBatch]] = deque()  # prompts not yet sent
@@ -290,6 +335,9 @@ class AsyncRun(SyncRun):
             yield batch  # the loop trains on it and pushes the new weights: later requests use them
 
     def _fill(self) -> None:
+        if self.deterministic:
+            self._send_scheduled()
+            return
         outstanding = sum(len(f.prompts.positions) for f in self._in_flight) + len(self.ready)
         while self._refill_queue() and outstanding < (self.max_staleness + 1) * self.batch_size:
             share = math.ceil(self.batch_size / len(self.replicas))
@@ -300,6 +348,24 @@ class AsyncRun(SyncRun):
                                   engine=self.replicas[replica])
             future.replica = replica  # type: ignore[attr-defined]
             outstanding += count
+
+    def _send_scheduled(self) -> None:
+        """Send every request whose version the trainer has pushed: share ``j`` (``ceil(B / replicas)``
+        prompts) of step ``s`` to replica ``j``, with version ``max(first_step, s - max_staleness)``."""
+        while self._refill_queue():
+            share = math.ceil(self.batch_size / len(self.replicas))
+            step, offset = divmod(self.sent, self.batch_size)
+            version = max(self.first_step, self.first_step + step - self.max_staleness)
+            if version > self.fit.step():  # not pushed yet: sent after a later step
+                return
+            items = []
+            while len(items) < share - offset % share and self._refill_queue():
+                items.append(self.queue.popleft())
+            replica = offset // share
+            future = self._submit(Prompts(RolloutBatch.concat([b for _, b in items]), [p for p, _ in items]),
+                                  engine=self.replicas[replica], version=version, lane=replica)
+            future.replica = replica  # type: ignore[attr-defined]
+            self.sent += len(items)
 
     def _in_flight_on(self, replica: int) -> int:
         """Prompts in flight on ``replica``."""
@@ -347,6 +413,11 @@ class AsyncRun(SyncRun):
     def _receive(self, future: Future) -> None:
         batch = self._wait(future)
         step = self.fit.step()
+        scheduled = getattr(future, "version", None)
+        if scheduled is not None and set(batch["policy_version"].tolist()) != {scheduled}:
+            raise RuntimeError(f"Rows of prompts {future.prompts.positions} were generated with weight versions "
+                               f"{sorted(set(batch['policy_version'].tolist()))}; the schedule assigned version "
+                               f"{scheduled} (rollout_step must tag rows with the engine's version)")
         for i, position in enumerate(future.prompts.positions):
             rows = batch[list(range(i * self.group_size, (i + 1) * self.group_size))]
             if step - int(rows["policy_version"].min()) > self.max_staleness:  # too old: generate it again
@@ -380,7 +451,8 @@ class AsyncRun(SyncRun):
         again keeps the versions that made them: with a seeded engine the resumed run trains on the
         same rows and ends with the same weights as an uninterrupted one."""
         requests = [{"positions": [list(p) for p in f.prompts.positions], "prompts": plain_batch(f.prompts.batch),
-                     "rows": plain_batch(self._finished(f)), "replica": f.replica} for f in self._in_flight]
+                     "rows": plain_batch(self._finished(f)), "replica": f.replica,
+                     "version": getattr(f, "version", None)} for f in self._in_flight]
         return {"consumed": sorted(self.consumed), "batch_size": self.batch_size, "in_flight": requests,
                 "ready": [(list(p), plain_batch(rows)) for p, rows in self.ready],
                 "queue": [(list(p), plain_batch(row)) for p, row in self.queue]}
@@ -399,9 +471,11 @@ class AsyncRun(SyncRun):
             future.prompts = Prompts(RolloutBatch(**request["prompts"]),  # type: ignore[attr-defined]
                                      [tuple(p) for p in request["positions"]])
             future.replica = request["replica"]  # type: ignore[attr-defined]
+            future.version, future.held = request.get("version"), None  # type: ignore[attr-defined]
             self._in_flight.append(future)
         self.restored = {p for p, _ in self.ready} | {p for p, _ in self.queue}
         self.restored |= {p for f in self._in_flight for p in f.prompts.positions}
+        self.sent = len(self.ready) + sum(len(f.prompts.positions) for f in self._in_flight)  # the schedule goes on
 
 
 def plain_batch(batch: RolloutBatch) -> dict[str, Any]:

@@ -15,19 +15,25 @@ runs pushes and requests in one order, the same on each of its ranks (the worker
 call to all its ranks as one): there a push waits for the request sent before it, on every rank, and
 the request sent after it for the push. The replicas report the version they used, and the result
 carries it (per row where replicas differ); ranks of one replica that disagree raise.
+
+A seeded run's pipeline assigns each rollout its version instead (:mod:`rltrainer.pipelines`):
+:meth:`RemoteEngine.hold` keeps newer weights out of the replicas until :meth:`RemoteEngine.release`,
+and the view :meth:`RemoteEngine.at_version` asks for exactly that version.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 
+from rltrainer.controller.methods import method_threads
 from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Bucket, bucketed
 
@@ -56,10 +62,11 @@ class RemoteEngine(RolloutEngine):
         self.trainer_log_probs = trainer_log_probs
         self.replica_ids = list(range(group.world_size // ranks_per_replica))
         self._state = _Shared()
+        self._version: int | None = None  # a view's fixed version (at_version), else the last push started
 
     @property  # type: ignore[override]
     def weight_version(self) -> int:
-        return self._state.version
+        return self._state.version if self._version is None else self._version
 
     @weight_version.setter
     def weight_version(self, version: int) -> None:
@@ -80,6 +87,39 @@ class RemoteEngine(RolloutEngine):
         view.__dict__.update(self.__dict__)
         view.replica_ids = [self.replica_ids[index]]
         return view
+
+    def at_version(self, version: int) -> RemoteEngine:
+        """A view whose requests ask for weight version ``version`` exactly (held, see :meth:`hold`):
+        its results say so, or raise if a replica used another."""
+        view = object.__new__(RemoteEngine)
+        view.__dict__.update(self.__dict__)
+        view._version = version
+        return view
+
+    @property
+    def holds_versions(self) -> bool:
+        """Whether the replicas can keep newer weights out while a rollout of an older version runs
+        (:meth:`hold`): one process per replica that receives in a thread of its own. A replica spanning
+        several processes receives in order with its requests: its pushes must wait for them."""
+        return "hold_weights" in method_threads(self.group.worker_cls)
+
+    def hold(self, version: int) -> Callable[[], Any]:
+        """Keep weights newer than ``version`` out of this view's replicas until :meth:`release` (a
+        rollout of ``version`` is coming). Returns at once, with a function that waits until the
+        holds are in place (before a push of anything newer starts)."""
+        ranks = self._ranks()
+        futures = self.group._call_async(ranks, "hold_weights", [((version,), {})] * len(ranks))
+        return functools.partial(self.group.get, futures, "hold_weights")
+
+    def release(self, version: int) -> None:
+        """End a :meth:`hold`, after the rollout's last request. Returns at once: the call runs in the
+        replicas' request thread, in the order sent (after that request, before the next one)."""
+        ranks = self._ranks()
+        self.group._call_async(ranks, "release_weights", [((version,), {})] * len(ranks))
+
+    def _ranks(self) -> list[int]:
+        k = self.ranks_per_replica_
+        return [rank for replica in self.replica_ids for rank in range(replica * k, (replica + 1) * k)]
 
     @property
     def ranks_per_replica(self) -> int:
@@ -135,9 +175,11 @@ class RemoteEngine(RolloutEngine):
             parts = outputs[::k]  # each replica's first rank
             generation = concat_generations(parts, self.tokenizer)
             used = [p.weight_version if p.weight_version is not None else version for p in parts]
-            if any(v < version for v in used):
+            exact = self._version is not None  # a scheduled request: that version and no other
+            if any(v < version for v in used) or (exact and set(used) != {version}):
                 raise RuntimeError(f"Replicas {ranks} generated with weight versions {used} for a request that asked "
-                                   f"for version {version} or later (the replicas lost a push)")
+                                   f"for version {version}{' or later' * (not exact)} (the replicas lost a push"
+                                   f"{', or applied a newer one past a hold' * exact})")
             generation.weight_version = min(used)  # the replicas say which weights they used
             if len(set(used)) > 1:  # a push landed on one replica before the request started there
                 generation.row_weight_versions = torch.tensor(

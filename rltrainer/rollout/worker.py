@@ -175,6 +175,17 @@ class Worker:
             generation.weight_version = version
         return generation
 
+    @receives
+    def hold_weights(self, version: int) -> None:
+        """A rollout assigned weight version ``version`` is coming: apply no newer sync until
+        :meth:`release_weights` (in the weights thread: in place before a later sync's buckets)."""
+        self.gate.hold(version)
+
+    @remote
+    def release_weights(self, version: int) -> None:
+        """The rollout that held ``version`` is over (in the requests' thread, after its requests)."""
+        self.gate.release_hold(version)
+
     @remote
     def engine_sleep(self, level: int = 1) -> None:
         with self.gate.use(self._require_engine()) as engine:

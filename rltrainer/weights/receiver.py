@@ -176,7 +176,7 @@ class WeightReceiver:
         held from the first bucket to the last (ahead of the next request); the last sets
         ``version`` (``None``: a load outside a sync keeps the engine's). Returns what ``load`` returned."""
         if index == 0:
-            self.gate.acquire()
+            self.gate.acquire(version)  # a sync waits for the rollouts that hold an older version
         try:
             if index == 0:
                 engine.start_weight_update()

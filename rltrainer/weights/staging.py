@@ -17,8 +17,8 @@ weights are applied to the engine in one go, between two requests:
   when it submitted the request) and waits until it has arrived; the request that is already
   generating when a push starts keeps its weights to the end.
 - The next request applies a complete staged sync before it generates, and the receive of the last
-  bucket waits until it is applied (at most one request's time, the one generating), so a sync's
-  ``wait`` means loaded and at most one sync is staged per process.
+  bucket waits until it is applied (at most one request's time, the one generating, unless a hold
+  keeps it out, see below), so a sync's ``wait`` means loaded and at most one sync is staged per process.
 
 Memory: a staged sync holds every bucket it carries until it is applied, so each replica needs
 one copy of the weights that changed since the last sync (all of them on the first sync, or after a
@@ -29,6 +29,13 @@ memory unless ``DeltaSync(copies="device")`` (the receiver places them,
 An engine with a receiving path of its own (``native_weight_broadcast``, SGLang's schedulers) loads
 each bucket as it arrives; the receiver then holds the gate from the sync's first bucket to its last,
 so that sync waits for the request generating when it starts (and later requests wait for it).
+
+Holds (a seeded run's schedule, :mod:`rltrainer.pipelines`): the controller may assign a rollout a
+weight version ahead of time and :meth:`EngineGate.hold` it before pushing anything newer; until
+the rollout is over (:meth:`EngineGate.release_hold`), no sync newer than a held version is applied,
+by a request or by its receive, and a request that needs such a sync waits. The held rollout's
+requests (``min_version``: the held version) then run on exactly that version, whatever the timing.
+A held sync's bytes still arrive while the engine generates; only applying it waits.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,10 +88,11 @@ class EngineGate:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._busy = False  # an engine call (or a native sync) holds the engine
-        self._claims = 0  # weight loads waiting for the engine: the next request waits behind them
+        self._claims: list[int | None] = []  # versions of loads waiting for the engine (None: not a sync)
         self._staged: StagedSync | None = None  # the sync arriving, or arrived and not applied yet
         self._failed: tuple[int, BaseException] | None = None  # a load that raised: the engine is unusable
         self._repairing = False  # a sync's checksums did not match: requests wait for its repair
+        self._holds: Counter[int] = Counter()  # held versions (rollouts assigned them): newer syncs wait
         self.decoder = DeltaDecoder()  # delta sync: applies coded buckets (and keeps a mirror if it must)
 
     # -- the requests' side -------------------------------------------------------------------------
@@ -94,7 +103,7 @@ class EngineGate:
         version; one that receives in order with its requests passes ``-1``."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: not self._busy and not self._claims and not self._repairing
+                self._cond.wait_for(lambda: not self._busy and not self._claimed() and not self._repairing
                                     and self._arrived(engine, min_version))
                 if self._failed is not None:
                     version, error = self._failed
@@ -120,7 +129,32 @@ class EngineGate:
     def _arrived(self, engine: Any, version: int) -> bool:
         staged = self._staged
         return (engine.weight_version >= version or self._failed is not None
-                or (staged is not None and staged.complete and staged.version >= version))
+                or (staged is not None and staged.complete and staged.version >= version
+                    and self._may_apply(staged.version)))
+
+    # -- holds ----------------------------------------------------------------------------------------
+    def hold(self, version: int) -> None:
+        """A rollout assigned weight version ``version`` is coming: apply no newer sync until it is
+        released. Holds count (one per rollout); a release may arrive before its hold."""
+        with self._cond:
+            self._holds[version] += 1
+
+    def release_hold(self, version: int) -> None:
+        """The rollout that held ``version`` is over."""
+        with self._cond:
+            self._holds[version] -= 1
+            if not self._holds[version]:
+                del self._holds[version]
+            self._cond.notify_all()
+
+    def _may_apply(self, version: int) -> bool:
+        """Whether sync ``version`` may be applied: no rollout holds an older version."""
+        return not any(count > 0 and held < version for held, count in self._holds.items())
+
+    def _claimed(self) -> bool:
+        """Whether a load waits for the engine and may take it now (requests let it go first; a sync
+        kept out by a hold does not hold up the held rollout's requests)."""
+        return any(version is None or self._may_apply(version) for version in self._claims)
 
     # -- the receiver's side ------------------------------------------------------------------------
     def stage(self, version: int, index: int, count: int, buffer: torch.Tensor, entries: Sequence[Entry],
@@ -153,11 +187,11 @@ class EngineGate:
         with self._cond:
             if isinstance(staged, int):
                 staged = self._staged = StagedSync(staged, 0)
-            self._claims += 1
+            self._claims.append(staged.version)
             try:
-                self._cond.wait_for(lambda: not self._busy or staged.done)
+                self._cond.wait_for(lambda: (not self._busy and self._may_apply(staged.version)) or staged.done)
             finally:
-                self._claims -= 1
+                self._claims.remove(staged.version)
             mine = not staged.done
             if mine:
                 assert self._staged is staged, "a complete sync was replaced before it was applied"
@@ -170,15 +204,16 @@ class EngineGate:
         if staged.error is not None:
             raise RuntimeError(f"Loading weight sync {staged.version} into the engine failed") from staged.error
 
-    def acquire(self) -> None:
-        """Take the engine, ahead of the next request, until :meth:`release` (a native sync, or a load
-        outside a sync, holds it from its first bucket to its last, across calls)."""
+    def acquire(self, version: int | None = None) -> None:
+        """Take the engine, ahead of the next request, until :meth:`release` (a native sync of
+        ``version``, or a load outside a sync, holds it from its first bucket to its last, across
+        calls). A sync waits until no rollout holds an older version."""
         with self._cond:
-            self._claims += 1
+            self._claims.append(version)
             try:
-                self._cond.wait_for(lambda: not self._busy)
+                self._cond.wait_for(lambda: not self._busy and (version is None or self._may_apply(version)))
             finally:
-                self._claims -= 1
+                self._claims.remove(version)
             self._busy = True
 
     def release(self, failure: tuple[int, BaseException] | None = None, repaired: bool = False) -> None:
@@ -195,7 +230,7 @@ class EngineGate:
     # -- applying -----------------------------------------------------------------------------------
     def _take_complete(self) -> StagedSync | None:
         staged = self._staged
-        if staged is None or not staged.complete:
+        if staged is None or not staged.complete or not self._may_apply(staged.version):
             return None
         self._staged = None
         return staged

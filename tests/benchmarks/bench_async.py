@@ -1,11 +1,15 @@
-"""Steps per minute of the three pipelines, in one run, on the same workload.
+"""Steps per minute of the three pipelines, in one run, on the same workload; ``async`` twice:
+scheduled (``deterministic=True``, the default: each step's rows come from version
+``step - max_staleness`` exactly) and timing-driven (``async_timing``: ``deterministic=False``, each
+request takes the newest version the engine holds when it starts, as before issue 44).
 
 Split placement on one machine: the policy trains in this process (FSDP2, one rank, in-process)
 and one ``hf`` engine replica generates in a Ray process of its own, one torch thread each. The
 workload is sized so that generating a batch and training on it take about the same time (the
 ``sync`` line prints both), which is where overlapping them pays most: the limit is 2x.
 
-    python tests/benchmarks/bench_async.py                    # sync, one_step_off, async (max_staleness=2)
+    python tests/benchmarks/bench_async.py                    # sync, one_step_off, async, async_timing
+    python tests/benchmarks/bench_async.py --modes async,async_timing,async,async_timing   # alternated
     python tests/benchmarks/bench_async.py --steps 12 --max-new-tokens 96
 
 Prints, per mode: steps/min over the measured steps (after ``--warmup`` steps), the ratio to
@@ -49,7 +53,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, float]:
     clock = Clock()
     strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=args.micro_batch_size,
                              threads_per_worker=1)
-    pipeline = AsyncPipeline(max_staleness=args.max_staleness) if mode == "async" else mode
+    pipeline = {"async": AsyncPipeline(max_staleness=args.max_staleness),
+                "async_timing": AsyncPipeline(max_staleness=args.max_staleness, deterministic=False)}.get(mode, mode)
     with Trainer(strategy=strategy, rollout="hf", pipeline=pipeline, max_steps=args.steps, logger=False,
                  enable_progress_bar=False, callbacks=[clock], seed=0) as trainer:
         trainer.fit(module, prompt_dataloader(prompts, args.batch_size))
@@ -67,7 +72,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="sync,one_step_off,async")
+    p.add_argument("--modes", default="sync,one_step_off,async,async_timing")
     p.add_argument("--steps", type=int, default=22, help="steps per mode, including --warmup")
     p.add_argument("--warmup", type=int, default=2, help="steps not measured")
     p.add_argument("--max-staleness", type=int, default=2)

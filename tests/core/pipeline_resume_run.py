@@ -3,7 +3,7 @@ prompts (three loader batches of 4, shuffled per epoch), two epochs, FSDP2 with 
 engine, a checkpoint after every step.
 
     python pipeline_resume_run.py OUT PIPELINE [--kill boundary|mid_step --kill-step K] [--resume] [--prompts JSON]
-                                  [--replicas R] [--policy wait|drop]
+                                  [--replicas R] [--policy wait|drop] [--max-staleness K]
 
 Each trained step appends ``{"step", "positions", "prompts"}`` to ``OUT/trained.jsonl`` (flushed
 and fsynced before the step's checkpoint is written). ``--kill boundary`` SIGKILLs this process
@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--policy", choices=["wait", "drop"], default="wait")
+    parser.add_argument("--max-staleness", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +107,7 @@ def main() -> None:
         callbacks.append(KillAtBoundary(args.kill_step, args.out / "killed.json"))
     elif args.kill == "mid_step":
         module.kill_in_step = args.kill_step + 1
-    extra = {"max_staleness": 1, "staleness_policy": args.policy} if args.pipeline == "async" else {}
+    extra = {"max_staleness": args.max_staleness, "staleness_policy": args.policy} if args.pipeline == "async" else {}
     strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=args.replicas, micro_batch_size=4)
     with Trainer(strategy=strategy, pipeline=args.pipeline, max_epochs=EPOCHS, logger=False,
                  enable_progress_bar=False, seed=5, default_root_dir=args.out, callbacks=callbacks, **extra) as t:

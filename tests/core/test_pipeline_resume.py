@@ -1,12 +1,13 @@
 """A ``one_step_off`` / ``async`` run SIGKILLed between steps or at a step boundary, with rows in
 flight, and resumed from its last checkpoint trains on the same prompts as an uninterrupted run
 (none skipped, none repeated, across an epoch boundary) and ends with bit-equal weights (a seeded
-engine, one replica). The runs are subprocesses (``pipeline_resume_run.py``) on the session's Ray
-cluster; each records the prompts of every step it trained, flushed before the step's checkpoint.
+engine; one replica, and two at ``max_staleness=2``: the versions are the schedule's). The runs
+are subprocesses (``pipeline_resume_run.py``) on the session's Ray cluster; each records the
+prompts of every step it trained, flushed before the step's checkpoint.
 
 The unit tests at the end check what ``AsyncPipeline`` keeps, groups in ``ready`` included (one
-replica never leaves finished groups over at a step boundary; two would, but which ones depends
-on timing)."""
+replica never leaves finished groups over at a step boundary; two timing-driven ones would, but
+which ones depends on timing)."""
 
 from __future__ import annotations
 
@@ -52,13 +53,13 @@ def run(ray_session, tmp_path_factory, gsm8k_prompts):
     return start
 
 
-_uninterrupted: dict[str, Path] = {}
+_uninterrupted: dict[tuple[str, ...], Path] = {}
 
 
-def uninterrupted(run, pipeline: str) -> Path:
-    if pipeline not in _uninterrupted:
-        _uninterrupted[pipeline] = run(pipeline)
-    return _uninterrupted[pipeline]
+def uninterrupted(run, pipeline: str, *args: str) -> Path:
+    if (pipeline, *args) not in _uninterrupted:
+        _uninterrupted[(pipeline, *args)] = run(pipeline, *args)
+    return _uninterrupted[(pipeline, *args)]
 
 
 def trained(out: Path) -> list[dict]:
@@ -69,15 +70,18 @@ def prompts(records: list[dict]) -> Counter:
     return Counter(tuple(p) for r in records for p in r["prompts"])
 
 
-@pytest.mark.parametrize("pipeline,kill", [("async", "boundary"), ("async", "mid_step"), ("one_step_off", "boundary")])
-def test_a_killed_run_resumes_without_losing_or_repeating_a_prompt(pipeline, kill, run):
-    reference = uninterrupted(run, pipeline)
-    out = run(pipeline, "--kill", kill, "--kill-step", str(KILL_STEP), killed=True)
+@pytest.mark.parametrize("pipeline,kill,args", [
+    ("async", "boundary", ()), ("async", "mid_step", ()), ("one_step_off", "boundary", ()),
+    ("async", "boundary", ("--max-staleness", "2", "--replicas", "2")),  # scheduled versions on two replicas
+], ids=["async-boundary", "async-mid_step", "one_step_off-boundary", "async2-2replicas-boundary"])
+def test_a_killed_run_resumes_without_losing_or_repeating_a_prompt(pipeline, kill, args, run):
+    reference = uninterrupted(run, pipeline, *args)
+    out = run(pipeline, *args, "--kill", kill, "--kill-step", str(KILL_STEP), killed=True)
     assert [r["step"] for r in trained(out)] == list(range(1, KILL_STEP + 1))  # SIGKILLed after its checkpoint
     if kill == "boundary":  # rows were held when it died
         held = json.loads((out / "killed.json").read_text())
         assert held["held_batch"] if pipeline == "one_step_off" else held["in_flight"] > 0, held
-    run(pipeline, "--resume", out=out)
+    run(pipeline, *args, "--resume", out=out)
 
     ours, theirs = trained(out), trained(reference)
     assert [r["step"] for r in ours] == list(range(1, STEPS + 1))  # each step once: nothing trained twice

@@ -417,3 +417,171 @@ def test_moe_rows_keep_the_routes_of_the_weights_that_generated_them(pipeline, b
                 differ += int((newer.sort(-1).values != batch["routed_experts"].sort(-1).values).any(-1)[known].sum())
     assert lagged and differ > 0
     assert moe_of(model) is not None
+
+
+# -- reproducible under load: the version a row is generated with is a function of its step --------
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
+def test_async_generates_each_step_with_the_version_its_place_assigns(tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                                      ray_session):
+    """``max_staleness=2``, one replica, generation slower than a step: step ``s`` trains on rows of
+    version ``max(0, s - 2)`` exactly. (Timing-driven, a push that lands while a request waits behind
+    another on the replica gave that request the newer version.)"""
+    m = module(RecordingGRPO, tiny_config, bpe_tokenizer, seed=11)
+    with trainer(split(), rollout=SlowHFEngine(delay_s=(0.6, 0.6)), pipeline=AsyncPipeline(max_staleness=2),
+                 max_steps=5) as t:
+        t.fit(m, prompt_dataloader(gsm8k_prompts.select(range(6 * B)), batch_size=B))
+    assert [sorted(set(r["versions"])) for r in m.records] == [[max(0, s - 2)] for s in range(5)]
+
+
+class LateGRPO(RecordingGRPO):
+    """Sends each request only once the trainer has started pushing a newer version than its batch's
+    (loader batch ``b`` of a run ``lag`` versions behind: after push ``b - lag + 1``)."""
+
+    lag = 1
+
+    def rollout_step(self, batch, engine):
+        index, deadline = int(batch["prompt_position"][0, 1]), time.monotonic() + 10
+        while index >= self.lag and self.trainer.global_step <= index - self.lag and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return super().rollout_step(batch, engine)
+
+
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
+@pytest.mark.parametrize("pipeline,lag", [("one_step_off", 1), (AsyncPipeline(max_staleness=2), 2)],
+                         ids=["one_step_off", "async"])
+def test_a_request_sent_after_a_newer_push_still_uses_its_scheduled_version(pipeline, lag, tiny_config, bpe_tokenizer,
+                                                                            gsm8k_prompts, ray_session):
+    """The controller thread is late: the replica already receives the next version when the request
+    arrives. The request still generates with its batch's version (timing-driven, it took the newer one)."""
+    m = module(LateGRPO, tiny_config, bpe_tokenizer, seed=11)
+    m.lag = lag
+    with trainer(split(), pipeline=pipeline, max_steps=4) as t:
+        t.fit(m, prompt_dataloader(gsm8k_prompts.select(range(6 * B)), batch_size=B))
+    assert [sorted(set(r["versions"])) for r in m.records] == [[max(0, s - lag)] for s in range(4)]
+
+
+class CoinFlipEngine(HFEngine):
+    """The ``hf`` engine that waits either not at all or ``long_s`` before each request, by a coin
+    tossed with the operating system's entropy: two runs' timings differ at about every step."""
+
+    def __init__(self, long_s: float = 0.6, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.long_s = long_s
+
+    def generate(self, prompts, sampling):
+        time.sleep(self.long_s * (os.urandom(1)[0] & 1))
+        return super().generate(prompts, sampling)
+
+
+class CoinFlipGRPO(RecordingGRPO):
+    """Waits 0 or 0.6 s before each step's update (and so before its push), by a coin as above."""
+
+    def advantage_step(self, batch):
+        time.sleep(0.6 * (os.urandom(1)[0] & 1))
+        return super().advantage_step(batch)
+
+
+class CpuBurner:
+    """A process that spins on a CPU while the block runs (the load that made runs differ)."""
+
+    def __enter__(self):
+        import subprocess
+        import sys
+
+        self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        return self
+
+    def __exit__(self, *exc):
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
+def test_async_runs_beside_a_cpu_burner_end_with_the_same_weights(tiny_config, bpe_tokenizer, gsm8k_prompts,
+                                                                   ray_session):
+    """The same seeded ``max_staleness=2`` run twice, a CPU burned beside it, and the engine and the
+    trainer each waiting 0 or 0.6 s at random before each request / update (so the runs' timings
+    differ): the weights end bit for bit equal, trained on the same rows of the same versions."""
+    runs = []
+    with CpuBurner():
+        for _ in range(2):
+            m = module(CoinFlipGRPO, tiny_config, bpe_tokenizer, seed=11)
+            with trainer(split(), rollout=CoinFlipEngine(), pipeline=AsyncPipeline(max_staleness=2),
+                         max_steps=8) as t:  # 2 prompts a step: eight coin tosses that may move a version
+                t.fit(m, prompt_dataloader(gsm8k_prompts.select(range(20)), batch_size=2))
+                runs.append((m.records, dict(t.strategy.export_weights())))
+    (first, weights), (second, again) = runs
+    assert [r["versions"] for r in first] == [r["versions"] for r in second]
+    for a, b in zip(first, second):
+        assert torch.equal(a["responses"], b["responses"]), a["step"]
+    for name, tensor in weights.items():
+        assert torch.equal(again[name], tensor), name
+
+
+def test_async_is_deterministic_with_wait_and_drop_is_timing_driven():
+    assert AsyncPipeline().deterministic and not AsyncPipeline(staleness_policy="drop").deterministic
+    assert not AsyncPipeline(deterministic=False).deterministic
+    with pytest.raises(ValueError, match="deterministic=True needs staleness_policy='wait'"):
+        AsyncPipeline(staleness_policy="drop", deterministic=True)
+    with pytest.raises(ValueError, match="deterministic must be True, False or None.*got 'yes'"):
+        AsyncPipeline(deterministic="yes")
+    assert repr(AsyncPipeline(2, deterministic=False)) == \
+        "AsyncPipeline(max_staleness=2, staleness_policy='wait', deterministic=False)"
+
+
+class Replica:
+    """A fake replica: ``rollout_step`` blocks until ``go`` is set; ``hold`` records its versions
+    and returns a wait that blocks until ``held`` is set (``holds=False``: it cannot hold)."""
+
+    replicas = 1
+
+    def __init__(self, holds: bool):
+        self.holds_versions, self.weight_version = holds, 0
+        self.go, self.held, self.calls = threading.Event(), threading.Event(), []
+
+    def replica(self, index):
+        return self
+
+    def at_version(self, version):
+        return self
+
+    def hold(self, version):
+        self.calls.append(("hold", version))
+        return lambda: self.held.wait(10)
+
+    def release(self, version):
+        self.calls.append(("release", version))
+
+    def rollout_step(self, name, batch, engine):
+        assert self.go.wait(10)
+        return RolloutBatch({"responses": torch.zeros(len(batch) * G, 2, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("holds", [True, False], ids=["held", "in_order"])
+def test_before_a_push_rollouts_of_older_versions_are_held_or_done(holds):
+    """A replica that holds: the push waits until the hold is in place, not for the rollout. One that
+    receives in order with its requests (tensor-parallel vLLM): the push waits for the rollout."""
+    from types import SimpleNamespace
+
+    from rltrainer.controller.watchdog import Watchdog
+    from rltrainer.pipelines import AsyncRun, Prompts
+
+    engine = Replica(holds)
+    fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=G)), step=lambda: 0, engine=engine,
+                          strategy=SimpleNamespace(rollout_placement="split"), watchdog=Watchdog(),
+                          call_module=engine.rollout_step)
+    run = AsyncRun(fit, [], max_staleness=1, staleness_policy="wait", deterministic=True)
+    prompts = Prompts(RolloutBatch.from_rows([{"prompt_ids": [1, 2]}]), [(0, 0, 0)])
+    future = run._submit(prompts, engine=engine, version=0, lane=0)
+    pushing = threading.Thread(target=run.before_push, args=(1,), daemon=True)
+    pushing.start()
+    time.sleep(0.2)
+    assert pushing.is_alive()
+    (engine.held if holds else engine.go).set()  # the hold arrives / the rollout ends
+    pushing.join(5)
+    assert not pushing.is_alive() and future.done() != holds
+    engine.go.set()
+    assert future.result()["policy_version"].tolist() == [0] * G
+    run.before_push(2)  # nothing more to wait for
+    assert engine.calls == ([("hold", 0), ("release", 0)] if holds else [])
+    run.close()

@@ -188,3 +188,53 @@ def test_a_native_sync_holds_the_engine_from_its_first_bucket_to_its_last():
     assert result["result"] == 2
     assert engine.calls == [("start",), ("receive", ["a"], False), ("receive", ["a"], True), ("finish",),
                             ("generate", 2)]
+
+
+# -- holds: a rollout assigned a version keeps newer syncs out until it is over ---------------------
+def test_a_held_version_keeps_a_newer_sync_out_of_its_requests_until_released():
+    gate, engine = EngineGate(), Engine()
+    receiver = WeightReceiver(torch.device("cpu"), gate)
+    engine.release.set()
+    receiver.load(engine, bucket("a", value=1.0), 1, 0, 1)
+    gate.hold(1)  # a rollout of version 1 is coming (the engine is idle meanwhile)
+    commit, committed = in_thread(receiver.load, engine, bucket("a", value=2.0), 2, 0, 1)
+    time.sleep(0.2)
+    assert commit.is_alive() and engine.weight_version == 1  # staged, not applied
+    assert generate(gate, engine, 1) == 1 and generate(gate, engine, 1) == 1  # the held rollout's requests
+    newer, newer_result = in_thread(generate, gate, engine, 2)
+    time.sleep(0.2)
+    assert newer.is_alive()  # version 2 is staged but held out
+    gate.release_hold(1)
+    commit.join(5)
+    newer.join(5)
+    assert "error" not in committed and newer_result["result"] == 2 and engine.weight_version == 2
+    assert torch.equal(engine.weights["a"], torch.full((2,), 2.0))
+
+
+def test_holds_count_per_rollout_and_a_release_may_arrive_before_its_hold():
+    gate, engine = EngineGate(), Engine()
+    receiver = WeightReceiver(torch.device("cpu"), gate)
+    gate.release_hold(0)  # the rollout ended before its hold arrived (two threads of the process)
+    gate.hold(0)
+    gate.hold(1)
+    gate.hold(1)  # two rollouts of version 1
+    commit, _ = in_thread(receiver.commit, engine, 2)
+    gate.release_hold(1)
+    time.sleep(0.2)
+    assert commit.is_alive() and engine.weight_version == -1  # one rollout of version 1 still holds it
+    gate.release_hold(1)
+    commit.join(5)
+    assert engine.weight_version == 2
+
+
+def test_a_native_sync_waits_for_the_rollouts_that_hold_an_older_version():
+    gate, engine = EngineGate(), NativeEngine()
+    receiver = WeightReceiver(torch.device("cpu"), gate)
+    gate.hold(1)
+    entries = [("a", "float32", (2,))]
+    first, first_result = in_thread(receiver.receive, engine, entries, 2, 0, 1)
+    time.sleep(0.2)
+    assert first.is_alive() and engine.calls == []  # it would load in place: it waits for the hold
+    gate.release_hold(1)
+    first.join(5)
+    assert "error" not in first_result and engine.weight_version == 2
