@@ -74,7 +74,8 @@ class WorkerGroupStrategy(Strategy):
                                      meaning="engine replicas with split placement")
         bucket_bytes = check_int("bucket_bytes", bucket_bytes, at_least=1, owner=type(self).__name__,
                                  meaning="bytes of a weight-sync bucket")
-        cpus_per_worker = check_float("cpus_per_worker", cpus_per_worker, above=0, owner=type(self).__name__)
+        # cpus_per_worker is checked and kept as written: Ray's resource messages then say 64, not 64.0
+        check_float("cpus_per_worker", cpus_per_worker, above=0, owner=type(self).__name__)
         gpus_per_worker = check_float("gpus_per_worker", gpus_per_worker, at_least=0, owner=type(self).__name__,
                                       none="1 where the cluster has GPUs, else 0")
         threads_per_worker = check_int("threads_per_worker", threads_per_worker, at_least=1, owner=type(self).__name__,
