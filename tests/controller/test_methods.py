@@ -101,7 +101,7 @@ def test_threads_come_from_the_marks_where_the_worker_class_has_that_group():
     receiving = method_threads(Worker)
     assert set(receiving) == {"load_bucket", "commit_weights", "take_weights_discarded", "weight_group_ranks",
                               "join_weight_group", "receive_bucket", "open_weight_slots", "load_slot",
-                              "repair_weights", "configure_delta_receiver"}
+                              "repair_weights", "configure_delta_receiver", "hold_weights"}
     assert set(receiving.values()) == {WEIGHTS_GROUP}
     assert method_threads(InOrderWorker) == {} and method_threads(TrainingWorker) == {}  # one thread, in order
 
