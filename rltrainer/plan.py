@@ -24,6 +24,8 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+from rltrainer.values import check_int
+
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
     from rltrainer.rollout.engine import RolloutEngine
@@ -96,12 +98,9 @@ def build_plan(module: RLModule, strategy: Strategy, loader: Any, total_steps: i
 
 def check_plan(B: int | None, G: int, mini_batch_size: int | None, update_epochs: int) -> None:
     """Raise if the rows of a step cannot be split into equal mini-batches."""
-    if not isinstance(update_epochs, int) or update_epochs < 1:
-        raise ValueError(f"update_epochs must be a positive int, got {update_epochs!r}")
-    if mini_batch_size is None:
+    check_int("update_epochs", update_epochs, at_least=1)
+    if check_int("mini_batch_size", mini_batch_size, at_least=1, none="the whole step", meaning="rows") is None:
         return
-    if not isinstance(mini_batch_size, int) or mini_batch_size < 1:
-        raise ValueError(f"mini_batch_size must be a positive number of rows or None, got {mini_batch_size!r}")
     if not isinstance(B, int):
         return
     N = B * G

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from rltrainer.values import check_int
+
 #: Names that need no ``num_training_steps``; every other schedule decays over the run.
 NO_HORIZON = frozenset({"constant", "constant_with_warmup", "inverse_sqrt"})
 #: transformers names that cannot run here: a plateau schedule needs a metric at each step.
@@ -30,8 +32,7 @@ def check_lr_scheduler(name: str, warmup_steps: int) -> None:
         raise ValueError(f"lr_scheduler_type={name!r} is not supported: {REFUSED[name]}. Choose one of {names}.")
     if name not in names:
         raise ValueError(f"Unknown lr_scheduler_type {name!r}; transformers' get_scheduler names: {names}.")
-    if not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0 (optimizer steps of linear warm-up), got {warmup_steps!r}")
+    check_int("warmup_steps", warmup_steps, at_least=0, meaning="optimizer steps of linear warm-up")
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int,
