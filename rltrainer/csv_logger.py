@@ -8,7 +8,7 @@ Here (:class:`DurableWriter`):
 
 - rows are appended (one ``write`` of the encoded rows; on an error the file is cut back to its
   previous length, so no half row stays), which costs about the same per step whether the log holds 10 or
-  10,000 rows (``Trainer(log_flush_s=0)`` saves after every logged step: ``tests/core/test_faults_durable.py``
+  10,000 rows (``Trainer(log_flush_s=0)`` saves after every logged step: ``tests/test_faults_durable.py``
   measures it);
 - a new column rewrites the whole file into a temporary file renamed over the old one (atomic: the
   old file stays whole until the new one is);

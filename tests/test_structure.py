@@ -225,6 +225,40 @@ def report() -> str:
     return "\n".join(lines)
 
 
+# --- issue 45 point 5: tests shaped like the package ---
+TESTS = Path(__file__).resolve().parent
+#: Test folders that are not a package of rltrainer: the recipes' and notebooks' tests (folders of the
+#: repository beside the package) and the benchmark scripts.
+TEST_FOLDERS_BESIDE_THE_PACKAGE = {"benchmarks", "notebooks", "recipes"}
+
+
+def packages() -> list[str]:
+    """The subpackages of rltrainer: its folders with an ``__init__.py``."""
+    return sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+
+
+def folders_of_tests() -> list[str]:
+    """The folders under tests/ holding Python files (a folder left with only ``__pycache__`` is none)."""
+    return sorted(d.name for d in TESTS.iterdir()
+                  if d.is_dir() and any("__pycache__" not in f.parts for f in d.rglob("*.py")))
+
+
+def test_every_package_has_its_test_folder() -> None:
+    missing = [f"tests/{name}" for name in packages() if name not in folders_of_tests()]
+    assert not missing, f"rltrainer/<pkg> is tested in tests/<pkg>; missing: {missing}"
+    assert all(list((TESTS / name).glob("test_*.py")) for name in packages()), \
+        [f"tests/{name}" for name in packages() if not list((TESTS / name).glob("test_*.py"))]
+
+
+def test_every_test_folder_is_a_package_and_there_is_no_grab_bag() -> None:
+    """A test of a top-level module (``rltrainer/trainer.py``) is ``tests/test_trainer*.py``; every folder
+    under tests/ is a package's (or one of the few beside it), so there is no ``tests/core``."""
+    assert "core" not in folders_of_tests()
+    strays = [f"tests/{name}" for name in folders_of_tests()
+              if name not in packages() and name not in TEST_FOLDERS_BESIDE_THE_PACKAGE]
+    assert not strays, f"test folders that name no rltrainer package: {strays} (packages: {packages()})"
+
+
 # -- the tests ----------------------------------------------------------------------------------------
 def test_every_module_has_a_layer() -> None:
     unplaced = [name for name in modules() if layer(name) == len(LAYERS)]

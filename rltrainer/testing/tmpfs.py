@@ -1,5 +1,5 @@
 """Run a command with a small private tmpfs mounted on a directory: a disk that fills up, for tests
-of what a full disk does (``tests/core/test_faults_durable.py``).
+of what a full disk does (``tests/test_faults_durable.py``).
 
 The mount lives in a mount namespace of the command's own (``unshare -m``; ``-r`` too when not root,
 where the kernel allows unprivileged user namespaces), so nothing outside sees it and it goes away

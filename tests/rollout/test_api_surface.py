@@ -290,7 +290,7 @@ def test_sglang_surface(sglang):
 
 def test_sglang_split_broadcast_protocol(sglang):
     """What trainer rank 0 must send so that SGLang's schedulers receive it (see
-    rltrainer.weights.wire); tests/strategies/test_split_broadcast.py runs the receiving
+    rltrainer.weights.wire); tests/weights/test_split_broadcast.py runs the receiving
     functions themselves against our sender."""
     engine = "sglang/srt/entrypoints/engine.py"
     accepts(sglang.method(engine, "Engine", "update_weights_from_distributed"), "load_format")

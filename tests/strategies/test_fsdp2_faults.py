@@ -1,6 +1,6 @@
 """A full disk on 2 FSDP2 ranks (Ray, gloo): every rank's DCP save fails on a private tmpfs, and the
 controller raises one DiskFullError naming the rank, the file and the bytes, with the previous
-checkpoint and the metrics intact (the single-process case: tests/core/test_faults_durable.py)."""
+checkpoint and the metrics intact (the single-process case: tests/test_faults_durable.py)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from rltrainer.checkpoints import find_last_run, read_trainer_state
 from rltrainer.cli import main, resume_command
 from rltrainer.data import prompt_dataloader
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 USER_MODULE = '''
 import os

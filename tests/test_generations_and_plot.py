@@ -109,7 +109,7 @@ def test_plot_draws_one_png_from_the_csv_log(logged_run, tmp_path):
         main([str(tmp_path)])
 
 
-GETTING_STARTED = Path(__file__).resolve().parents[2] / ".ci" / "docs" / "pages" / "getting-started.md"
+GETTING_STARTED = Path(__file__).resolve().parents[1] / ".ci" / "docs" / "pages" / "getting-started.md"
 
 
 def test_the_panels_draw_what_the_run_logged_as_the_getting_started_page_says(tmp_path, tiny_config, bpe_tokenizer,

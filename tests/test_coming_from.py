@@ -15,7 +15,7 @@ import pytest
 import rltrainer
 import rltrainer.data
 
-PAGE = Path(__file__).resolve().parents[2] / ".ci" / "docs" / "pages" / "coming-from.md"
+PAGE = Path(__file__).resolve().parents[1] / ".ci" / "docs" / "pages" / "coming-from.md"
 CALL = re.compile(r"^`(\w+)\((\w+)\)`$")
 
 

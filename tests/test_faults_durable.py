@@ -21,7 +21,7 @@ from rltrainer.files import append_rows, read_rows
 from rltrainer.testing import disk_full
 from rltrainer.testing.tmpfs import tmpfs_unavailable
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
 
 #: A tiny GRPO run: ``python train.py ROOT MAX_STEPS KILL_AT [ckpt_path]``; it SIGKILLs itself at the end

@@ -14,7 +14,7 @@ from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.contracts import CONTRACTS, HookContractError, markdown_table
 from rltrainer.strategies import FSDP2Strategy
 
-PAGE = Path(__file__).resolve().parents[2] / ".ci" / "docs" / "pages" / "hooks.md"
+PAGE = Path(__file__).resolve().parents[1] / ".ci" / "docs" / "pages" / "hooks.md"
 
 
 def parity_reward(completions, **kwargs):

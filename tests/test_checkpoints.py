@@ -96,7 +96,7 @@ KILL_MID_SAVE = textwrap.dedent("""
 def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path, tiny_config, bpe_tokenizer, gsm8k_prompts):
     script = tmp_path / "train.py"
     script.write_text(KILL_MID_SAVE)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == -9, done.stderr[-2000:]

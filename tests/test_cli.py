@@ -11,7 +11,7 @@ import yaml
 
 from rltrainer.cli import build_parser, fit_parser, instantiate_fit, main, run_fit, summary
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "recipes" / "configs"
 CPU = CONFIGS / "grpo_gsm8k_cpu.yaml"
 
