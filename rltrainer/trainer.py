@@ -20,7 +20,6 @@ from rltrainer.callbacks.checkpoint import resolve_ckpt_path
 from rltrainer.checkpoints import read_trainer_state, seed_controller
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.loader import check_prompt_lengths, estimate_training_steps, resolve_dataloaders
-from rltrainer.deprecated import DeprecatedTrainerMethods, moved_arguments
 from rltrainer.generations import LogGenerations
 from rltrainer.hf_export import save_hf
 from rltrainer.interrupt import save_interrupted, stop_on_interrupt
@@ -36,12 +35,13 @@ from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, resolve_strategy
 from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.training_checkpoint import PendingCheckpoint, load_checkpoint, write_checkpoint
-from rltrainer.values import check_float, check_int
+from rltrainer.values import check_float, check_int, named_keywords
 
 log = logging.getLogger(__name__)
 
 
-class Trainer(DeprecatedTrainerMethods):
+
+class Trainer:
     """Runs RL post-training on one controller process.
 
     Args:
@@ -79,10 +79,11 @@ class Trainer(DeprecatedTrainerMethods):
             ``None``: 10x its median, >= 300 s (1800 s before it completed once); inf: none.
 
     ``precision`` and ``gradient_clip_val`` configure a strategy built from its name; a ``Strategy``
-    carries its own, and a Trainer value changed from its default that disagrees with it raises. The
-    former keywords that moved to their owners warn with the new spelling (:data:`rltrainer.deprecated.MOVED`).
+    carries its own, and a Trainer value changed from its default that disagrees with it raises. An
+    unknown keyword raises ``TypeError`` naming the closest valid one.
     """
 
+    @named_keywords("Trainer")
     def __init__(self, strategy: str | Strategy = "single", rollout: str | RolloutEngine = "hf", devices: int | str = 1,
                  num_nodes: int = 1, max_steps: int = -1, max_epochs: int | None = None,
                  val_check_interval: int | None = None, limit_val_batches: int | None = None,
@@ -90,8 +91,7 @@ class Trainer(DeprecatedTrainerMethods):
                  gradient_clip_val: float | None = 1.0, seed: int = 0, default_root_dir: str | Path | None = None,
                  callbacks: list[Callback] | None = None, logger: Any = True, fast_dev_run: bool | int = False,
                  enable_progress_bar: bool = True, pipeline: Pipeline | str = "sync",
-                 stage_timeout_s: float | dict[str, float] | None = None, **kwargs: Any) -> None:
-        moved = moved_arguments(kwargs, Trainer)  # the former keywords, by new home (warns); unknown: TypeError
+                 stage_timeout_s: float | dict[str, float] | None = None) -> None:
         for name, value, low, none in (
                 ("max_epochs", max_epochs, 1, "1 without max_steps"), ("seed", seed, None, None),
                 ("num_nodes", num_nodes, 1, None),
@@ -103,9 +103,9 @@ class Trainer(DeprecatedTrainerMethods):
             check_int(name, value, at_least=low, none=none, owner="Trainer",
                       special={-1: "no limit"} if name == "max_steps" else None)
         check_float("gradient_clip_val", gradient_clip_val, above=0, none="no clipping", owner="Trainer")
-        self.pipeline = resolve_pipeline(pipeline, **moved["pipeline"])
+        self.pipeline = resolve_pipeline(pipeline)
         self.strategy = resolve_strategy(strategy, devices=devices, num_nodes=num_nodes, precision=precision,
-                                         gradient_clip_val=gradient_clip_val, **moved["strategy"])
+                                         gradient_clip_val=gradient_clip_val)
         self.watchdog = self.strategy.watchdog = Watchdog(stage_timeout_s)
         self.pipeline.check_strategy(self.strategy)
         self._run: SyncRun | None = None  # during fit: the pipeline's running state
@@ -122,8 +122,8 @@ class Trainer(DeprecatedTrainerMethods):
         self.val_check_interval, self.limit_val_batches = val_check_interval, limit_val_batches
         self.log_every_n_steps, self.seed = log_every_n_steps, seed
         self.default_root_dir = str(default_root_dir or os.getcwd())
-        self.callbacks: list[Callback] = with_defaults(list(callbacks or []), enable_progress_bar, moved["generations"])
-        self.loggers = build_loggers(logger, self.default_root_dir, **moved["logger"])
+        self.callbacks: list[Callback] = with_defaults(list(callbacks or []), enable_progress_bar)
+        self.loggers = build_loggers(logger, self.default_root_dir)
         self.log_flush = LogFlush(log_flush_s)
         self.module: RLModule | None = None
         self.global_step = 0

@@ -11,7 +11,6 @@ import abc
 import contextlib
 import logging
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from rltrainer.lora import engine_view
 from rltrainer.registry import Registry
 from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightTransport
-from rltrainer.weights.versions import ParamVersions, WeightVersions, stepped_parameter_names
+from rltrainer.weights.versions import ParamVersions, stepped_parameter_names
 from rltrainer.values import check_float, check_int
 
 if TYPE_CHECKING:
@@ -93,13 +92,6 @@ class Strategy(abc.ABC):
         step, however many optimizer steps that took), as the connected engine's
         :class:`WeightSync` last pushed it. A sync's default version."""
         return self.weight_sync.versions.policy if self.weight_sync is not None else 0
-
-    @property
-    def weight_versions(self) -> WeightVersions:
-        """Deprecated: ``strategy.weight_sync.versions`` (the connected engine's sync owns them)."""
-        warnings.warn("Strategy.weight_versions is deprecated: the versions belong to the engine's sync owner, "
-                      "strategy.weight_sync.versions (Strategy.connect returns it)", DeprecationWarning, stacklevel=2)
-        return self.weight_sync.versions if self.weight_sync is not None else WeightVersions()
 
     @property
     def world_size(self) -> int:
