@@ -60,8 +60,7 @@ def training_step(fit: FitContext, batch: RolloutBatch, metrics: dict[str, float
     the step's metrics (``metrics``, what the step logged so far, updated). Ends by starting the push
     of the new weights (version ``step + 1``)."""
     module, strategy, step = fit.module, fit.strategy, fit.step()
-    metrics.update(batch.meta.get("logged", {}))  # what rollout_step logged, in whichever thread ran it
-    metrics.update({k: float(v) for k, v in batch.meta.items() if k.startswith(("pipeline/", "timing_s/"))})
+    metrics.update(batch.logged)  # what rollout_step logged (in whichever thread ran it), the pipeline's figures
     with timer(metrics, "reward"):
         batch = fit.watchdog.call("reward.reward_step", fit.call_module, "reward_step", batch)  # + scores
     for stage in module.compute_stages():  # old_log_prob, ref, values, ...
@@ -100,8 +99,8 @@ def update_policy(module: RLModule, strategy: Strategy, batch: RolloutBatch, see
         order = torch.randperm(len(batch), generator=generator) if epoch > 0 or size < len(batch) else None
         shuffled = batch[order] if order is not None else batch
         for mini_batch in shuffled.split(size):
-            mini_batch.meta.update(global_tokens=max(float(mini_batch["response_mask"].sum()), 1.0),
-                                   global_rows=float(len(mini_batch)))
+            mini_batch.global_tokens = max(float(mini_batch["response_mask"].sum()), 1.0)
+            mini_batch.global_rows = float(len(mini_batch))
             parts.append(strategy.train_step(mini_batch))
     combined = combine_metrics(parts)
     out = {k: v if is_extreme(k) else v / len(parts) for k, v in combined.items()}

@@ -204,7 +204,8 @@ class RLModule(torch.nn.Module):
         if self.environment is None:
             return generate_rollouts(batch, engine, sampling, self.tokenizer.pad_token_id, self.prompt_vocab_size())
         out = self.environment.rollout(batch, engine, sampling, self.tokenizer)
-        for name, value in out.meta.pop("env_metrics", {}).items():
+        metrics, out.env_metrics = out.env_metrics, {}
+        for name, value in metrics.items():
             if log_metrics:
                 self.log(name, value)
         return out
@@ -250,7 +251,7 @@ class RLModule(torch.nn.Module):
         """
         from rltrainer.models import response_log_probs
 
-        temperature = micro_batch.meta.get("temperature") or 1.0
+        temperature = micro_batch.temperature or 1.0
         routes = self.route_kwargs(micro_batch)  # a MoE policy's replayed routes (R3)
         if stage == "old_log_prob":
             return {"old_log_probs": response_log_probs(self.policy, micro_batch, temperature, **routes)[0]}
@@ -276,15 +277,15 @@ class RLModule(torch.nn.Module):
     def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss. Required. Runs on every training rank, per micro-batch, with gradients.
 
-        Returns ``(loss, metrics)``. Normalise by the counts of the whole mini-batch, given in
-        ``micro_batch.meta`` as ``global_tokens`` (response tokens) and ``global_rows``, not by the
+        Returns ``(loss, metrics)``. Normalise by the counts of the whole mini-batch, given as
+        ``micro_batch.global_tokens`` (response tokens) and ``micro_batch.global_rows``, not by the
         micro-batch's own: the Strategy sums the gradients of all micro-batches on all ranks, so the
         result does not depend on micro-batching or the number of ranks. For the same reason each
         metric must be a contribution that sums to the mini-batch value (e.g. ``clipped.sum() /
         global_tokens``).
 
         Multi-rank strategies give every rank the same number of micro-batches, so a rank short of
-        rows also runs this hook on a padding micro-batch (``micro_batch.meta["padding"]`` is True, its
+        rows also runs this hook on a padding micro-batch (``micro_batch.padding`` is True, its
         ``response_mask`` and ``advantages`` all zero): the strategy multiplies that loss by 0 and
         drops its metrics, so even a loss that ignores the mask adds nothing from it. The loss must be
         finite on an all-masked row (``0 * nan`` is ``nan``): divide by the global counts, not by
@@ -294,7 +295,7 @@ class RLModule(torch.nn.Module):
 
             def policy_step(self, mb):
                 logp, _ = response_log_probs(self.policy, mb)
-                loss = -(mb["advantages"] * logp * mb["response_mask"]).sum() / mb.meta["global_tokens"]
+                loss = -(mb["advantages"] * logp * mb["response_mask"]).sum() / mb.global_tokens
                 return loss, {"actor/pg_loss": loss.item()}
         """
         raise NotImplementedError
@@ -394,7 +395,8 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
         out["policy_version"] = torch.full((len(out),), version, dtype=torch.long)  # [N]
     out["response_text"] = gen.text
     out["finish_reason"] = gen.finish_reason
-    out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})
+    out.temperature = sampling.temperature
+    out.rollout_metrics = {f"rollout/{k}": v for k, v in gen.metrics.items()}
     return out
 
 

@@ -191,8 +191,7 @@ class SyncRun:
             LOG_TARGET.reset(token)
         if release:  # after its last request: the replicas may take newer weights
             engine.release(version)
-        batch.meta["timing_s/gen"] = time.perf_counter() - start
-        batch.meta["logged"] = {**batch.meta.get("logged", {}), **logged}
+        batch.logged = {**batch.logged, **logged, "timing_s/gen": time.perf_counter() - start}
         return tag(batch, prompts, version, self.group_size, drew=self._drew)
 
     def _wait(self, future: Future) -> RolloutBatch:
@@ -205,7 +204,7 @@ class SyncRun:
             self._waited += time.perf_counter() - start
             if future in self._in_flight and future.done():  # a timed-out one stays: close() leaves it behind
                 self._in_flight.remove(future)
-        self._engine_busy += float(batch.meta.get("rollout/gen_time_s", 0.0))
+        self._engine_busy += float(batch.rollout_metrics.get("rollout/gen_time_s", 0.0))
         return batch
 
     def _finished(self, future: Future) -> RolloutBatch:
@@ -404,9 +403,9 @@ class AsyncRun(SyncRun):
         taken, self.ready = self.ready[: self.batch_size], self.ready[self.batch_size:]
         self.consumed.update(p for p, _ in taken)
         batch = concat_rollouts([rows for _, rows in taken], self.fit.module.tokenizer.pad_token_id)
-        batch.meta["pipeline/dropped_rows"] = float(self._dropped)
-        batch.meta["pipeline/buffer_groups"] = float(len(self.ready) + sum(len(f.prompts.positions)
-                                                                          for f in self._in_flight))
+        buffered = len(self.ready) + sum(len(f.prompts.positions) for f in self._in_flight)
+        batch.logged = {**batch.logged, "pipeline/dropped_rows": float(self._dropped),
+                        "pipeline/buffer_groups": float(buffered)}
         self._dropped = 0
         return batch
 
@@ -482,7 +481,7 @@ def plain_batch(batch: RolloutBatch) -> dict[str, Any]:
     """``batch`` as plain types (``RolloutBatch(**plain)`` rebuilds it): a checkpoint loads with
     ``weights_only=True``."""
     return {"tensors": dict(batch.tensors.items()), "non_tensors": batch.non_tensors, "meta": batch.meta,
-            "batch_size": len(batch)}
+            "batch_size": len(batch), **batch.fields()}
 
 
 def refused_draw(mode: str) -> str:

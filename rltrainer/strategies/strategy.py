@@ -350,7 +350,7 @@ def zero_padding(micro_batch: RolloutBatch, out: tuple[torch.Tensor, dict[str, A
     """A padding micro-batch's ``policy_step`` output with its contribution removed: the loss times 0
     (the backward still runs, so a rank short of rows joins every collective, but adds no gradient,
     even from a loss that ignores ``response_mask``) and no metrics. Other micro-batches as they are."""
-    if not micro_batch.meta.get("padding"):
+    if not micro_batch.padding:
         return out
     loss, _ = out
     return loss * 0.0, {}

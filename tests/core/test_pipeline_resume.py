@@ -112,7 +112,7 @@ def rows(position: tuple[int, int, int], version: int, group_size: int = 2) -> R
     return RolloutBatch({"responses": torch.full((group_size, 3), position[2]),
                          "policy_version": torch.full((group_size,), version),
                          "prompt_position": torch.tensor([position] * group_size)},
-                        non_tensors={"answer": [str(position)] * group_size}, meta={"timing_s/gen": 0.5})
+                        non_tensors={"answer": [str(position)] * group_size}, logged={"timing_s/gen": 0.5})
 
 
 def prompt(position: tuple[int, int, int]) -> RolloutBatch:

@@ -97,8 +97,6 @@ def test_modes_that_cannot_work_refuse_at_construction():
         Trainer(strategy=split(), pipeline=AsyncPipeline(max_staleness=-1))
     with pytest.raises(ValueError, match="wait, drop"):
         Trainer(strategy=split(), pipeline=AsyncPipeline(staleness_policy="skip"))
-    with pytest.raises(ValueError, match="weight_sync"):
-        Trainer(strategy=split(), pipeline="one_step_off", weight_sync="async")
     assert Trainer(strategy=split(), pipeline="async").off_policy
     assert not Trainer(strategy=SingleDeviceStrategy()).off_policy  # hf in fp32: the trainer's log-probs
 

@@ -117,7 +117,7 @@ def hand_batch() -> RolloutBatch:
 
 
 def loss_and_grads(module: DAPO, batch: RolloutBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    batch.meta.update(global_tokens=max(float(batch["response_mask"].sum()), 1.0), global_rows=float(len(batch)))
+    batch.global_tokens, batch.global_rows = max(float(batch["response_mask"].sum()), 1.0), float(len(batch))
     module.policy.zero_grad()
     loss, _ = module.policy_step(batch)
     loss.backward()
@@ -136,7 +136,7 @@ def test_truncated_rows_get_zero_loss_weight(mask_truncated) -> None:
     if mask_truncated:
         assert batch["response_mask"][[1, 3]].sum() == 0 and batch["advantages"][[1, 3]].abs().sum() == 0
         assert batch["response_mask"][[0, 2]].sum() == 5  # the others untouched
-        assert batch.meta["global_tokens"] == 5.0 and same  # no loss term, no token in the count
+        assert batch.global_tokens == 5.0 and same  # no loss term, no token in the count
         assert module.logged_metrics["overlong/masked_share"] == 0.5
         # the truncated rows' scores still entered their groups: each group is (1, 0) -> +-0.707
         torch.testing.assert_close(batch["advantages"][0, 0], torch.tensor(0.7071), atol=1e-3, rtol=0)

@@ -50,7 +50,7 @@ def make_batch(module: GRPO, rollout_lag: float = 0.5) -> RolloutBatch:
         {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
          "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "responses": responses,
          "response_mask": response_mask, "scores": torch.tensor([1.0, 0.0, 2.0, 0.0, 3.0, 1.0])},
-        non_tensors={"uid": ["a", "a", "a", "b", "b", "b"]}, meta={"temperature": TEMPERATURE},
+        non_tensors={"uid": ["a", "a", "a", "b", "b", "b"]}, temperature=TEMPERATURE,
     )
     with torch.no_grad():
         current = policy_log_probs(module, batch)
@@ -63,7 +63,7 @@ def make_batch(module: GRPO, rollout_lag: float = 0.5) -> RolloutBatch:
 def prepared(module: GRPO, batch: RolloutBatch) -> RolloutBatch:
     """What the loop does before the update: advantages, then the counts of the (corrected) batch."""
     batch = module.advantage_step(batch)
-    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
+    batch.global_tokens, batch.global_rows = float(batch["response_mask"].sum()), float(len(batch))
     return batch
 
 
@@ -126,7 +126,7 @@ def test_correction_inside_the_update_equals_the_separate_pass(name: str | None)
 
     batch_s = prepared(separate, with_old)
     batch_i = prepared(inside, raw[:])
-    assert batch_i.meta.get("correct_in_update") and "rollout_is_weights" not in batch_i
+    assert batch_i.correct_in_update and "rollout_is_weights" not in batch_i
     expected = {k: v for k, v in off_policy.step_metrics.items() if k.startswith("rollout_corr/")}
     assert expected and ("rollout_corr/rollout_is_max" in expected) == (name is not None)
     grads_s, _ = micro_batch_update(separate, batch_s, [0, 2, 6])
@@ -179,7 +179,7 @@ def test_rejected_tokens_contribute_nothing(name: str, kwargs: dict) -> None:
     kept = batch["response_mask"]
     rejected = (original_mask > 0) & (kept == 0)
     assert rejected.any() and kept.any()
-    assert batch.meta["global_tokens"] == kept.sum().item()  # the denominator counts kept tokens only
+    assert batch.global_tokens == kept.sum().item()  # the denominator counts kept tokens only
     assert module.logged_metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
         rejected.sum().item() / original_mask.sum().item())
 

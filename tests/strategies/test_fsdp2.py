@@ -59,7 +59,7 @@ def test_partition_balances_tokens_and_pads_to_equal_micro_batch_counts():
     loads = [int(mask[r].sum()) for r in rows]
     assert abs(loads[0] - loads[1]) <= 3  # 13 vs 12 tokens, not 21 vs 4
     assert len(parts[0]) == len(parts[1]) == 3
-    padding = [mb for p in parts for mb in p if mb.meta.get("padding")]
+    padding = [mb for p in parts for mb in p if mb.padding]
     assert len(padding) == 1 and int(padding[0]["response_mask"].sum()) == 0
     # more ranks than rows: the empty rank runs padding only
     parts, rows = partition_for_ranks(batch[[0]], 2, micro_batch_size=4, max_tokens=None)
