@@ -28,7 +28,10 @@ response length; the fields are listed in :mod:`rltrainer.data.batch`.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,10 +45,48 @@ if TYPE_CHECKING:
 #: Hooks a subclass must override; ``Trainer.fit`` checks them once before it starts.
 REQUIRED_HOOKS = ("configure_model", "configure_optimizers", "reward_step", "advantage_step", "policy_step")
 
-#: Where :meth:`RLModule.log` writes when set: a pipeline runs ``rollout_step`` in a thread of its
-#: own, so what it logs travels with its batch (``batch.meta["logged"]``), not into the step the
-#: trainer is on while it generates.
-LOG_TARGET: ContextVar[dict[str, float] | None] = ContextVar("rltrainer_log_target", default=None)
+#: The dict a thread's logs go to inside :meth:`StepMetrics.collect` (a pipeline's rollout thread).
+_COLLECTING: ContextVar[dict[str, float] | None] = ContextVar("rltrainer_collecting", default=None)
+
+
+class StepMetrics:
+    """Where :meth:`RLModule.log` writes: the current step's metrics (``current``), or, inside
+    :meth:`collect`, the thread's own dict: a pipeline runs ``rollout_step`` in a thread of its own,
+    so what it logs travels with its batch (``batch.logged``), not into the step the trainer is on
+    while it generates."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+
+    def log(self, name: str, value: float) -> None:
+        target = _COLLECTING.get()
+        (self.current if target is None else target)[name] = float(value)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        """Add ``metrics`` to the current step's."""
+        self.current.update(metrics)
+
+    @contextmanager
+    def collect(self) -> Iterator[dict[str, float]]:
+        """The dict this thread's logs go to until the block ends."""
+        logged: dict[str, float] = {}
+        token = _COLLECTING.set(logged)
+        try:
+            yield logged
+        finally:
+            _COLLECTING.reset(token)
+
+
+@dataclass
+class Attachment:
+    """What a Trainer hands its module at setup (:meth:`RLModule.attach`); the hooks read these and
+    never the Trainer, so a step runs with fakes and no Trainer at all."""
+
+    off_policy: bool = False  # rows may come from other weights or log-probs than the trainer's
+    vocab_size: int | None = None  # the policy's (prompt ids are checked against it)
+    record_generations: Callable[[RolloutBatch, str], None] | None = None  # the LogGenerations callback's
+    metrics: StepMetrics = field(default_factory=StepMetrics)  # where log() writes
+    trainer: Any = None  # for the read-only RLModule.trainer only
 
 
 class RLModule(torch.nn.Module):
@@ -84,24 +125,36 @@ class RLModule(torch.nn.Module):
         super().__init__()
         self.sampling = SamplingParams()
         self.tokenizer: Any = None
-        self._trainer: Trainer | None = None
+        self._attached = Attachment()  # what the Trainer hands over at setup (none outside a Trainer)
         self._prompt_source: Any = None  # during fit: the pipeline's run, which draw_prompts asks
-        self._generation_log: Any = None  # the Trainer's LogGenerations callback, which record_generations feeds
 
     # -- where the module lives -----------------------------------------------------------------
+    def attach(self, attachment: Attachment) -> None:
+        """Take what the run lends (the Trainer calls it at setup; a test may, with fakes): whether
+        rows are off-policy, the vocabulary size, the generations recorder and the metrics sink."""
+        self._attached = attachment
+
+    @property
+    def attached(self) -> Attachment:
+        """What the run lent at setup (:class:`Attachment`; defaults outside a Trainer)."""
+        return self._attached
+
     @property
     def trainer(self) -> Trainer:
-        if self._trainer is None:
+        """The Trainer fitting this module (read-only; the hooks need none of it)."""
+        if self._attached.trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer (call trainer.fit(module, ...)).")
-        return self._trainer
+        return self._attached.trainer
+
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        """What :meth:`log` recorded for the current step (outside a Trainer: since the module was built)."""
+        return self._attached.metrics.current
 
     def log(self, name: str, value: float) -> None:
-        """Record a scalar for the current step (controller hooks only). Outside a Trainer (a hook
-        called by hand, e.g. in a notebook) the value is kept in ``self.logged_metrics``."""
-        target = LOG_TARGET.get()  # a rollout_step in a pipeline thread logs into its batch
-        if target is None:
-            target = self._trainer.step_metrics if self._trainer is not None else self.__dict__.setdefault("logged_metrics", {})
-        target[name] = float(value)
+        """Record a scalar for the current step (controller hooks only), in the metrics the run lent
+        (:class:`StepMetrics`); outside a Trainer, :attr:`logged_metrics` keeps it."""
+        self._attached.metrics.log(name, value)
 
     def draw_prompts(self) -> RolloutBatch | None:
         """During ``fit``, for a ``rollout_step`` that needs more prompts than its batch (dynamic
@@ -119,22 +172,21 @@ class RLModule(torch.nn.Module):
         ``split="train"`` on the steps that log them, ``"val"`` until its ``rows`` are kept. The loop
         and the default :meth:`validation_step` call it; a custom ``validation_step`` may too. Outside
         a Trainer, or with no ``LogGenerations`` callback, it does nothing."""
-        recorder = getattr(self, "_generation_log", None)
-        if recorder is not None and self._trainer is not None:
-            recorder.record(self._trainer, batch, split)
+        if self._attached.record_generations is not None:
+            self._attached.record_generations(batch, split)
 
     def prompt_vocab_size(self) -> int | None:
-        """The policy's vocabulary size (its config's ``vocab_size``, read by the Trainer at setup),
-        or ``len(tokenizer)`` outside a Trainer; prompt token ids must be below it."""
-        size = getattr(self._trainer, "vocab_size", None) if self._trainer is not None else None
+        """The policy's vocabulary size (its config's ``vocab_size``, handed over at setup), or
+        ``len(tokenizer)`` outside a Trainer; prompt token ids must be below it."""
+        size = self._attached.vocab_size
         if size is None and self.tokenizer is not None and hasattr(self.tokenizer, "__len__"):
             size = len(self.tokenizer)
         return size
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_trainer"] = None  # the controller's trainer never travels to workers
-        state["_prompt_source"] = state["_generation_log"] = None
+        state["_attached"] = Attachment()  # what the controller lent never travels to workers
+        state["_prompt_source"] = None
         return state
 
     # -- models ---------------------------------------------------------------------------------

@@ -324,8 +324,9 @@ class PolicyGradient(RLModule):
         return self.parts["routing"].route_kwargs(micro_batch)
 
     def off_policy(self) -> bool:
-        """The Trainer's ``off_policy`` (an async pipeline, or an engine whose log-probs differ)."""
-        return self._trainer is not None and getattr(self._trainer, "off_policy", False)
+        """Whether rows are off-policy in this run (an async pipeline, or an engine whose log-probs
+        differ), as the Trainer handed it over at setup (:class:`~rltrainer.module.Attachment`)."""
+        return self.attached.off_policy
 
     def corrects_rollouts(self) -> bool:
         """Whether rollouts can be off-policy here (the Trainer's ``off_policy``) or a

@@ -12,6 +12,7 @@ import torch
 from rltrainer import DAPO, GRPO, ModelCheckpoint, Trainer, prompt_dataloader
 from rltrainer.algorithms.dapo import mixed_groups, overlong_penalty
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.module import Attachment
 from rltrainer.pipelines import check_module_pipeline
 from rltrainer.rollout.engine import Generation
 from rltrainer.strategies.fsdp2 import FSDP2Strategy
@@ -280,14 +281,14 @@ def test_groups_are_filtered_on_the_task_score_not_the_shaped_one() -> None:
     scores (1, 0) unequal. The paper filters on accuracy, so every group is dropped."""
     module = dapo(max_new_tokens=4, overlong_buffer_len=2, reward_funcs=lambda c, **k: [1.0] * len(c))
     drawn = []
-    module._trainer = SimpleNamespace(step_metrics={})
+    module.attach(Attachment())
     module._prompt_source = SimpleNamespace(draw_prompts=lambda: drawn.append(1))  # no more data
     prompts = RolloutBatch.from_rows([{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}])
     out = module.rollout_step(prompts, LengthByIndexEngine())
     assert len(out) == 0 and drawn == [1]
-    metrics = module._trainer.step_metrics
+    metrics = module.logged_metrics
     assert metrics["dynamic_sampling/dropped_group_share"] == 1.0 and metrics["dynamic_sampling/gen_rounds"] == 1
     shaped = module.score(GRPO.rollout_step(module, prompts, LengthByIndexEngine()))["scores"]
     assert shaped.tolist() == [1.0, 0.0, 1.0, 0.0]  # unequal: filtering on these would keep both groups
-    module._trainer = None  # called by hand: filters the given prompts' groups, draws nothing
+    module._prompt_source = None  # called by hand: filters the given prompts' groups, draws nothing
     assert len(module.rollout_step(prompts, LengthByIndexEngine())) == 0

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from rltrainer import GRPO, PPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.module import Attachment
 from rltrainer.testing import tiny_qwen2_config
 
 VOCAB, P, T, N = 64, 3, 4, 6
@@ -72,9 +73,9 @@ def test_old_log_prob_stage_runs_when_the_update_cannot_supply_them() -> None:
     one optimizer step and weights only, the update's own forward gives the same values."""
     module = make_module()
     assert module.compute_stages() == []  # on-policy, one optimizer step: old = current, detached
-    module._trainer = SimpleNamespace(off_policy=False, step_metrics={})
+    module.attach(Attachment(off_policy=False))
     assert module.compute_stages() == [] and not module.corrects_rollouts()
-    module._trainer = SimpleNamespace(off_policy=True, step_metrics={})  # async pipeline / engine numerics
+    module.attach(Attachment(off_policy=True))  # async pipeline / engine numerics
     assert module.compute_stages() == [] and module.corrects_rollouts()
     assert make_module(rollout_correction="token_tis").compute_stages() == []
     assert make_module(rollout_correction="seq_tis").compute_stages() == []
@@ -85,7 +86,7 @@ def test_old_log_prob_stage_runs_when_the_update_cannot_supply_them() -> None:
     assert make_module(kl_coef=0.1, mini_batch_size=2).compute_stages() == ["old_log_prob", "ref"]
     ppo = PPO(tiny_qwen2_config(vocab_size=VOCAB), SimpleNamespace(pad_token_id=0), zero_reward)
     assert ppo.compute_stages() == ["values"]
-    ppo._trainer = SimpleNamespace(off_policy=True, step_metrics={})
+    ppo.attach(Attachment(off_policy=True))
     assert ppo.compute_stages() == ["values"]
     ppo.update_epochs = 2
     assert ppo.compute_stages() == ["old_log_prob", "values"]
@@ -113,8 +114,8 @@ def test_correction_inside_the_update_equals_the_separate_pass(name: str | None)
     the gradients and ``rollout_corr/*`` metrics of the separate ``old_log_prob`` pass."""
     kwargs = {"rollout_correction": name, "rollout_correction_kwargs": {"threshold": 1.3}} if name else {}
     separate, inside = make_module(**kwargs), make_module(**kwargs)
-    off_policy = SimpleNamespace(off_policy=True, step_metrics={})
-    separate._trainer, inside._trainer = off_policy, SimpleNamespace(off_policy=True, step_metrics={})
+    off_policy = Attachment(off_policy=True)
+    separate.attach(off_policy), inside.attach(Attachment(off_policy=True))
     assert inside.compute_stages() == []
     full = make_batch(separate)
     raw = full.select(*[k for k in full.keys() if k != "old_log_probs"])
@@ -127,7 +128,7 @@ def test_correction_inside_the_update_equals_the_separate_pass(name: str | None)
     batch_s = prepared(separate, with_old)
     batch_i = prepared(inside, raw[:])
     assert batch_i.correct_in_update and "rollout_is_weights" not in batch_i
-    expected = {k: v for k, v in off_policy.step_metrics.items() if k.startswith("rollout_corr/")}
+    expected = {k: v for k, v in off_policy.metrics.current.items() if k.startswith("rollout_corr/")}
     assert expected and ("rollout_corr/rollout_is_max" in expected) == (name is not None)
     grads_s, _ = micro_batch_update(separate, batch_s, [0, 2, 6])
     for bounds in ([0, N], [0, 2, 6]):  # one micro-batch, two of different sizes
