@@ -291,8 +291,8 @@ class Trainer:
     # -- internals ------------------------------------------------------------------------------
     def _attach(self, module: RLModule) -> None:  # what the module reads of this run, handed over
         recorder = next((c for c in self.callbacks if isinstance(c, LogGenerations)), None)
-        module.attach(Attachment(self.off_policy, self.vocab_size, recorder and functools.partial(recorder.record, self),
-                                 self._metrics, trainer=self))
+        record = recorder and functools.partial(recorder.record, self)
+        module.attach(Attachment(self.off_policy, self.vocab_size, record, self._metrics, trainer=self))
 
     def _setup(self, module: RLModule) -> None:
         if self._is_setup and module is self.module:

@@ -611,11 +611,12 @@ def test_before_a_push_rollouts_of_older_versions_are_held_or_done(holds):
     from types import SimpleNamespace
 
     from rltrainer.controller.watchdog import Watchdog
+    from rltrainer.module import StepMetrics
     from rltrainer.pipelines import AsyncRun, Prompts
 
     engine = Replica(holds)
-    fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=G)), step=lambda: 0, engine=engine,
-                          strategy=SimpleNamespace(rollout_placement="split"), watchdog=Watchdog(),
+    fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=G)), step=0, metrics=StepMetrics(),
+                          engine=engine, strategy=SimpleNamespace(rollout_placement="split"), watchdog=Watchdog(),
                           call_module=engine.rollout_step)
     run = AsyncRun(fit, [], max_staleness=1, staleness_policy="wait", deterministic=True)
     prompts = Prompts(RolloutBatch.from_rows([{"prompt_ids": [1, 2]}]), [(0, 0, 0)])
