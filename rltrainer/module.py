@@ -395,9 +395,9 @@ class RLModule(torch.nn.Module):
         """Called on the controller at the start of each training step (after the previous step's
         ``on_step_end``, before its ``reward_step``), in every pipeline, with the step's prompt batch:
         the ``B`` prompt rows whose rows it trains on (``prompt_ids``, the dataset columns,
-        ``prompt_position [B, 3]``). With ``pipeline="sync"`` this is before their ``rollout_step``;
-        ``one_step_off`` and ``async`` generate ahead, so their ``rollout_step`` ran during earlier
-        steps."""
+        ``prompt_position [B, 3]``). With ``pipeline="sync"`` this is the batch given to
+        ``rollout_step``, before it runs (prompts it draws itself are not in it); ``one_step_off`` and
+        ``async`` generate ahead, so their ``rollout_step`` ran during earlier steps."""
 
     def on_step_end(self, metrics: dict[str, float]) -> None:
         """Called on the controller after the weight sync with this step's metrics."""

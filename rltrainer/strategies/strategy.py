@@ -464,8 +464,7 @@ def param_dtype(precision: str) -> torch.dtype:
 
 
 #: Trainer arguments that configure a strategy built from its name, with the Trainer's defaults.
-STRATEGY_SETTINGS = {"precision": "32-true", "micro_batch_size": None, "max_tokens_per_micro_batch": None,
-                     "gradient_clip_val": 1.0, "padding_free": False}
+STRATEGY_SETTINGS = {"precision": "32-true", "gradient_clip_val": 1.0}
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int | str, num_nodes: int, **settings: Any) -> Strategy:
