@@ -233,7 +233,7 @@ def _check_policy_output(where: str, result: Any) -> None:
         got = (f"a {str(loss.dtype).replace('torch.', '')} tensor of shape [{', '.join(map(str, loss.shape))}]"
                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__} ({_preview(loss)})")
         raise HookContractError(f"{where} returned a loss that is {got}; expected a 0-d float tensor (reduce it: "
-                                f"sum over tokens / micro_batch.meta['global_tokens']).")
+                                f"sum over tokens / micro_batch.global_tokens).")
     if not loss.requires_grad:
         raise HookContractError(f"{where} returned a loss that does not require grad (computed under no_grad, "
                                 f"detached, or with .item()); expected a 0-d float tensor built from the policy's "

@@ -93,7 +93,7 @@ class LogGenerations(Callback):
 
 def generation_rows(batch: RolloutBatch, tokenizer: Any, indices: list[int]) -> list[dict[str, Any]]:
     """The rows ``indices`` of a rolled-out (and scored) batch as plain dicts for the loggers."""
-    names = batch.meta.get("reward_components", [])
+    names = batch.reward_components
     components = batch["reward_components"] if "reward_components" in batch and names else None  # [N, F]
     advantages = row_advantages(batch)  # [N] or None
     out = []

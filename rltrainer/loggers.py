@@ -69,21 +69,20 @@ class Logger:
                              f"{', '.join(sorted(LOGGER_NAMES))}.")
 
 
-def build_loggers(logger: Any, default_root_dir: str | Path, project: str | None = None,
-                  run_name: str | None = None, run_id: str | None = None) -> list[Any]:
+def build_loggers(logger: Any, default_root_dir: str | Path) -> list[Any]:
     """``True`` -> CSVLogger; ``False``/``None`` -> none; a name (``"csv"``, ``"tensorboard"``,
-    ``"wandb"``, ``"mlflow"``); a :class:`Logger`; a logger instance; or a list of those.
-    ``project``, ``run_name``, ``run_id``: the identity of the loggers given by name (the
-    Trainer's former arguments; a :class:`Logger` carries its own)."""
+    ``"wandb"``, ``"mlflow"``); a :class:`Logger` (a name with its run's project, name and id); a
+    logger instance; or a list of those."""
     if logger is None or logger is False:
         return []
     if logger is True:
         logger = "csv"
     items = logger if isinstance(logger, (list, tuple)) else [logger]
-    return [_build_one(item, default_root_dir, project, run_name, run_id) for item in items]
+    return [_build_one(item, default_root_dir) for item in items]
 
 
-def _build_one(item: Any, root: str | Path, project: str | None, run_name: str | None, run_id: str | None) -> Any:
+def _build_one(item: Any, root: str | Path) -> Any:
+    project = run_name = run_id = None
     if isinstance(item, Logger):
         item, project, run_name, run_id = item.name, item.project, item.run_name, item.run_id
     if not isinstance(item, str):

@@ -5,15 +5,17 @@ Strategy call or an engine call."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.call import call_module
 from rltrainer.callbacks.learning_signal import signal_metrics
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models.moe import summarize_routing_metrics
@@ -21,7 +23,7 @@ from rltrainer.strategies.strategy import combine_metrics, is_extreme
 
 if TYPE_CHECKING:
     from rltrainer.controller.watchdog import Watchdog
-    from rltrainer.module import RLModule
+    from rltrainer.module import RLModule, StepMetrics
     from rltrainer.rollout.engine import RolloutEngine
     from rltrainer.strategies.strategy import Strategy
     from rltrainer.strategies.weight_sync import WeightSync
@@ -33,7 +35,8 @@ MAX_SKIPPED_STEPS = 3
 @dataclass
 class FitContext:
     """What the step, the validation loop and a pipeline's run use of a set-up Trainer (it makes
-    one per fit), so that none of them reaches into the Trainer."""
+    one per fit): plain objects and values, so that none of them reaches into the Trainer and a
+    step runs with fakes and no Trainer at all."""
 
     module: RLModule
     strategy: Strategy
@@ -41,11 +44,17 @@ class FitContext:
     sync: WeightSync  # the one owner of weight pushes
     watchdog: Watchdog
     seed: int
-    step: Callable[[], int]  # the trainer's global_step now (the policy version the weights have)
-    call_hooks: Callable[..., None]  # (name, *args): a lifecycle event, the module's hook, then the callbacks'
-    call_module: Callable[..., Any]  # (name, *args): a module hook, its result checked against its contract
-    log: Callable[[dict[str, float]], None]  # add to this step's metrics
-    before_push: Callable[[int], None] = lambda version: None  # the pipeline readies the engines for a push
+    step: int  # the trainer's global_step (the policy version the weights have); the loop moves it on
+    metrics: StepMetrics  # this step's metrics: what the module logs and the pipeline adds
+    #: (name, *args): a lifecycle event, the module's hook, then the callbacks' (default: the module's only)
+    call_hooks: Callable[..., None] | None = None
+    #: (name, *args): a module hook, its result checked against its contract
+    call_module: Callable[..., Any] = field(init=False)
+    before_push: Callable[[int], None] = lambda version: None  # a pipeline's run readies its engines for a push
+
+    def __post_init__(self) -> None:
+        self.call_module = functools.partial(call_module, self.module)
+        self.call_hooks = self.call_hooks or self.call_module
 
 
 @contextmanager
@@ -55,13 +64,12 @@ def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
     metrics[f"timing_s/{name}"] = time.perf_counter() - start
 
 
-def training_step(fit: FitContext, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:
+def training_step(fit: FitContext, batch: RolloutBatch) -> dict[str, float]:
     """Train on ``N`` generated rows (the pipeline made them, see :mod:`rltrainer.pipelines`); return
-    the step's metrics (``metrics``, what the step logged so far, updated). Ends by starting the push
-    of the new weights (version ``step + 1``)."""
-    module, strategy, step = fit.module, fit.strategy, fit.step()
-    metrics.update(batch.meta.get("logged", {}))  # what rollout_step logged, in whichever thread ran it
-    metrics.update({k: float(v) for k, v in batch.meta.items() if k.startswith(("pipeline/", "timing_s/"))})
+    the step's metrics (``fit.metrics.current``, what the step logged so far, updated). Ends by
+    starting the push of the new weights (version ``step + 1``)."""
+    module, strategy, step, metrics = fit.module, fit.strategy, fit.step, fit.metrics.current
+    metrics.update(batch.logged)  # what rollout_step logged (in whichever thread ran it), the pipeline's figures
     with timer(metrics, "reward"):
         batch = fit.watchdog.call("reward.reward_step", fit.call_module, "reward_step", batch)  # + scores
     for stage in module.compute_stages():  # old_log_prob, ref, values, ...
@@ -100,8 +108,8 @@ def update_policy(module: RLModule, strategy: Strategy, batch: RolloutBatch, see
         order = torch.randperm(len(batch), generator=generator) if epoch > 0 or size < len(batch) else None
         shuffled = batch[order] if order is not None else batch
         for mini_batch in shuffled.split(size):
-            mini_batch.meta.update(global_tokens=max(float(mini_batch["response_mask"].sum()), 1.0),
-                                   global_rows=float(len(mini_batch)))
+            mini_batch.global_tokens = max(float(mini_batch["response_mask"].sum()), 1.0)
+            mini_batch.global_rows = float(len(mini_batch))
             parts.append(strategy.train_step(mini_batch))
     combined = combine_metrics(parts)
     out = {k: v if is_extreme(k) else v / len(parts) for k, v in combined.items()}

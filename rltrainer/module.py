@@ -28,7 +28,10 @@ response length; the fields are listed in :mod:`rltrainer.data.batch`.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,10 +45,48 @@ if TYPE_CHECKING:
 #: Hooks a subclass must override; ``Trainer.fit`` checks them once before it starts.
 REQUIRED_HOOKS = ("configure_model", "configure_optimizers", "reward_step", "advantage_step", "policy_step")
 
-#: Where :meth:`RLModule.log` writes when set: a pipeline runs ``rollout_step`` in a thread of its
-#: own, so what it logs travels with its batch (``batch.meta["logged"]``), not into the step the
-#: trainer is on while it generates.
-LOG_TARGET: ContextVar[dict[str, float] | None] = ContextVar("rltrainer_log_target", default=None)
+#: The dict a thread's logs go to inside :meth:`StepMetrics.collect` (a pipeline's rollout thread).
+_COLLECTING: ContextVar[dict[str, float] | None] = ContextVar("rltrainer_collecting", default=None)
+
+
+class StepMetrics:
+    """Where :meth:`RLModule.log` writes: the current step's metrics (``current``), or, inside
+    :meth:`collect`, the thread's own dict: a pipeline runs ``rollout_step`` in a thread of its own,
+    so what it logs travels with its batch (``batch.logged``), not into the step the trainer is on
+    while it generates."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+
+    def log(self, name: str, value: float) -> None:
+        target = _COLLECTING.get()
+        (self.current if target is None else target)[name] = float(value)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        """Add ``metrics`` to the current step's."""
+        self.current.update(metrics)
+
+    @contextmanager
+    def collect(self) -> Iterator[dict[str, float]]:
+        """The dict this thread's logs go to until the block ends."""
+        logged: dict[str, float] = {}
+        token = _COLLECTING.set(logged)
+        try:
+            yield logged
+        finally:
+            _COLLECTING.reset(token)
+
+
+@dataclass
+class Attachment:
+    """What a Trainer hands its module at setup (:meth:`RLModule.attach`); the hooks read these and
+    never the Trainer, so a step runs with fakes and no Trainer at all."""
+
+    off_policy: bool = False  # rows may come from other weights or log-probs than the trainer's
+    vocab_size: int | None = None  # the policy's (prompt ids are checked against it)
+    record_generations: Callable[[RolloutBatch, str], None] | None = None  # the LogGenerations callback's
+    metrics: StepMetrics = field(default_factory=StepMetrics)  # where log() writes
+    trainer: Any = None  # for the read-only RLModule.trainer only
 
 
 class RLModule(torch.nn.Module):
@@ -84,24 +125,36 @@ class RLModule(torch.nn.Module):
         super().__init__()
         self.sampling = SamplingParams()
         self.tokenizer: Any = None
-        self._trainer: Trainer | None = None
+        self._attached = Attachment()  # what the Trainer hands over at setup (none outside a Trainer)
         self._prompt_source: Any = None  # during fit: the pipeline's run, which draw_prompts asks
-        self._generation_log: Any = None  # the Trainer's LogGenerations callback, which record_generations feeds
 
     # -- where the module lives -----------------------------------------------------------------
+    def attach(self, attachment: Attachment) -> None:
+        """Take what the run lends (the Trainer calls it at setup; a test may, with fakes): whether
+        rows are off-policy, the vocabulary size, the generations recorder and the metrics sink."""
+        self._attached = attachment
+
+    @property
+    def attached(self) -> Attachment:
+        """What the run lent at setup (:class:`Attachment`; defaults outside a Trainer)."""
+        return self._attached
+
     @property
     def trainer(self) -> Trainer:
-        if self._trainer is None:
+        """The Trainer fitting this module (read-only; the hooks need none of it)."""
+        if self._attached.trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer (call trainer.fit(module, ...)).")
-        return self._trainer
+        return self._attached.trainer
+
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        """What :meth:`log` recorded for the current step (outside a Trainer: since the module was built)."""
+        return self._attached.metrics.current
 
     def log(self, name: str, value: float) -> None:
-        """Record a scalar for the current step (controller hooks only). Outside a Trainer (a hook
-        called by hand, e.g. in a notebook) the value is kept in ``self.logged_metrics``."""
-        target = LOG_TARGET.get()  # a rollout_step in a pipeline thread logs into its batch
-        if target is None:
-            target = self._trainer.step_metrics if self._trainer is not None else self.__dict__.setdefault("logged_metrics", {})
-        target[name] = float(value)
+        """Record a scalar for the current step (controller hooks only), in the metrics the run lent
+        (:class:`StepMetrics`); outside a Trainer, :attr:`logged_metrics` keeps it."""
+        self._attached.metrics.log(name, value)
 
     def draw_prompts(self) -> RolloutBatch | None:
         """During ``fit``, for a ``rollout_step`` that needs more prompts than its batch (dynamic
@@ -119,22 +172,21 @@ class RLModule(torch.nn.Module):
         ``split="train"`` on the steps that log them, ``"val"`` until its ``rows`` are kept. The loop
         and the default :meth:`validation_step` call it; a custom ``validation_step`` may too. Outside
         a Trainer, or with no ``LogGenerations`` callback, it does nothing."""
-        recorder = getattr(self, "_generation_log", None)
-        if recorder is not None and self._trainer is not None:
-            recorder.record(self._trainer, batch, split)
+        if self._attached.record_generations is not None:
+            self._attached.record_generations(batch, split)
 
     def prompt_vocab_size(self) -> int | None:
-        """The policy's vocabulary size (its config's ``vocab_size``, read by the Trainer at setup),
-        or ``len(tokenizer)`` outside a Trainer; prompt token ids must be below it."""
-        size = getattr(self._trainer, "vocab_size", None) if self._trainer is not None else None
+        """The policy's vocabulary size (its config's ``vocab_size``, handed over at setup), or
+        ``len(tokenizer)`` outside a Trainer; prompt token ids must be below it."""
+        size = self._attached.vocab_size
         if size is None and self.tokenizer is not None and hasattr(self.tokenizer, "__len__"):
             size = len(self.tokenizer)
         return size
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_trainer"] = None  # the controller's trainer never travels to workers
-        state["_prompt_source"] = state["_generation_log"] = None
+        state["_attached"] = Attachment()  # what the controller lent never travels to workers
+        state["_prompt_source"] = None
         return state
 
     # -- models ---------------------------------------------------------------------------------
@@ -204,7 +256,8 @@ class RLModule(torch.nn.Module):
         if self.environment is None:
             return generate_rollouts(batch, engine, sampling, self.tokenizer.pad_token_id, self.prompt_vocab_size())
         out = self.environment.rollout(batch, engine, sampling, self.tokenizer)
-        for name, value in out.meta.pop("env_metrics", {}).items():
+        metrics, out.env_metrics = out.env_metrics, {}
+        for name, value in metrics.items():
             if log_metrics:
                 self.log(name, value)
         return out
@@ -250,7 +303,7 @@ class RLModule(torch.nn.Module):
         """
         from rltrainer.models import response_log_probs
 
-        temperature = micro_batch.meta.get("temperature") or 1.0
+        temperature = micro_batch.temperature or 1.0
         routes = self.route_kwargs(micro_batch)  # a MoE policy's replayed routes (R3)
         if stage == "old_log_prob":
             return {"old_log_probs": response_log_probs(self.policy, micro_batch, temperature, **routes)[0]}
@@ -276,15 +329,15 @@ class RLModule(torch.nn.Module):
     def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss. Required. Runs on every training rank, per micro-batch, with gradients.
 
-        Returns ``(loss, metrics)``. Normalise by the counts of the whole mini-batch, given in
-        ``micro_batch.meta`` as ``global_tokens`` (response tokens) and ``global_rows``, not by the
+        Returns ``(loss, metrics)``. Normalise by the counts of the whole mini-batch, given as
+        ``micro_batch.global_tokens`` (response tokens) and ``micro_batch.global_rows``, not by the
         micro-batch's own: the Strategy sums the gradients of all micro-batches on all ranks, so the
         result does not depend on micro-batching or the number of ranks. For the same reason each
         metric must be a contribution that sums to the mini-batch value (e.g. ``clipped.sum() /
         global_tokens``).
 
         Multi-rank strategies give every rank the same number of micro-batches, so a rank short of
-        rows also runs this hook on a padding micro-batch (``micro_batch.meta["padding"]`` is True, its
+        rows also runs this hook on a padding micro-batch (``micro_batch.padding`` is True, its
         ``response_mask`` and ``advantages`` all zero): the strategy multiplies that loss by 0 and
         drops its metrics, so even a loss that ignores the mask adds nothing from it. The loss must be
         finite on an all-masked row (``0 * nan`` is ``nan``): divide by the global counts, not by
@@ -294,7 +347,7 @@ class RLModule(torch.nn.Module):
 
             def policy_step(self, mb):
                 logp, _ = response_log_probs(self.policy, mb)
-                loss = -(mb["advantages"] * logp * mb["response_mask"]).sum() / mb.meta["global_tokens"]
+                loss = -(mb["advantages"] * logp * mb["response_mask"]).sum() / mb.global_tokens
                 return loss, {"actor/pg_loss": loss.item()}
         """
         raise NotImplementedError
@@ -339,7 +392,12 @@ class RLModule(torch.nn.Module):
         start them again."""
 
     def on_step_start(self, batch: RolloutBatch) -> None:
-        """Called on the controller with the prompt batch before ``rollout_step``."""
+        """Called on the controller at the start of each training step (after the previous step's
+        ``on_step_end``, before its ``reward_step``), in every pipeline, with the step's prompt batch:
+        the ``B`` prompt rows whose rows it trains on (``prompt_ids``, the dataset columns,
+        ``prompt_position [B, 3]``). With ``pipeline="sync"`` this is the batch given to
+        ``rollout_step``, before it runs (prompts it draws itself are not in it); ``one_step_off`` and
+        ``async`` generate ahead, so their ``rollout_step`` ran during earlier steps."""
 
     def on_step_end(self, metrics: dict[str, float]) -> None:
         """Called on the controller after the weight sync with this step's metrics."""
@@ -394,7 +452,8 @@ def generate_rollouts(batch: RolloutBatch, engine: RolloutEngine, sampling: Samp
         out["policy_version"] = torch.full((len(out),), version, dtype=torch.long)  # [N]
     out["response_text"] = gen.text
     out["finish_reason"] = gen.finish_reason
-    out.meta.update(temperature=sampling.temperature, **{f"rollout/{k}": v for k, v in gen.metrics.items()})
+    out.temperature = sampling.temperature
+    out.rollout_metrics = {f"rollout/{k}": v for k, v in gen.metrics.items()}
     return out
 
 

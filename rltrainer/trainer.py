@@ -20,7 +20,6 @@ from rltrainer.callbacks.checkpoint import resolve_ckpt_path
 from rltrainer.checkpoints import read_trainer_state, seed_controller
 from rltrainer.controller.watchdog import Watchdog
 from rltrainer.data.loader import check_prompt_lengths, estimate_training_steps, resolve_dataloaders
-from rltrainer.deprecated import DeprecatedTrainerMethods, moved_arguments
 from rltrainer.generations import LogGenerations
 from rltrainer.hf_export import save_hf
 from rltrainer.interrupt import save_interrupted, stop_on_interrupt
@@ -28,7 +27,7 @@ from rltrainer.loggers import (LogFlush, build_loggers, continue_logs, hyperpara
                                log_versions, save_loggers)
 from rltrainer.loop import FitContext, batch_metrics, check_skipped_steps, training_step, validation_loop
 from rltrainer.models.moe import routing_shape
-from rltrainer.module import RLModule, check_hooks
+from rltrainer.module import Attachment, RLModule, StepMetrics, check_hooks
 from rltrainer.pipelines import Pipeline, SyncRun, check_module_pipeline, prompt_batches, resolve_pipeline
 from rltrainer.plan import RunPlan, build_plan, log_plan
 from rltrainer.rollout.engine import RolloutEngine, build_engine, check_engine_sampling
@@ -36,12 +35,13 @@ from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, resolve_strategy
 from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.training_checkpoint import PendingCheckpoint, load_checkpoint, write_checkpoint
-from rltrainer.values import check_float, check_int
+from rltrainer.values import check_float, check_int, named_keywords
 
 log = logging.getLogger(__name__)
 
 
-class Trainer(DeprecatedTrainerMethods):
+
+class Trainer:
     """Runs RL post-training on one controller process.
 
     Args:
@@ -79,10 +79,11 @@ class Trainer(DeprecatedTrainerMethods):
             ``None``: 10x its median, >= 300 s (1800 s before it completed once); inf: none.
 
     ``precision`` and ``gradient_clip_val`` configure a strategy built from its name; a ``Strategy``
-    carries its own, and a Trainer value changed from its default that disagrees with it raises. The
-    former keywords that moved to their owners warn with the new spelling (:data:`rltrainer.deprecated.MOVED`).
+    carries its own, and a Trainer value changed from its default that disagrees with it raises. An
+    unknown keyword raises ``TypeError`` naming the closest valid one.
     """
 
+    @named_keywords("Trainer")
     def __init__(self, strategy: str | Strategy = "single", rollout: str | RolloutEngine = "hf", devices: int | str = 1,
                  num_nodes: int = 1, max_steps: int = -1, max_epochs: int | None = None,
                  val_check_interval: int | None = None, limit_val_batches: int | None = None,
@@ -90,8 +91,7 @@ class Trainer(DeprecatedTrainerMethods):
                  gradient_clip_val: float | None = 1.0, seed: int = 0, default_root_dir: str | Path | None = None,
                  callbacks: list[Callback] | None = None, logger: Any = True, fast_dev_run: bool | int = False,
                  enable_progress_bar: bool = True, pipeline: Pipeline | str = "sync",
-                 stage_timeout_s: float | dict[str, float] | None = None, **kwargs: Any) -> None:
-        moved = moved_arguments(kwargs, Trainer)  # the former keywords, by new home (warns); unknown: TypeError
+                 stage_timeout_s: float | dict[str, float] | None = None) -> None:
         for name, value, low, none in (
                 ("max_epochs", max_epochs, 1, "1 without max_steps"), ("seed", seed, None, None),
                 ("num_nodes", num_nodes, 1, None),
@@ -103,9 +103,9 @@ class Trainer(DeprecatedTrainerMethods):
             check_int(name, value, at_least=low, none=none, owner="Trainer",
                       special={-1: "no limit"} if name == "max_steps" else None)
         check_float("gradient_clip_val", gradient_clip_val, above=0, none="no clipping", owner="Trainer")
-        self.pipeline = resolve_pipeline(pipeline, **moved["pipeline"])
+        self.pipeline = resolve_pipeline(pipeline)
         self.strategy = resolve_strategy(strategy, devices=devices, num_nodes=num_nodes, precision=precision,
-                                         gradient_clip_val=gradient_clip_val, **moved["strategy"])
+                                         gradient_clip_val=gradient_clip_val)
         self.watchdog = self.strategy.watchdog = Watchdog(stage_timeout_s)
         self.pipeline.check_strategy(self.strategy)
         self._run: SyncRun | None = None  # during fit: the pipeline's running state
@@ -122,8 +122,8 @@ class Trainer(DeprecatedTrainerMethods):
         self.val_check_interval, self.limit_val_batches = val_check_interval, limit_val_batches
         self.log_every_n_steps, self.seed = log_every_n_steps, seed
         self.default_root_dir = str(default_root_dir or os.getcwd())
-        self.callbacks: list[Callback] = with_defaults(list(callbacks or []), enable_progress_bar, moved["generations"])
-        self.loggers = build_loggers(logger, self.default_root_dir, **moved["logger"])
+        self.callbacks: list[Callback] = with_defaults(list(callbacks or []), enable_progress_bar)
+        self.loggers = build_loggers(logger, self.default_root_dir)
         self.log_flush = LogFlush(log_flush_s)
         self.module: RLModule | None = None
         self.global_step = 0
@@ -132,7 +132,8 @@ class Trainer(DeprecatedTrainerMethods):
         self.ckpt_path: Path | None = None  # the checkpoint the last fit() resumed from
         self.ckpt_step: int | None = None  # and its step
         self.current_epoch = self.batches_seen_in_epoch = 0
-        self.step_metrics: dict[str, float] = {}
+        self._metrics = StepMetrics()  # the step's metrics: what the module logs, the pipeline adds
+        self._fit: FitContext | None = None  # during fit: what the step, validation and the pipeline use
         self.callback_metrics: dict[str, float] = {}
         self.estimated_total_steps: int | None = None
         self.plan: RunPlan | None = None  # during and after fit: what a step does, in rows
@@ -275,7 +276,7 @@ class Trainer(DeprecatedTrainerMethods):
             self.strategy.teardown()  # kill the workers first: threads waiting on them return at once
         if self._run is not None:
             self._run.close()
-            self._run = None
+            self._run = self._fit = None
         if self.sync is not None:
             self.sync.close()  # a push in flight ends first; its error is not raised (already failing)
         if self._is_setup:
@@ -288,19 +289,24 @@ class Trainer(DeprecatedTrainerMethods):
                 self._is_setup = False
 
     # -- internals ------------------------------------------------------------------------------
+    def _attach(self, module: RLModule) -> None:  # what the module reads of this run, handed over
+        recorder = next((c for c in self.callbacks if isinstance(c, LogGenerations)), None)
+        record = recorder and functools.partial(recorder.record, self)
+        module.attach(Attachment(self.off_policy, self.vocab_size, record, self._metrics, trainer=self))
+
     def _setup(self, module: RLModule) -> None:
-        module._generation_log = next((c for c in self.callbacks if isinstance(c, LogGenerations)), None)
         if self._is_setup and module is self.module:
-            return
+            return self._attach(module)
         if self._is_setup:
             self.teardown()
         self.module = module
-        module._trainer = self
+        self._attach(module)
         try:
             self.strategy.setup(module, seed=self.seed)
             self._is_setup = True
             config = self.strategy.model_config()
             self.vocab_size = getattr(config, "vocab_size", None)  # prompt ids are checked
+            self._attach(module)  # with the vocabulary size
             self.max_positions = getattr(config, "max_position_embeddings", None)  # and prompt lengths
             if module.records_routes() and routing_shape(config) is not None:  # a MoE policy's routes (R3)
                 self._engine_spec.return_routed_experts = True
@@ -316,24 +322,22 @@ class Trainer(DeprecatedTrainerMethods):
 
     def _context(self) -> FitContext:  # what the step, validation and the pipeline's run use of the Trainer
         return FitContext(self.module, self.strategy, self.engine, self.sync, self.watchdog, self.seed,
-                          step=lambda: self.global_step, call_hooks=functools.partial(call_hooks, self),
-                          call_module=functools.partial(call_module_hook, self),
-                          log=lambda metrics: self.step_metrics.update(metrics),  # the step's dict now
-                          before_push=lambda version: self._run.before_push(version) if self._run else None)
+                          self.global_step, self._metrics, functools.partial(call_hooks, self))
 
     def _fit_loop(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None) -> None:
         if self._done():
             return
         batches = prompt_batches(train_loader, self.current_epoch, self.batches_seen_in_epoch, self.max_epochs)
-        run = self._run = self.module._prompt_source = self.pipeline.start(self._context(), batches)
+        fit = self._fit = self._context()  # once per fit
+        run = self._run = self.module._prompt_source = self.pipeline.start(fit, batches)
         if self._pipeline_state is not None:
             run.load_state_dict(self._pipeline_state)
             self._pipeline_state = None
-        self.step_metrics = {}
+        self._metrics.current = {}
         skipped: list[bool] = []  # per step of this fit: was every optimizer step skipped
         for batch in run:  # generated rows; the pipeline decides with which weights
-            metrics = training_step(self._context(), batch, self.step_metrics)
-            self.global_step += 1
+            metrics = training_step(fit, batch)
+            self.global_step = fit.step = self.global_step + 1
             self.current_epoch, self.batches_seen_in_epoch = run.position(batch)
             check_skipped_steps(skipped, metrics, self.global_step, last=self._done())
             metrics.update(run.metrics())
@@ -346,14 +350,14 @@ class Trainer(DeprecatedTrainerMethods):
             if self.global_step % self.log_every_n_steps == 0:
                 self.log_flush.log(self.loggers, metrics, self.global_step)
             call_hooks(self, "on_step_end", metrics)
-            self.step_metrics = {}
+            self._metrics.current = {}
             if self._done():
                 break
         else:  # the prompts ran out: every epoch is done
             self.current_epoch, self.batches_seen_in_epoch = self.max_epochs or self.current_epoch + 1, 0
         self._pipeline_state = run.state_dict()  # for save_checkpoint after fit, and the next fit
         run.close()
-        self._run = self.module._prompt_source = None
+        self._run = self.module._prompt_source = self._fit = None
 
     def _done(self) -> bool:
         return self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps) or \
@@ -363,11 +367,11 @@ class Trainer(DeprecatedTrainerMethods):
         self.sync.wait()
         call_hooks(self, "on_validation_start")
         self.engine.wake_up()
-        step_metrics, self.step_metrics = self.step_metrics, {}  # what validation hooks log is not the step's
+        step_metrics, self._metrics.current = self._metrics.current, {}  # what validation hooks log is not the step's
         try:
-            metrics = validation_loop(self._context(), loader, self.limit_val_batches)
+            metrics = validation_loop(self._fit or self._context(), loader, self.limit_val_batches)
         finally:
-            self.step_metrics = step_metrics
+            self._metrics.current = step_metrics
         call_hooks(self, "on_validation_end", metrics)
         self._validated_this_step = True
         if log:  # outside a step (after fit, validate()): the latest val/* also in callback_metrics

@@ -18,9 +18,12 @@ catches either (the command line turns both into one usage message) still does.
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -97,3 +100,21 @@ def _number_fix(value: Any) -> str:
     if isinstance(value, (str, bytes)):
         return " Write the number itself, not a string (in YAML: unquoted)."
     return ""
+
+
+def named_keywords(owner: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorate an ``__init__``: its own signature stays (``inspect.signature`` and ``help`` show it),
+    and an unknown keyword raises ``TypeError`` naming the closest valid one (Python 3.11 names none)."""
+    def decorate(init: Callable[..., None]) -> Callable[..., None]:
+        names = list(inspect.signature(init).parameters)[1:]
+
+        @functools.wraps(init)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+            unknown = [k for k in kwargs if k not in names]
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(names)}"
+                raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}{hint}")
+            init(self, *args, **kwargs)
+        return checked
+    return decorate

@@ -174,12 +174,13 @@ def test_micro_batches_are_marked_on_every_path():
     assert not batch.padding_free
     ranks, _ = partition_for_ranks(batch[[0, 1, 2]], 2, micro_batch_size=1, max_tokens=None, padding_free=True)
     assert all(mb.padding_free for part in ranks for mb in part)
-    assert any(mb.meta.get("padding") for part in ranks for mb in part)  # the padding micro-batch too
+    assert any(mb.padding for part in ranks for mb in part)  # the padding micro-batch too
     assert not any(mb.padding_free for mb in SingleDeviceStrategy(device="cpu").micro_batches(batch))
 
 
 def test_the_setting_reaches_the_strategy_and_bad_values_or_megatron_are_refused():
-    assert Trainer(padding_free=True, logger=False, enable_progress_bar=False).strategy.padding_free
+    assert Trainer(strategy=SingleDeviceStrategy(padding_free=True), logger=False,
+                   enable_progress_bar=False).strategy.padding_free
     assert not Trainer(logger=False, enable_progress_bar=False).strategy.padding_free
     with pytest.raises(ValueError, match="padding_free must be True"):
         SingleDeviceStrategy(padding_free="yes")
@@ -199,7 +200,7 @@ def with_short_responses(batch: RolloutBatch, lengths: list[int], pad_id: int) -
     batch["responses"], batch["response_mask"], batch["attention_mask"] = responses, keep.long(), attention
     batch["input_ids"] = torch.cat([batch["input_ids"][:, : -keep.shape[1]], responses], 1)
     batch["position_ids"] = (attention.cumsum(-1) - 1).clamp(min=0)
-    batch.meta.update(global_tokens=float(keep.sum()), global_rows=float(len(batch)))
+    batch.global_tokens, batch.global_rows = float(keep.sum()), float(len(batch))
     return batch
 
 

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     # 4: the loop and what drives it
     ("rltrainer.callbacks", "rltrainer.generations", "rltrainer.loggers", "rltrainer.csv_logger",
      "rltrainer.tensorboard_logger", "rltrainer.loop",
-     "rltrainer.pipelines", "rltrainer.interrupt", "rltrainer.deprecated", "rltrainer.export", "rltrainer.trainer"),
+     "rltrainer.pipelines", "rltrainer.interrupt", "rltrainer.export", "rltrainer.trainer"),
     # 5: entry points and helpers for tests
     ("rltrainer.cli", "rltrainer.plot", "rltrainer.testing", "rltrainer.toy", "rltrainer.__main__", "rltrainer"),
 ]
@@ -302,6 +302,80 @@ def test_the_scan_sees_the_kinds_of_import(tmp_path: Path) -> None:
     assert [(i.target, i.type_only, i.function_level) for i in got] == [
         ("rltrainer.trainer", True, False), ("rltrainer.loop", False, True), ("rltrainer.data.batch", False, True)]
     assert cycles([Import("a", "b", 1, False, False), Import("b", "a", 1, True, False)]) == [["a", "b"]]
+
+
+# --- issue 45 points 3-4: the step alone, no past ---
+def test_no_deprecation_shims() -> None:
+    """A 0.1.0 carries no past: no shim module, no old import path, no DeprecationWarning issued."""
+    assert not (PACKAGE / "deprecated.py").exists() and not (PACKAGE / "strategies" / "distributed.py").exists()
+    warning = [f"{path.relative_to(PACKAGE)}:{i}" for path in sorted(PACKAGE.rglob("*.py"))
+               for i, line in enumerate(path.read_text().splitlines(), 1) if "DeprecationWarning" in line]
+    assert not warning, warning
+
+
+#: Goal of issue 45: step values travel as typed batch fields, not string keys in ``meta``.
+MAX_META_KEY_SITES = 5
+
+
+def meta_key_sites(package: Path = PACKAGE) -> list[str]:
+    """Where the package reads or writes ``meta`` by a string key: ``x.meta["k"]`` (or a local
+    ``meta["k"]``), ``x.meta.get/pop/setdefault("k", ...)``, ``x.meta.update(k=...)``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            meta = None
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
+                    isinstance(node.slice.value, str):
+                meta = node.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                keyed = node.func.attr in ("get", "pop", "setdefault") and node.args and \
+                    isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+                if keyed or (node.func.attr == "update" and node.keywords):
+                    meta = node.func.value
+            if (isinstance(meta, ast.Attribute) and meta.attr == "meta") or (isinstance(meta, ast.Name) and
+                                                                           meta.id == "meta"):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+    return found
+
+
+def trainer_uses_outside_the_property() -> list[int]:
+    """Lines of ``module.py`` that reach the Trainer (``_trainer``, ``_attached.trainer``) outside
+    the read-only ``RLModule.trainer`` property."""
+    source = (PACKAGE / "module.py").read_text()
+    tree = ast.parse(source)
+    prop = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "trainer")
+    inside = set(range(prop.lineno, prop.end_lineno + 1))
+    return [i for i, line in enumerate(source.splitlines(), 1)
+            if ("_trainer" in line or "_attached.trainer" in line) and i not in inside]
+
+
+def test_the_step_reads_typed_fields_and_the_module_no_trainer() -> None:
+    sites = meta_key_sites()
+    assert len(sites) <= MAX_META_KEY_SITES, f"{len(sites)} meta string-key sites (at most {MAX_META_KEY_SITES}): " \
+        f"{sites}"
+    assert not trainer_uses_outside_the_property(), trainer_uses_outside_the_property()
+
+
+def test_the_meta_scan_sees_each_spelling(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text("b.meta['a'] = 1\nb.meta.get('a')\nmeta = b.meta\nmeta['c']\n"
+                                   "b.meta.update(d=1)\nb.meta.update(o.meta)\nb.logged['e']\n")
+    assert meta_key_sites(tmp_path) == ["m.py:1", "m.py:2", "m.py:4", "m.py:5"]
+
+
+def test_a_deprecation_warning_from_rltrainer_fails_the_test() -> None:
+    """setup.cfg's filterwarnings: one issued from an rltrainer module raises (and fails its test);
+    a third-party one stays ignored."""
+    import warnings
+
+    import pytest
+
+    with pytest.raises(DeprecationWarning, match="an old spelling"):
+        warnings.warn_explicit("an old spelling", DeprecationWarning, str(PACKAGE / "trainer.py"), 1,
+                               module="rltrainer.trainer")
+    with pytest.raises(DeprecationWarning, match="from a function"):
+        exec(compile("import warnings\nwarnings.warn('from a function', DeprecationWarning)",
+                     str(PACKAGE / "loop.py"), "exec"), {"__name__": "rltrainer.loop"})
+    warnings.warn_explicit("a library's own", DeprecationWarning, "torch/x.py", 1, module="torch.x")  # no raise
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ class Teacher(Part):
                 ) -> dict[str, torch.Tensor] | None:
         if stage != "teacher":
             return None
-        temperature = micro_batch.meta.get("temperature") or 1.0
+        temperature = micro_batch.temperature or 1.0
         return {"teacher_log_probs": response_log_probs(models["teacher"], micro_batch, temperature)[0]}
 
     def adjust_advantages(self, batch: RolloutBatch, advantages: torch.Tensor, step: Step) -> torch.Tensor:

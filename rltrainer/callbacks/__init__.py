@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from rltrainer.callbacks.callback import Callback
 from rltrainer.callbacks.checkpoint import ModelCheckpoint
 from rltrainer.callbacks.learning_signal import LearningSignal
@@ -13,16 +11,12 @@ from rltrainer.generations import LogGenerations
 __all__ = ["Callback", "LearningSignal", "LogGenerations", "ModelCheckpoint", "ProgressBar", "with_defaults"]
 
 
-def with_defaults(callbacks: list[Callback], progress_bar: bool = True,
-                  generations: dict[str, Any] | None = None) -> list[Callback]:
-    """``callbacks`` plus the default ones not given (a given one is configured): ``ProgressBar``
-    (with ``progress_bar``), ``LearningSignal`` and ``LogGenerations(**generations)``, first, so that
-    a step's sample rows are written before the other callbacks' ``on_step_end``."""
+def with_defaults(callbacks: list[Callback], progress_bar: bool = True) -> list[Callback]:
+    """``callbacks`` plus the default ones not given: ``ProgressBar`` (with ``progress_bar``),
+    ``LearningSignal`` and ``LogGenerations``, first, so that a step's sample rows are written before
+    the other callbacks' ``on_step_end``."""
     defaults = [ProgressBar] * bool(progress_bar) + [LearningSignal]
     callbacks = callbacks + [cls() for cls in defaults if not any(isinstance(c, cls) for c in callbacks)]
     if not any(isinstance(c, LogGenerations) for c in callbacks):
-        return [LogGenerations(**(generations or {})), *callbacks]
-    if generations:
-        raise ValueError(f"Trainer({', '.join(f'log_generations_{k}' for k in generations)}=...) and a "
-                         "LogGenerations callback: configure the callback alone")
+        return [LogGenerations(), *callbacks]
     return callbacks

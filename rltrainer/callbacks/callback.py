@@ -21,7 +21,9 @@ class Callback:
         """After the last step (and the final validation)."""
 
     def on_step_start(self, trainer: Trainer, module: RLModule, batch: RolloutBatch) -> None:
-        """With the prompt batch, before ``rollout_step``."""
+        """At the start of each step, with its prompt batch (``B`` prompt rows), before its
+        ``reward_step``; in ``pipeline="sync"`` before their ``rollout_step`` too (see
+        :meth:`rltrainer.RLModule.on_step_start`)."""
 
     def on_step_end(self, trainer: Trainer, module: RLModule, metrics: dict[str, float]) -> None:
         """After the weight sync, with the step's metrics. Set ``trainer.should_stop = True`` here to end

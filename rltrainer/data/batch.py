@@ -4,10 +4,30 @@ A :class:`RolloutBatch` has three parts:
 
 - ``tensors``: a :class:`tensordict.TensorDict` whose batch dimension is ``N`` rows;
 - ``non_tensors``: a dict of numpy object arrays of length ``N`` (text, ground truth, ...);
-- ``meta``: a plain dict of batch-level values (temperature, global token counts, ...);
-- ``padding_free``: the layout its forward passes run in, set by the Strategy on the
-  micro-batches it forms: ``True`` packs the rows into one sequence without their padding
-  (:mod:`rltrainer.packing`), ``False`` (default) runs the padded rows.
+- typed batch-level fields (:data:`BATCH_FIELDS`), each set where it is known and read where
+  it is used (no string keys between stages):
+
+  ========================  ===================  ==============================================
+  field                     set by               meaning
+  ========================  ===================  ==============================================
+  ``padding_free``          the Strategy         the micro-batch's forward runs its rows packed
+                                                 into one sequence (:mod:`rltrainer.packing`)
+  ``padding``               the Strategy         a padding micro-batch (multi-rank: a rank short
+                                                 of rows); its loss counts 0
+  ``global_tokens``         the loop             response tokens of the whole mini-batch: the
+                                                 loss's normaliser (see ``policy_step``)
+  ``global_rows``           the loop             rows of the whole mini-batch
+  ``temperature``           ``rollout_step``     the sampling temperature of the rows (None: 1.0)
+  ``rollout_metrics``       ``rollout_step``     the engine's figures (``rollout/gen_time_s``...)
+  ``env_metrics``           an environment       its ``env/*`` figures, logged by ``rollout_step``
+  ``logged``                the pipeline         step metrics the rows carry: what ``rollout_step``
+                                                 logged, ``timing_s/gen``, ``pipeline/*``
+  ``reward_components``     ``reward_step``      the names of ``reward_components [N, F]``
+  ``loss_extras``           the loss part        fields its ``prepare`` added for the update
+  ``correct_in_update``     the correction part  the update recomputes the IS weights
+  ========================  ===================  ==============================================
+
+- ``meta``: a plain dict for a module's own batch-level values (none of the library's).
 
 Indexing with a string returns a field; indexing with an int, slice, list or tensor returns the
 sub-batch of those rows, with every field sliced alike.
@@ -35,7 +55,7 @@ field                     shape        meaning
 ``ref_log_probs``         [N, T]       log-probs of the frozen reference model
 ``values``                [N, T]       critic values (PPO)
 ``scores``                [N]          total reward per sequence
-``reward_components``     [N, F]       each reward function's unweighted score (names: ``meta``)
+``reward_components``     [N, F]       each reward function's unweighted score (names: the field below)
 ``reward_invalid``        [N]          bool, a reward function scored the row NaN/inf (GRPO)
 ``advantages``            [N, T]       per-token advantages (0 on padding)
 ``returns``               [N, T]       value targets (PPO)
@@ -65,9 +85,14 @@ def _object_array(values: Sequence[Any]) -> np.ndarray:
     return out
 
 
+#: The typed batch-level fields of a :class:`RolloutBatch` (the module docstring lists them).
+BATCH_FIELDS = ("padding_free", "padding", "global_tokens", "global_rows", "temperature", "rollout_metrics",
+                "env_metrics", "logged", "reward_components", "loss_extras", "correct_in_update")
+
+
 class RolloutBatch:
-    """``N`` rows of named tensor and non-tensor fields, plus batch-level ``meta`` and the
-    micro-batch layout ``padding_free`` (see the module docstring)."""
+    """``N`` rows of named tensor and non-tensor fields, plus typed batch-level fields
+    (:data:`BATCH_FIELDS`) and a free ``meta`` dict (see the module docstring)."""
 
     def __init__(
         self,
@@ -76,6 +101,17 @@ class RolloutBatch:
         meta: Mapping[str, Any] | None = None,
         batch_size: int | None = None,
         padding_free: bool = False,
+        *,
+        padding: bool = False,
+        global_tokens: float | None = None,
+        global_rows: float | None = None,
+        temperature: float | None = None,
+        rollout_metrics: Mapping[str, float] | None = None,
+        env_metrics: Mapping[str, float] | None = None,
+        logged: Mapping[str, float] | None = None,
+        reward_components: Sequence[str] = (),
+        loss_extras: Sequence[str] = (),
+        correct_in_update: bool = False,
     ) -> None:
         tensors = dict(tensors.items()) if tensors is not None else {}
         non_tensors = {k: _object_array(v) for k, v in (non_tensors or {}).items()}
@@ -91,6 +127,24 @@ class RolloutBatch:
         self.non_tensors: dict[str, np.ndarray] = non_tensors
         self.meta: dict[str, Any] = dict(meta or {})
         self.padding_free = padding_free  # rows run packed (set by the Strategy's form_micro_batches)
+        self.padding = padding  # a padding micro-batch: its loss counts 0
+        self.global_tokens = global_tokens  # response tokens of the mini-batch (the loss's normaliser)
+        self.global_rows = global_rows  # rows of the mini-batch
+        self.temperature = temperature  # the sampling temperature of the rows (None: 1.0)
+        self.rollout_metrics: dict[str, float] = dict(rollout_metrics or {})  # the engine's rollout/* figures
+        self.env_metrics: dict[str, float] = dict(env_metrics or {})  # an environment's env/* figures
+        self.logged: dict[str, float] = dict(logged or {})  # step metrics the rows carry (the pipeline's)
+        self.reward_components: list[str] = list(reward_components)  # names of reward_components [N, F]
+        self.loss_extras: list[str] = list(loss_extras)  # fields the loss part's prepare added
+        self.correct_in_update = correct_in_update  # the update recomputes the IS weights
+
+    def fields(self) -> dict[str, Any]:
+        """The typed batch-level fields, as the constructor's keyword arguments."""
+        return {name: getattr(self, name) for name in BATCH_FIELDS}
+
+    def _like(self, batch_size: int | None = None, meta: Mapping[str, Any] | None = None) -> RolloutBatch:
+        """An empty batch with this one's batch-level fields and ``meta`` (copied)."""
+        return RolloutBatch(meta=self.meta if meta is None else meta, batch_size=batch_size, **self.fields())
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -121,7 +175,7 @@ class RolloutBatch:
 
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
-        """Concatenate batches along rows. ``meta`` is taken from the first batch."""
+        """Concatenate batches along rows. ``meta`` and the batch-level fields are the first batch's."""
         if not batches:
             raise ValueError("RolloutBatch.concat needs at least one batch")
         keys = set(batches[0].non_tensors)
@@ -131,7 +185,7 @@ class RolloutBatch:
         tensors = torch.cat([b.tensors for b in batches]) if batches[0].tensors.keys() else None
         non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in keys}
         out = cls(non_tensors=non_tensors, meta=batches[0].meta, batch_size=sum(len(b) for b in batches),
-                  padding_free=batches[0].padding_free)
+                  **batches[0].fields())
         if tensors is not None:
             out.tensors = tensors
         return out
@@ -158,7 +212,7 @@ class RolloutBatch:
         np_index = index.cpu().numpy() if isinstance(index, torch.Tensor) else index
         if isinstance(np_index, (list, tuple)):
             np_index = np.asarray(np_index, dtype=np.int64)
-        out = RolloutBatch(meta=self.meta, padding_free=self.padding_free)
+        out = self._like()
         out.tensors = self.tensors[index if not isinstance(index, (list, tuple)) else torch.as_tensor(index)]
         if out.tensors is self.tensors:  # tensordict returns itself for [:]; fields set on the copy stay there
             out.tensors = self.tensors.copy()
@@ -187,7 +241,7 @@ class RolloutBatch:
         missing = [k for k in keys if k not in self]
         if missing and strict:
             raise KeyError(f"RolloutBatch has no fields {missing}; fields: {self.keys()}")
-        out = RolloutBatch(meta=self.meta, batch_size=len(self), padding_free=self.padding_free)
+        out = self._like(len(self))
         out.tensors = self.tensors.select(*[k for k in keys if k in self.tensors.keys()])
         out.non_tensors = {k: v for k, v in self.non_tensors.items() if k in keys}
         return out
@@ -201,12 +255,14 @@ class RolloutBatch:
             out.tensors[k] = other.tensors[k]
         out.non_tensors.update(other.non_tensors)
         out.meta.update(other.meta)
-        out.padding_free = self.padding_free or other.padding_free
+        for name, value in other.fields().items():  # other's wins where it is set
+            if value is not None and value is not False and not (isinstance(value, (list, dict)) and not value):
+                setattr(out, name, value)
         return out
 
     def copy(self) -> RolloutBatch:
         """A shallow copy: new containers, shared tensors."""
-        out = RolloutBatch(meta=dict(self.meta), batch_size=len(self), padding_free=self.padding_free)
+        out = self._like(len(self))
         out.tensors = self.tensors.clone(recurse=False)
         out.non_tensors = dict(self.non_tensors)
         return out
@@ -257,7 +313,8 @@ class RolloutBatch:
 
     def __repr__(self) -> str:
         tensors = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}" for k, v in self.tensors.items())
-        return f"RolloutBatch(rows={len(self)}, tensors={{{tensors}}}, non_tensors={list(self.non_tensors)}, meta={list(self.meta)})"
+        return (f"RolloutBatch(rows={len(self)}, tensors={{{tensors}}}, non_tensors={list(self.non_tensors)}, "
+                f"meta={list(self.meta)})")
 
     def __iter__(self) -> Iterator[Any]:
         raise TypeError("Iterate over rows with batch.split(1), or over fields with batch.keys()")
@@ -266,7 +323,7 @@ class RolloutBatch:
         """Pickle tensors as numpy arrays: Ray moves those through its shared-memory object store
         without copying them into the pickle stream (dtypes numpy lacks, e.g. bf16, stay tensors)."""
         arrays = {k: _to_numpy(v) for k, v in self.tensors.items()}
-        return _rebuild_batch, (arrays, self.non_tensors, self.meta, len(self), self.padding_free)
+        return _rebuild_batch, (arrays, self.non_tensors, self.meta, len(self), self.fields())
 
 
 def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
@@ -314,7 +371,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
 
 
 def _rebuild_batch(arrays: dict[str, Any], non_tensors: dict[str, np.ndarray], meta: dict[str, Any],
-                   rows: int, padding_free: bool = False) -> RolloutBatch:
+                   rows: int, fields: dict[str, Any]) -> RolloutBatch:
     tensors = {}
     for k, a in arrays.items():
         if isinstance(a, np.ndarray):  # zero-copy arrays from Ray's store are read-only: copy those once
@@ -322,6 +379,6 @@ def _rebuild_batch(arrays: dict[str, Any], non_tensors: dict[str, np.ndarray], m
             tensors[k] = torch.from_numpy(a)
         else:
             tensors[k] = a
-    out = RolloutBatch(tensors, batch_size=rows, meta=meta, padding_free=padding_free)
+    out = RolloutBatch(tensors, batch_size=rows, meta=meta, **fields)
     out.non_tensors = dict(non_tensors)
     return out

@@ -184,8 +184,8 @@ class MultiTurn:
         out["env_turns"] = [len(e.turn_texts) for e in episodes]
         out["env_finish"] = [e.finish or "error" for e in episodes]
         out["env_error"] = [e.error or "" for e in episodes]
-        out.meta.update(temperature=sampling.temperature, **{"rollout/gen_time_s": runner.gen_time_s},
-                        env_metrics=episode_metrics(episodes, runner, elapsed))
+        out.temperature, out.rollout_metrics = sampling.temperature, {"rollout/gen_time_s": runner.gen_time_s}
+        out.env_metrics = episode_metrics(episodes, runner, elapsed)
         return out
 
 

@@ -132,7 +132,7 @@ class DAPO(PolicyGradient):
                 break
             if self.max_gen_rounds is not None and rounds >= self.max_gen_rounds:
                 raise RuntimeError(self._bound_message(len(kept), target, rounds, generated))
-            prompts = self.draw_prompts() if self._trainer is not None else None  # None: no more data
+            prompts = self.draw_prompts() if self._prompt_source is not None else None  # None: no more data
         self._log_sampling(rounds, generated, len(kept), target)
         if not kept:  # the data ran out with no mixed group: the pipeline ends the run
             return rows[torch.zeros(0, dtype=torch.long)]

@@ -243,7 +243,7 @@ class PolicyGradient(RLModule):
             if result.token_scores is not None:  # per-token rewards; their rows sum to the scores
                 batch["token_level_scores"] = result.token_level_scores(batch["response_mask"])  # [N, T]
             batch["reward_components"] = torch.stack(list(result.per_func.values()), dim=-1)  # [N, F], unweighted
-            batch.meta["reward_components"] = list(result.per_func)  # the F names
+            batch.reward_components = list(result.per_func)  # the F names
             if result.invalid is not None:  # NaN/inf from a reward function: out of the advantages
                 batch["reward_invalid"] = result.invalid  # [N] bool
             if "baseline_response_text" in batch:
@@ -305,7 +305,7 @@ class PolicyGradient(RLModule):
         the parts' (``teacher``, ``reward_model``, ``values``)."""
         if stage == "ref" and self.lora is not None:
             with adapter_disabled(self.policy):
-                temperature = micro_batch.meta.get("temperature") or 1.0
+                temperature = micro_batch.temperature or 1.0
                 return {"ref_log_probs": response_log_probs(self.policy, micro_batch, temperature,
                                                             **self.route_kwargs(micro_batch))[0]}
         models = dict(self.named_children())
@@ -324,8 +324,9 @@ class PolicyGradient(RLModule):
         return self.parts["routing"].route_kwargs(micro_batch)
 
     def off_policy(self) -> bool:
-        """The Trainer's ``off_policy`` (an async pipeline, or an engine whose log-probs differ)."""
-        return self._trainer is not None and getattr(self._trainer, "off_policy", False)
+        """Whether rows are off-policy in this run (an async pipeline, or an engine whose log-probs
+        differ), as the Trainer handed it over at setup (:class:`~rltrainer.module.Attachment`)."""
+        return self.attached.off_policy
 
     def corrects_rollouts(self) -> bool:
         """Whether rollouts can be off-policy here (the Trainer's ``off_policy``) or a
@@ -364,15 +365,14 @@ class PolicyGradient(RLModule):
     def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         """The policy's forward, then each part's term: the correction's IS weights, the policy
         loss with its entropy bonus, the KL penalty, the critic's value loss."""
-        meta = micro_batch.meta
         loss_part: PolicyLoss = self.parts["loss"]
-        temperature = meta.get("temperature") or 1.0
+        temperature = micro_batch.temperature or 1.0
         with recording(self.policy) as routing:  # a MoE policy's routers (None: dense)
             log_probs, entropy = response_log_probs(self.policy, micro_batch, temperature, with_entropy=True,
                                                     entropy_grad=loss_part.entropy_coef != 0,
                                                     **self.route_kwargs(micro_batch))
         old_log_probs = micro_batch["old_log_probs"] if "old_log_probs" in micro_batch else log_probs.detach()
-        counts = {"global_tokens": meta["global_tokens"], "global_rows": meta["global_rows"],
+        counts = {"global_tokens": micro_batch.global_tokens, "global_rows": micro_batch.global_rows,
                   "max_response_length": self.sampling.max_new_tokens}
         u = Update(micro_batch, dict(self.named_children()), log_probs, entropy, old_log_probs,
                    loss_part.loss_agg_mode, counts, routing=routing)

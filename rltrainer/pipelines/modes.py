@@ -43,10 +43,7 @@ class Pipeline:
         raise NotImplementedError
 
     def __eq__(self, other: object) -> bool:
-        """Equal to its name (``trainer.pipeline == "async"``, as when it was a string) and to a
-        pipeline of the same class and settings."""
-        if isinstance(other, str):
-            return other == self.mode
+        """Equal to a pipeline of the same class and settings (compare ``pipeline.mode`` to a name)."""
         return type(other) is type(self) and vars(other) == vars(self)
 
     def __hash__(self) -> int:
@@ -141,27 +138,15 @@ PIPELINES: dict[str, type[Pipeline]] = {"sync": SyncPipeline, "one_step_off": On
                                             "async": AsyncPipeline}
 
 
-def resolve_pipeline(pipeline: str | Pipeline, **settings: Any) -> Pipeline:
-    """A pipeline object from ``pipeline`` (an object, or a name of :data:`PIPELINES`). ``settings``
-    are the Trainer's former flat arguments (``weight_sync``, ``max_staleness``,
-    ``staleness_policy``): they build a pipeline given by name, and are checked as they were."""
+def resolve_pipeline(pipeline: str | Pipeline) -> Pipeline:
+    """A pipeline object from ``pipeline``: an object as is, or a name of :data:`PIPELINES` (the
+    pipeline with its defaults)."""
     if isinstance(pipeline, Pipeline):
-        if settings:
-            raise ValueError(f"Trainer({', '.join(map(str, settings))}=...) configures a pipeline given by name; "
-                             f"this one is an object ({pipeline!r}): set them in its constructor")
         return pipeline
     if not isinstance(pipeline, str) or pipeline not in PIPELINES:
         raise ValueError(f"pipeline={pipeline!r}; choose from {', '.join(PIPELINES)} (or pass a pipeline object, "
                          "e.g. AsyncPipeline(max_staleness=2))")
-    staleness = {k: settings[k] for k in ("max_staleness", "staleness_policy") if k in settings}
-    checked = AsyncPipeline(**staleness)  # as before: the bound and the policy are checked for any mode
-    weight_sync = settings.get("weight_sync", "sync")
-    if pipeline != "sync" and weight_sync != "sync":
-        raise ValueError(f"weight_sync={weight_sync!r} overlaps the push with the next step in sync mode; "
-                         f"pipeline={pipeline!r} already pushes in the background: leave weight_sync='sync'")
-    if pipeline == "async":
-        return checked
-    return SyncPipeline(weight_sync) if pipeline == "sync" else OneStepOffPipeline()
+    return PIPELINES[pipeline]()
 
 
 def check_module_pipeline(module: Any, pipeline: str | Pipeline) -> None:

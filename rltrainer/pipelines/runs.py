@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.data.batch import RolloutBatch, concat_rollouts
-from rltrainer.module import LOG_TARGET
 
 if TYPE_CHECKING:
     from rltrainer.loop import FitContext
@@ -78,6 +77,7 @@ class SyncRun:
 
     def __init__(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]]) -> None:
         self.fit = fit
+        fit.before_push = self.before_push  # the loop calls it before each push of this fit
         self.group_size = fit.module.sampling.n
         self.prompt_batches = iter(prompt_batches)
         self.skip: set[tuple[int, int]] = set()  # loader batches a restored checkpoint already holds
@@ -93,8 +93,8 @@ class SyncRun:
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         for prompts in self._prompts:
-            self.fit.log(self.fit.sync.wait())  # weight_sync="async"
-            self.fit.call_hooks("on_step_start", prompts.batch)
+            self.fit.metrics.add(self.fit.sync.wait())  # weight_sync="async"
+            self.fit.call_hooks("on_step_start", with_positions(prompts))  # before their rollout_step
             batch = self._wait(self._submit(prompts, inline=True))
             if len(batch) == 0 and self._exhausted:  # rollout_step drew to the data's end and kept nothing
                 return
@@ -177,22 +177,18 @@ class SyncRun:
     def _run(self, prompts: Prompts, engine: Any, release: bool = False) -> RolloutBatch:
         start, version = time.perf_counter(), engine.weight_version  # rollout_step may tag a later one
         self._drew = False
-        logged: dict[str, float] = {}
-        token = LOG_TARGET.set(logged)  # this thread's logs belong to this batch's step
         try:
-            batch = self.fit.watchdog.call("rollout.rollout_step", self.fit.call_module, "rollout_step",
+            with self.fit.metrics.collect() as logged:  # this thread's logs belong to this batch's step
+                batch = self.fit.watchdog.call("rollout.rollout_step", self.fit.call_module, "rollout_step",
                                                with_positions(prompts), engine)  # an engine here: watched here
         except BaseException:
             if release:  # the rollout's error is the one to report
                 with contextlib.suppress(Exception):
                     engine.release(version)
             raise
-        finally:
-            LOG_TARGET.reset(token)
         if release:  # after its last request: the replicas may take newer weights
             engine.release(version)
-        batch.meta["timing_s/gen"] = time.perf_counter() - start
-        batch.meta["logged"] = {**batch.meta.get("logged", {}), **logged}
+        batch.logged = {**batch.logged, **logged, "timing_s/gen": time.perf_counter() - start}
         return tag(batch, prompts, version, self.group_size, drew=self._drew)
 
     def _wait(self, future: Future) -> RolloutBatch:
@@ -205,7 +201,7 @@ class SyncRun:
             self._waited += time.perf_counter() - start
             if future in self._in_flight and future.done():  # a timed-out one stays: close() leaves it behind
                 self._in_flight.remove(future)
-        self._engine_busy += float(batch.meta.get("rollout/gen_time_s", 0.0))
+        self._engine_busy += float(batch.rollout_metrics.get("rollout/gen_time_s", 0.0))
         return batch
 
     def _finished(self, future: Future) -> RolloutBatch:
@@ -263,22 +259,23 @@ class OneStepOffRun(SyncRun):
 
     mode = "one_step_off"
     _held: Future | None = None
-    _restored: RolloutBatch | None = None
+    _restored: tuple[RolloutBatch, RolloutBatch] | None = None  # (prompt rows, rows) a checkpoint held
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         prompts = self._next_prompts()
         if self._restored is not None:  # resumed: the batch the checkpoint held, made by version t - 1
-            batch, self._restored = self._restored, None
+            (asked, batch), self._restored = self._restored, None
         else:
             first = next(prompts, None)
-            batch = self._wait(self._submit(first, version=self.fit.step())) if first is not None else None
+            batch = self._wait(self._submit(first, version=self.fit.step)) if first is not None else None
+            asked = first.batch if first is not None else None  # with prompt_position (rollout_step's input)
         while batch is not None:
             following = next(prompts, None)  # generated with version t exactly (held until it is done)
-            self._held = self._submit(following, version=self.fit.step()) if following is not None else None
-            self.fit.call_hooks("on_step_start", batch)
+            self._held = self._submit(following, version=self.fit.step) if following is not None else None
+            self.fit.call_hooks("on_step_start", asked)  # its rows were generated during the previous step
             yield batch  # the loop trains on batch t (version t + 1) and pushes behind the request above
             batch = self._wait(self._held) if self._held is not None else None
-
+            asked = self._held.prompts.batch if self._held is not None else None
     def position(self, batch: RolloutBatch) -> tuple[int, int]:
         """After ``batch``'s loader batch (the following one is already generated, and held)."""
         epoch, index, _ = batch["prompt_position"][-1].tolist()
@@ -293,11 +290,12 @@ class OneStepOffRun(SyncRun):
             return {}
         batch = self._finished(self._held)
         epoch, index, _ = batch["prompt_position"][0].tolist()
-        return {"next_batch": plain_batch(batch), "loader_batch": (epoch, index)}
+        return {"next_batch": plain_batch(batch), "next_prompts": plain_batch(self._held.prompts.batch),
+                "loader_batch": (epoch, index)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "next_batch" in state:
-            self._restored = RolloutBatch(**state["next_batch"])
+            self._restored = RolloutBatch(**state["next_prompts"]), RolloutBatch(**state["next_batch"])
             self.skip.add(tuple(state["loader_batch"]))
 
 
@@ -314,12 +312,13 @@ class AsyncRun(SyncRun):
                  staleness_policy: str, deterministic: bool = False) -> None:
         super().__init__(fit, prompt_batches)
         self.max_staleness, self.policy, self.deterministic = max_staleness, staleness_policy, deterministic
-        self.first_step = fit.step()  # the schedule's origin: the version of this fit's first requests
+        self.first_step = fit.step  # the schedule's origin: the version of this fit's first requests
         self.sent = 0  # prompts sent since (the next one trains at step first_step + sent // B)
         engine = fit.engine
         self.replicas = [engine.replica(i) for i in range(engine.replicas)] if hasattr(engine, "replica") else [engine]
         self.queue: deque[tuple[Position, RolloutBatch]] = deque()  # prompts not yet sent
         self.ready: list[tuple[Position, RolloutBatch]] = []  # finished groups, in arrival order
+        self.asked: dict[Position, RolloutBatch] = {}  # the prompt row of each group in ready
         self.consumed: set[Position] = set()  # prompts trained on (their epochs not finished)
         self.restored: set[Position] = set()  # prompts a checkpoint brought back queued, in flight or ready
         self.batch_size: int | None = None
@@ -328,10 +327,11 @@ class AsyncRun(SyncRun):
     def __iter__(self) -> Iterator[RolloutBatch]:
         while True:
             self._fill()  # keep (max_staleness + 1) * B prompts out
-            batch = self._take()  # B finished groups, none older than max_staleness versions
-            if batch is None:
+            taken = self._take()  # B finished groups, none older than max_staleness versions
+            if taken is None:
                 return
-            self.fit.call_hooks("on_step_start", batch)
+            asked, batch = taken
+            self.fit.call_hooks("on_step_start", asked)  # their rows were generated during earlier steps
             yield batch  # the loop trains on it and pushes the new weights: later requests use them
 
     def _fill(self) -> None:
@@ -356,7 +356,7 @@ class AsyncRun(SyncRun):
             share = math.ceil(self.batch_size / len(self.replicas))
             step, offset = divmod(self.sent, self.batch_size)
             version = max(self.first_step, self.first_step + step - self.max_staleness)
-            if version > self.fit.step():  # not pushed yet: sent after a later step
+            if version > self.fit.step:  # not pushed yet: sent after a later step
                 return
             items = []
             while len(items) < share - offset % share and self._refill_queue():
@@ -384,8 +384,9 @@ class AsyncRun(SyncRun):
             self.queue.extend(fresh)
         return bool(self.queue)
 
-    def _take(self) -> RolloutBatch | None:
-        """Wait until ``B`` fresh groups have finished (or the data ran out); drop stale ones."""
+    def _take(self) -> tuple[RolloutBatch, RolloutBatch] | None:
+        """Wait until ``B`` fresh groups have finished (or the data ran out); drop stale ones. Their
+        prompt rows and their rows."""
         self._refill_queue()
         if self.batch_size is None:  # nothing left to train on (e.g. resumed at the very end)
             return None
@@ -403,16 +404,17 @@ class AsyncRun(SyncRun):
             return None
         taken, self.ready = self.ready[: self.batch_size], self.ready[self.batch_size:]
         self.consumed.update(p for p, _ in taken)
+        asked = RolloutBatch.concat([self.asked.pop(p, None) or rows[[0]] for p, rows in taken])  # (or: a row's)
         batch = concat_rollouts([rows for _, rows in taken], self.fit.module.tokenizer.pad_token_id)
-        batch.meta["pipeline/dropped_rows"] = float(self._dropped)
-        batch.meta["pipeline/buffer_groups"] = float(len(self.ready) + sum(len(f.prompts.positions)
-                                                                          for f in self._in_flight))
+        buffered = len(self.ready) + sum(len(f.prompts.positions) for f in self._in_flight)
+        batch.logged = {**batch.logged, "pipeline/dropped_rows": float(self._dropped),
+                        "pipeline/buffer_groups": float(buffered)}
         self._dropped = 0
-        return batch
+        return asked, batch
 
     def _receive(self, future: Future) -> None:
         batch = self._wait(future)
-        step = self.fit.step()
+        step = self.fit.step
         scheduled = getattr(future, "version", None)
         if scheduled is not None and set(batch["policy_version"].tolist()) != {scheduled}:
             raise RuntimeError(f"Rows of prompts {future.prompts.positions} were generated with weight versions "
@@ -425,6 +427,7 @@ class AsyncRun(SyncRun):
                 self.queue.appendleft((position, future.prompts.batch[[i]]))
             else:
                 self.ready.append((tuple(position), rows))
+                self.asked[tuple(position)] = future.prompts.batch[[i]]
 
     def max_requests(self) -> int:
         return (self.max_staleness + 2) * max(len(self.replicas), 1)
@@ -455,6 +458,7 @@ class AsyncRun(SyncRun):
                      "version": getattr(f, "version", None)} for f in self._in_flight]
         return {"consumed": sorted(self.consumed), "batch_size": self.batch_size, "in_flight": requests,
                 "ready": [(list(p), plain_batch(rows)) for p, rows in self.ready],
+                "asked": [(list(p), plain_batch(row)) for p, row in self.asked.items()],
                 "queue": [(list(p), plain_batch(row)) for p, row in self.queue]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -464,6 +468,7 @@ class AsyncRun(SyncRun):
         self.consumed = {tuple(p) for p in state.get("consumed", [])}
         self.batch_size = state.get("batch_size", self.batch_size)
         self.ready = [(tuple(p), RolloutBatch(**rows)) for p, rows in state.get("ready", [])]
+        self.asked = {tuple(p): RolloutBatch(**row) for p, row in state.get("asked", [])}
         self.queue = deque((tuple(p), RolloutBatch(**row)) for p, row in state.get("queue", []))
         for request in state.get("in_flight", []):
             future: Future = Future()
@@ -482,7 +487,7 @@ def plain_batch(batch: RolloutBatch) -> dict[str, Any]:
     """``batch`` as plain types (``RolloutBatch(**plain)`` rebuilds it): a checkpoint loads with
     ``weights_only=True``."""
     return {"tensors": dict(batch.tensors.items()), "non_tensors": batch.non_tensors, "meta": batch.meta,
-            "batch_size": len(batch)}
+            "batch_size": len(batch), **batch.fields()}
 
 
 def refused_draw(mode: str) -> str:

@@ -423,7 +423,7 @@ def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: 
 
     Rows go to ranks balanced by token count (longest first, to the least loaded rank with room;
     at most ``ceil(N / world_size)`` rows each). Every rank gets the same number of micro-batches;
-    a rank with fewer pads with one-row micro-batches (``meta["padding"]``) whose ``response_mask``
+    a rank with fewer pads with one-row micro-batches (``padding``) whose ``response_mask``
     and ``advantages`` are all zero. The hooks run on them (the collectives must match), and their
     contribution is removed by the strategy: :func:`~rltrainer.strategies.strategy.zero_padding`
     multiplies the loss by 0 and drops the metrics, and compute outputs are dropped. Each rank's
@@ -448,7 +448,7 @@ def partition_for_ranks(batch: RolloutBatch, world_size: int, micro_batch_size: 
         for key in ("response_mask", "advantages"):
             if key in pad:
                 pad[key] = torch.zeros_like(pad[key])
-        pad.meta["padding"] = True
+        pad.padding = True
         for p in parts:
             p.extend(pad for _ in range(count - len(p)))
     return parts, rows

@@ -11,7 +11,6 @@ import abc
 import contextlib
 import logging
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from rltrainer.lora import engine_view
 from rltrainer.registry import Registry
 from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightTransport
-from rltrainer.weights.versions import ParamVersions, WeightVersions, stepped_parameter_names
+from rltrainer.weights.versions import ParamVersions, stepped_parameter_names
 from rltrainer.values import check_float, check_int
 
 if TYPE_CHECKING:
@@ -93,13 +92,6 @@ class Strategy(abc.ABC):
         step, however many optimizer steps that took), as the connected engine's
         :class:`WeightSync` last pushed it. A sync's default version."""
         return self.weight_sync.versions.policy if self.weight_sync is not None else 0
-
-    @property
-    def weight_versions(self) -> WeightVersions:
-        """Deprecated: ``strategy.weight_sync.versions`` (the connected engine's sync owns them)."""
-        warnings.warn("Strategy.weight_versions is deprecated: the versions belong to the engine's sync owner, "
-                      "strategy.weight_sync.versions (Strategy.connect returns it)", DeprecationWarning, stacklevel=2)
-        return self.weight_sync.versions if self.weight_sync is not None else WeightVersions()
 
     @property
     def world_size(self) -> int:
@@ -358,7 +350,7 @@ def zero_padding(micro_batch: RolloutBatch, out: tuple[torch.Tensor, dict[str, A
     """A padding micro-batch's ``policy_step`` output with its contribution removed: the loss times 0
     (the backward still runs, so a rank short of rows joins every collective, but adds no gradient,
     even from a loss that ignores ``response_mask``) and no metrics. Other micro-batches as they are."""
-    if not micro_batch.meta.get("padding"):
+    if not micro_batch.padding:
         return out
     loss, _ = out
     return loss * 0.0, {}
@@ -472,8 +464,7 @@ def param_dtype(precision: str) -> torch.dtype:
 
 
 #: Trainer arguments that configure a strategy built from its name, with the Trainer's defaults.
-STRATEGY_SETTINGS = {"precision": "32-true", "micro_batch_size": None, "max_tokens_per_micro_batch": None,
-                     "gradient_clip_val": 1.0, "padding_free": False}
+STRATEGY_SETTINGS = {"precision": "32-true", "gradient_clip_val": 1.0}
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int | str, num_nodes: int, **settings: Any) -> Strategy:

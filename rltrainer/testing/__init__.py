@@ -114,7 +114,7 @@ def prepared_batch(module: Any, strategy: Any, prompts: Any) -> Any:
     for stage in module.compute_stages():
         batch = batch.union(strategy.compute(batch, stage))
     batch = module.advantage_step(batch)
-    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
+    batch.global_tokens, batch.global_rows = float(batch["response_mask"].sum()), float(len(batch))
     return batch
 
 

@@ -52,7 +52,7 @@ def test_settings_are_checked_where_they_are_declared() -> None:
 def test_a_loss_term_adds_to_what_the_parts_before_it_added() -> None:
     mask = torch.ones(2, 3)
     batch = RolloutBatch({"response_mask": mask, "ref_log_probs": torch.zeros(2, 3)},
-                         meta={"global_tokens": 6.0, "global_rows": 2.0})
+                         global_tokens=6.0, global_rows=2.0)
     log_probs = torch.full((2, 3), -0.5)
     u = Update(batch, {}, log_probs, torch.zeros(2, 3), log_probs, "token-mean",
                {"global_tokens": 6.0, "global_rows": 2.0, "max_response_length": 3}, loss=torch.tensor(1.0))

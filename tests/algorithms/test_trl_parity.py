@@ -124,7 +124,7 @@ def ours_loss_and_grads(model, batch, loss_type, entropy_coef, tokenizer):
     module.configure_model()
     module.policy.train()
     mb = batch.copy()
-    mb.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(N), temperature=1.0)
+    mb.global_tokens, mb.global_rows, mb.temperature = float(batch["response_mask"].sum()), float(N), 1.0
     loss, _ = module.policy_step(mb)
     loss.backward()
     with torch.no_grad():

@@ -90,7 +90,7 @@ def gsm8k_batches(tokenizer: Any, steps: int, rows: int, max_prompt: int, max_re
         batch = RolloutBatch({"input_ids": torch.cat([prompt_ids, response_ids], 1), "attention_mask": attention_mask,
                               "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "responses": response_ids,
                               "response_mask": response_mask, "advantages": signs[:, None] * response_mask})
-        batch.meta.update(global_tokens=float(response_mask.sum()), global_rows=float(len(picked)))
+        batch.global_tokens, batch.global_rows = float(response_mask.sum()), float(len(picked))
         batches.append(batch)
     return batches
 

@@ -228,7 +228,7 @@ def bench_memory(args: argparse.Namespace) -> dict:
                               "position_ids": torch.arange(P + T).expand(n, -1).clone(), "responses": ids[:, P:],
                               "response_mask": torch.ones(n, T, dtype=torch.long),
                               "advantages": torch.randn(n, 1).expand(n, T).clone()})
-        batch.meta.update(global_tokens=float(n * T), global_rows=float(n))
+        batch.global_tokens, batch.global_rows = float(n * T), float(n)
         start = time.perf_counter()
         metrics = strategy.train_step(batch)
         step_s = time.perf_counter() - start

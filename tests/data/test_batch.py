@@ -50,6 +50,25 @@ def test_the_packed_layout_is_a_field_that_follows_the_rows():
     assert not make()[1:3].padding_free and not pickle.loads(pickle.dumps(make())).padding_free
 
 
+def test_every_step_value_is_a_typed_field_that_follows_the_rows():
+    """Issue 45: the values the step passes along (temperature, global counts, what the rollout
+    logged, ...) are typed fields, none a key in ``meta``; every transform and pickling keeps them, a
+    union takes the other batch's where it sets them, and a plain checkpoint rebuilds them."""
+    from rltrainer.data.batch import BATCH_FIELDS
+    from rltrainer.pipelines.runs import plain_batch
+
+    b = make()
+    b.temperature, b.global_tokens, b.global_rows, b.padding = 0.0, 9.0, 2.0, True
+    b.logged, b.rollout_metrics, b.reward_components = {"timing_s/gen": 0.5}, {"rollout/gen_time_s": 0.25}, ["f"]
+    assert set(b.fields()) == set(BATCH_FIELDS) and b.meta == {"k": 1}
+    kept = [b[1:3], b[[0, 2]], b.select("x"), b.copy(), b.to("cpu"), b.split(4)[1], RolloutBatch.concat([b, make()]),
+            pickle.loads(pickle.dumps(b)), RolloutBatch(**plain_batch(b))]
+    assert all(part.fields() == b.fields() for part in kept)
+    merged = make().union(b)
+    assert merged.temperature == 0.0 and merged.logged == b.logged and merged.padding  # 0.0 is a value: greedy
+    assert b.union(make()).fields() == b.fields()  # the other's unset fields leave these
+
+
 def test_repeat_chunk_split_concat():
     b = make()
     r = b.repeat(3)
@@ -91,9 +110,9 @@ def test_pickles_through_numpy_and_ray_object_store(ray_session):
 
     batch = make(n=512, T=512)  # 2 MiB: Ray stores it out of band and hands back a read-only view
     batch["bf16"] = torch.ones(len(batch), 2, dtype=torch.bfloat16)
-    batch.meta["temperature"] = 0.7
+    batch.temperature = 0.7
     for copy in (pickle.loads(pickle.dumps(batch)), ray_session.get(ray_session.put(batch))):
-        assert copy.keys() == batch.keys() and copy.meta == batch.meta
+        assert copy.keys() == batch.keys() and copy.meta == batch.meta and copy.temperature == 0.7
         for key in batch.tensors.keys():
             assert copy[key].dtype == batch[key].dtype and torch.equal(copy[key], batch[key])
         copy["x"].add_(1)  # writable: no read-only view of the object store leaks out

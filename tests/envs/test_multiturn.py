@@ -151,7 +151,7 @@ def test_tool_calls_through_the_chat_template(name):
     assert text.count("Error:") == 3 and "not valid JSON" in text and "no tool 'divide'" in text
     assert out["env_reward"].tolist() == [1.0] and out["env_finish"].tolist() == ["done"]
     assert out["env_turns"].tolist() == [5]
-    metrics = out.meta["env_metrics"]
+    metrics = out.env_metrics
     assert metrics["env/tool_calls"] == 4 and metrics["env/tool_errors"] == 3
 
 
@@ -194,7 +194,7 @@ def test_an_environment_that_raises_ends_its_episode_only(caplog):
     assert out["env_reward"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     assert out["response_mask"][[1, 2, 3, 5]].sum() == 0 and out["response_mask"][[0, 4]].sum() == 6
     assert "RuntimeError: the sandbox died" in out["env_error"][1]
-    assert out.meta["env_metrics"]["env/errors"] == 4
+    assert out.env_metrics["env/errors"] == 4
     logged = [r for r in caplog.records if "raised in" in r.getMessage()]
     assert len(logged) <= 2  # once per (class, phase, error type): step/RuntimeError, reset/ConnectionError
 
@@ -257,7 +257,7 @@ def test_a_slow_episode_does_not_hold_the_others():
     # the three fast episodes' 4 turns were all requested before the slow one's first step returned
     fast_done = [t - start for t, prompts, _ in engine.requests if len(prompts) == 3]
     assert len(fast_done) >= 3 and max(fast_done) < 0.5, engine.requests
-    assert out.meta["env_metrics"]["env/requests"] >= 6
+    assert out.env_metrics["env/requests"] >= 6
 
 
 def test_grpo_trains_on_an_environment():

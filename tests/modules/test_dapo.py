@@ -12,6 +12,7 @@ import torch
 from rltrainer import DAPO, GRPO, ModelCheckpoint, Trainer, prompt_dataloader
 from rltrainer.algorithms.dapo import mixed_groups, overlong_penalty
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.module import Attachment
 from rltrainer.pipelines import check_module_pipeline
 from rltrainer.rollout.engine import Generation
 from rltrainer.strategies.fsdp2 import FSDP2Strategy
@@ -117,7 +118,7 @@ def hand_batch() -> RolloutBatch:
 
 
 def loss_and_grads(module: DAPO, batch: RolloutBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    batch.meta.update(global_tokens=max(float(batch["response_mask"].sum()), 1.0), global_rows=float(len(batch)))
+    batch.global_tokens, batch.global_rows = max(float(batch["response_mask"].sum()), 1.0), float(len(batch))
     module.policy.zero_grad()
     loss, _ = module.policy_step(batch)
     loss.backward()
@@ -136,7 +137,7 @@ def test_truncated_rows_get_zero_loss_weight(mask_truncated) -> None:
     if mask_truncated:
         assert batch["response_mask"][[1, 3]].sum() == 0 and batch["advantages"][[1, 3]].abs().sum() == 0
         assert batch["response_mask"][[0, 2]].sum() == 5  # the others untouched
-        assert batch.meta["global_tokens"] == 5.0 and same  # no loss term, no token in the count
+        assert batch.global_tokens == 5.0 and same  # no loss term, no token in the count
         assert module.logged_metrics["overlong/masked_share"] == 0.5
         # the truncated rows' scores still entered their groups: each group is (1, 0) -> +-0.707
         torch.testing.assert_close(batch["advantages"][0, 0], torch.tensor(0.7071), atol=1e-3, rtol=0)
@@ -280,14 +281,14 @@ def test_groups_are_filtered_on_the_task_score_not_the_shaped_one() -> None:
     scores (1, 0) unequal. The paper filters on accuracy, so every group is dropped."""
     module = dapo(max_new_tokens=4, overlong_buffer_len=2, reward_funcs=lambda c, **k: [1.0] * len(c))
     drawn = []
-    module._trainer = SimpleNamespace(step_metrics={})
+    module.attach(Attachment())
     module._prompt_source = SimpleNamespace(draw_prompts=lambda: drawn.append(1))  # no more data
     prompts = RolloutBatch.from_rows([{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}])
     out = module.rollout_step(prompts, LengthByIndexEngine())
     assert len(out) == 0 and drawn == [1]
-    metrics = module._trainer.step_metrics
+    metrics = module.logged_metrics
     assert metrics["dynamic_sampling/dropped_group_share"] == 1.0 and metrics["dynamic_sampling/gen_rounds"] == 1
     shaped = module.score(GRPO.rollout_step(module, prompts, LengthByIndexEngine()))["scores"]
     assert shaped.tolist() == [1.0, 0.0, 1.0, 0.0]  # unequal: filtering on these would keep both groups
-    module._trainer = None  # called by hand: filters the given prompts' groups, draws nothing
+    module._prompt_source = None  # called by hand: filters the given prompts' groups, draws nothing
     assert len(module.rollout_step(prompts, LengthByIndexEngine())) == 0

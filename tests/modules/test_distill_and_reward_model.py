@@ -38,7 +38,7 @@ def test_teacher_stage_and_distilled_advantages_follow_the_formula(tiny_config, 
     module = make(bpe_tokenizer, tiny_config, teacher=Teacher(teacher_config, coef=0.5, seed=11))
     assert module.compute_stages() == ["old_log_prob", "teacher"]  # old log-probs needed on the controller
     _, batch = batch_for(module, prompts)
-    temperature = batch.meta["temperature"]
+    temperature = batch.temperature
     with torch.no_grad():  # the stage equals the teacher's log-probs computed by hand, on the whole batch
         by_hand = response_log_probs(module.teacher, batch, temperature)[0]
     torch.testing.assert_close(batch["teacher_log_probs"], by_hand, rtol=0, atol=1e-6)

@@ -153,7 +153,7 @@ def test_advantage_step_calls_the_estimator_with_its_context() -> None:
 def test_advantage_step_runs_the_losss_batch_level_selection() -> None:
     module = grpo(policy_loss="kl_cov", policy_loss_kwargs={"kl_cov_ratio": 0.25})
     batch = module.advantage_step(fake_batch())
-    assert batch.meta["loss_extras"] == ["cov_selected"]
+    assert batch.loss_extras == ["cov_selected"]
     assert batch["cov_selected"].sum() == 3  # a quarter of 12 tokens
     assert all(part["cov_selected"].shape == (2, 3) for part in batch.split(2))  # travels with micro-batches
 

@@ -57,7 +57,7 @@ def make_batch(module: GRPO) -> RolloutBatch:
     batch = RolloutBatch(
         {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
          "position_ids": position_ids, "responses": responses, "response_mask": response_mask},
-        meta={"global_tokens": float(response_mask.sum()), "global_rows": float(N), "temperature": TEMPERATURE},
+        global_tokens=float(response_mask.sum()), global_rows=float(N), temperature=TEMPERATURE,
     )
     with torch.no_grad():
         current, _ = manual_log_probs(module.policy, batch, TEMPERATURE)
@@ -115,7 +115,7 @@ def test_loss_is_pg_plus_kl_minus_entropy(mode: str) -> None:
     with torch.no_grad():
         log_probs, entropy = manual_log_probs(module.policy, batch, TEMPERATURE)
     mask = batch["response_mask"]
-    counts = {"global_tokens": batch.meta["global_tokens"], "global_rows": batch.meta["global_rows"],
+    counts = {"global_tokens": batch.global_tokens, "global_rows": batch.global_rows,
               "max_response_length": MAX_NEW_TOKENS}
     pg, _ = ppo_clip_loss(log_probs, batch["old_log_probs"], batch["advantages"], mask, LossContext(mode, **counts),
                           clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
@@ -168,7 +168,7 @@ def prepare_like_advantage_step(module: GRPO, batch: RolloutBatch) -> None:
                          **module.policy_loss_kwargs)
         for name, value in extras.items():
             batch[name] = value
-        batch.meta["loss_extras"] = sorted(extras)
+        batch.loss_extras = sorted(extras)
 
 
 def test_every_policy_loss_is_parametrised_here() -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from rltrainer import GRPO, PPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.module import Attachment
 from rltrainer.testing import tiny_qwen2_config
 
 VOCAB, P, T, N = 64, 3, 4, 6
@@ -50,7 +51,7 @@ def make_batch(module: GRPO, rollout_lag: float = 0.5) -> RolloutBatch:
         {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
          "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "responses": responses,
          "response_mask": response_mask, "scores": torch.tensor([1.0, 0.0, 2.0, 0.0, 3.0, 1.0])},
-        non_tensors={"uid": ["a", "a", "a", "b", "b", "b"]}, meta={"temperature": TEMPERATURE},
+        non_tensors={"uid": ["a", "a", "a", "b", "b", "b"]}, temperature=TEMPERATURE,
     )
     with torch.no_grad():
         current = policy_log_probs(module, batch)
@@ -63,7 +64,7 @@ def make_batch(module: GRPO, rollout_lag: float = 0.5) -> RolloutBatch:
 def prepared(module: GRPO, batch: RolloutBatch) -> RolloutBatch:
     """What the loop does before the update: advantages, then the counts of the (corrected) batch."""
     batch = module.advantage_step(batch)
-    batch.meta.update(global_tokens=float(batch["response_mask"].sum()), global_rows=float(len(batch)))
+    batch.global_tokens, batch.global_rows = float(batch["response_mask"].sum()), float(len(batch))
     return batch
 
 
@@ -72,9 +73,9 @@ def test_old_log_prob_stage_runs_when_the_update_cannot_supply_them() -> None:
     one optimizer step and weights only, the update's own forward gives the same values."""
     module = make_module()
     assert module.compute_stages() == []  # on-policy, one optimizer step: old = current, detached
-    module._trainer = SimpleNamespace(off_policy=False, step_metrics={})
+    module.attach(Attachment(off_policy=False))
     assert module.compute_stages() == [] and not module.corrects_rollouts()
-    module._trainer = SimpleNamespace(off_policy=True, step_metrics={})  # async pipeline / engine numerics
+    module.attach(Attachment(off_policy=True))  # async pipeline / engine numerics
     assert module.compute_stages() == [] and module.corrects_rollouts()
     assert make_module(rollout_correction="token_tis").compute_stages() == []
     assert make_module(rollout_correction="seq_tis").compute_stages() == []
@@ -85,7 +86,7 @@ def test_old_log_prob_stage_runs_when_the_update_cannot_supply_them() -> None:
     assert make_module(kl_coef=0.1, mini_batch_size=2).compute_stages() == ["old_log_prob", "ref"]
     ppo = PPO(tiny_qwen2_config(vocab_size=VOCAB), SimpleNamespace(pad_token_id=0), zero_reward)
     assert ppo.compute_stages() == ["values"]
-    ppo._trainer = SimpleNamespace(off_policy=True, step_metrics={})
+    ppo.attach(Attachment(off_policy=True))
     assert ppo.compute_stages() == ["values"]
     ppo.update_epochs = 2
     assert ppo.compute_stages() == ["old_log_prob", "values"]
@@ -113,8 +114,8 @@ def test_correction_inside_the_update_equals_the_separate_pass(name: str | None)
     the gradients and ``rollout_corr/*`` metrics of the separate ``old_log_prob`` pass."""
     kwargs = {"rollout_correction": name, "rollout_correction_kwargs": {"threshold": 1.3}} if name else {}
     separate, inside = make_module(**kwargs), make_module(**kwargs)
-    off_policy = SimpleNamespace(off_policy=True, step_metrics={})
-    separate._trainer, inside._trainer = off_policy, SimpleNamespace(off_policy=True, step_metrics={})
+    off_policy = Attachment(off_policy=True)
+    separate.attach(off_policy), inside.attach(Attachment(off_policy=True))
     assert inside.compute_stages() == []
     full = make_batch(separate)
     raw = full.select(*[k for k in full.keys() if k != "old_log_probs"])
@@ -126,8 +127,8 @@ def test_correction_inside_the_update_equals_the_separate_pass(name: str | None)
 
     batch_s = prepared(separate, with_old)
     batch_i = prepared(inside, raw[:])
-    assert batch_i.meta.get("correct_in_update") and "rollout_is_weights" not in batch_i
-    expected = {k: v for k, v in off_policy.step_metrics.items() if k.startswith("rollout_corr/")}
+    assert batch_i.correct_in_update and "rollout_is_weights" not in batch_i
+    expected = {k: v for k, v in off_policy.metrics.current.items() if k.startswith("rollout_corr/")}
     assert expected and ("rollout_corr/rollout_is_max" in expected) == (name is not None)
     grads_s, _ = micro_batch_update(separate, batch_s, [0, 2, 6])
     for bounds in ([0, N], [0, 2, 6]):  # one micro-batch, two of different sizes
@@ -179,7 +180,7 @@ def test_rejected_tokens_contribute_nothing(name: str, kwargs: dict) -> None:
     kept = batch["response_mask"]
     rejected = (original_mask > 0) & (kept == 0)
     assert rejected.any() and kept.any()
-    assert batch.meta["global_tokens"] == kept.sum().item()  # the denominator counts kept tokens only
+    assert batch.global_tokens == kept.sum().item()  # the denominator counts kept tokens only
     assert module.logged_metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
         rejected.sum().item() / original_mask.sum().item())
 

@@ -112,7 +112,7 @@ def rows(position: tuple[int, int, int], version: int, group_size: int = 2) -> R
     return RolloutBatch({"responses": torch.full((group_size, 3), position[2]),
                          "policy_version": torch.full((group_size,), version),
                          "prompt_position": torch.tensor([position] * group_size)},
-                        non_tensors={"answer": [str(position)] * group_size}, meta={"timing_s/gen": 0.5})
+                        non_tensors={"answer": [str(position)] * group_size}, logged={"timing_s/gen": 0.5})
 
 
 def prompt(position: tuple[int, int, int]) -> RolloutBatch:
@@ -120,7 +120,7 @@ def prompt(position: tuple[int, int, int]) -> RolloutBatch:
 
 
 def pipeline_over(batches: list[tuple[int, int, RolloutBatch]]) -> AsyncRun:
-    fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=2)), step=lambda: 3,
+    fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=2)), step=3,
                           strategy=SimpleNamespace(rollout_placement="split"), engine=SimpleNamespace(),
                           watchdog=Watchdog())
     return AsyncPipeline(max_staleness=1, staleness_policy="wait").start(fit, batches)

@@ -97,8 +97,6 @@ def test_modes_that_cannot_work_refuse_at_construction():
         Trainer(strategy=split(), pipeline=AsyncPipeline(max_staleness=-1))
     with pytest.raises(ValueError, match="wait, drop"):
         Trainer(strategy=split(), pipeline=AsyncPipeline(staleness_policy="skip"))
-    with pytest.raises(ValueError, match="weight_sync"):
-        Trainer(strategy=split(), pipeline="one_step_off", weight_sync="async")
     assert Trainer(strategy=split(), pipeline="async").off_policy
     assert not Trainer(strategy=SingleDeviceStrategy()).off_policy  # hf in fp32: the trainer's log-probs
 
@@ -121,6 +119,55 @@ def test_concat_rollouts_pads_prompts_left_and_responses_right():
     assert out["attention_mask"].tolist()[0] == [0, 0, 1, 1, 1, 1, 1]
     assert out["response_mask"].tolist()[2] == [1, 0, 0]
     assert out["prompt_position"].shape == (4, 3) and list(out["uid"]) == ["a"] * 4
+
+
+class StepStartRecorder(GRPO):
+    """Records ``on_step_start``'s batch and the order of each step's hooks."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple[str, object]] = []
+
+    def on_step_start(self, batch):
+        self.events.append(("start", batch))
+
+    def rollout_step(self, batch, engine):
+        self.events.append(("rollout", [tuple(p) for p in batch["prompt_position"].tolist()]))
+        return super().rollout_step(batch, engine)
+
+    def reward_step(self, batch):
+        self.events.append(("reward", [tuple(p) for p in batch["prompt_position"][::G].tolist()]))
+        return super().reward_step(batch)
+
+    def on_step_end(self, metrics):
+        self.events.append(("end", None))
+
+
+@pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
+@pytest.mark.parametrize("pipeline", ["sync", "one_step_off", "async"])
+def test_on_step_start_gets_the_steps_prompt_batch_in_every_pipeline(pipeline, tiny_config, bpe_tokenizer,
+                                                                      gsm8k_prompts, request):
+    """Issue 45: ``on_step_start`` keeps one promise in every pipeline: at the start of each step
+    (after the previous one's ``on_step_end``, before its ``reward_step``) with the prompt batch of
+    the rows the step trains on (``B`` prompt rows, ``prompt_position [B, 3]``, no responses); in
+    ``sync`` also before their ``rollout_step``."""
+    if pipeline != "sync":
+        request.getfixturevalue("ray_session")
+    m = module(StepStartRecorder, tiny_config, bpe_tokenizer, seed=11)
+    with trainer(SingleDeviceStrategy() if pipeline == "sync" else split(), pipeline=pipeline, max_epochs=1) as t:
+        t.fit(m, prompt_dataloader(gsm8k_prompts.select(range(3 * B)), batch_size=B))
+    events = m.events
+    starts, rewards, ends = ([i for i, (kind, _) in enumerate(events) if kind == k] for k in ("start", "reward", "end"))
+    assert len(starts) == len(rewards) == len(ends) == 3
+    for step, (s, r, e) in enumerate(zip(starts, rewards, ends)):
+        batch = events[s][1]
+        assert isinstance(batch, RolloutBatch) and len(batch) == B
+        assert "prompt_ids" in batch and "responses" not in batch  # the prompts, not the generated rows
+        positions = [tuple(p) for p in batch["prompt_position"].tolist()]
+        assert positions == events[r][1]  # the prompts of the rows this step trains on, in their order
+        assert (ends[step - 1] if step else -1) < s < r < e
+        if pipeline == "sync":
+            assert events[s + 1] == ("rollout", positions)  # before their rollout_step
 
 
 @pytest.mark.usefixtures("warm_ranks")  # replicas reuse warm processes (tests/conftest.py)
@@ -564,11 +611,12 @@ def test_before_a_push_rollouts_of_older_versions_are_held_or_done(holds):
     from types import SimpleNamespace
 
     from rltrainer.controller.watchdog import Watchdog
+    from rltrainer.module import StepMetrics
     from rltrainer.pipelines import AsyncRun, Prompts
 
     engine = Replica(holds)
-    fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=G)), step=lambda: 0, engine=engine,
-                          strategy=SimpleNamespace(rollout_placement="split"), watchdog=Watchdog(),
+    fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=G)), step=0, metrics=StepMetrics(),
+                          engine=engine, strategy=SimpleNamespace(rollout_placement="split"), watchdog=Watchdog(),
                           call_module=engine.rollout_step)
     run = AsyncRun(fit, [], max_staleness=1, staleness_policy="wait", deterministic=True)
     prompts = Prompts(RolloutBatch.from_rows([{"prompt_ids": [1, 2]}]), [(0, 0, 0)])

@@ -59,7 +59,7 @@ def test_partition_balances_tokens_and_pads_to_equal_micro_batch_counts():
     loads = [int(mask[r].sum()) for r in rows]
     assert abs(loads[0] - loads[1]) <= 3  # 13 vs 12 tokens, not 21 vs 4
     assert len(parts[0]) == len(parts[1]) == 3
-    padding = [mb for p in parts for mb in p if mb.meta.get("padding")]
+    padding = [mb for p in parts for mb in p if mb.padding]
     assert len(padding) == 1 and int(padding[0]["response_mask"].sum()) == 0
     # more ranks than rows: the empty rank runs padding only
     parts, rows = partition_for_ranks(batch[[0]], 2, micro_batch_size=4, max_tokens=None)
@@ -135,8 +135,8 @@ def test_sync_is_bit_exact_and_skips_frozen(placement, tiny_config, bpe_tokenize
         for replica in replicas:
             for name, tensor in full.items():
                 assert torch.equal(replica[name], tensor), name
-        assert set(group.execute_all("engine_weight_version")) == {strategy.weight_versions.loaded}
-        assert strategy.weight_versions.loaded >= 1  # the last sync carried a trained version
+        assert set(group.execute_all("engine_weight_version")) == {strategy.weight_sync.versions.loaded}
+        assert strategy.weight_sync.versions.loaded >= 1  # the last sync carried a trained version
         # the controller can also push tensors of its own to every replica
         norm = torch.full_like(full["model.norm.weight"], 0.5)
         assert trainer.engine.update_weights([("model.norm.weight", norm)])["tensors"] == 1

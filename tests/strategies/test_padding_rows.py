@@ -23,7 +23,7 @@ class MaskIgnoringGRPO(GRPO):
     def policy_step(self, micro_batch):
         log_probs, _ = response_log_probs(self.policy, micro_batch)  # [n, T]
         weight = 1.0 + micro_batch["responses"].float() * 0.0  # ones, padding included
-        loss = -(micro_batch["advantages"].abs() + 1.0).mul(log_probs * weight).sum() / micro_batch.meta["global_rows"]
+        loss = -(micro_batch["advantages"].abs() + 1.0).mul(log_probs * weight).sum() / micro_batch.global_rows
         return loss, {"user/rows_seen": float(len(micro_batch))}
 
 
@@ -39,7 +39,7 @@ def test_padding_micro_batch_adds_no_gradient_and_no_metrics(tiny_config, bpe_to
     torch.manual_seed(0)
     batch = prepared_batch(module, strategy, RolloutBatch.from_rows([gsm8k_prompts[i] for i in range(2)]))
     parts, _ = partition_for_ranks(batch[[0, 1, 2]], 2, micro_batch_size=1, max_tokens=None)
-    pad = [mb for mb in parts[1] if mb.meta.get("padding")]
+    pad = [mb for mb in parts[1] if mb.padding]
     assert len(pad) == 1 and pad[0]["response_mask"].sum() == 0 and pad[0]["advantages"].abs().sum() == 0
 
     def grads(micro_batches):
@@ -66,7 +66,7 @@ def test_two_fsdp2_ranks_with_a_mask_ignoring_loss_match_one_device(tiny_config,
     batch = prepared_batch(single_module, single, prompts)  # 9 rows: 5 and 4 per rank
     fsdp = FSDP2Strategy(devices=2, micro_batch_size=2)  # 3 micro-batches on one rank, 2 + a padding one on the other
     parts, _ = partition_for_ranks(batch, 2, micro_batch_size=2, max_tokens=None)
-    assert sum(mb.meta.get("padding", False) for p in parts for mb in p) == 1
+    assert sum(mb.padding for p in parts for mb in p) == 1
     try:
         fsdp.setup(make_module(tiny_config, bpe_tokenizer), seed=7)
         m_single = single.train_step(batch)

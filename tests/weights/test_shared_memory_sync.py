@@ -50,7 +50,7 @@ def test_split_on_one_node_syncs_through_shared_memory(devices, tiny_config, bpe
         again = strategy.start_weight_sync(trainer.engine, version=41)  # nothing changed: a commit only
         assert again.wait()["buckets"] == 0 and again.wait()["skipped"] == len(names)
         assert strategy.rollout_group.execute_all("engine_weight_version") == [41]
-        assert trainer.engine.weight_version == 41 and strategy.weight_versions.loaded == 41
+        assert trainer.engine.weight_version == 41 and strategy.weight_sync.versions.loaded == 41
 
         strategy.group.execute_all("forget_synced")  # every tensor again
         handle = strategy.start_weight_sync(trainer.engine, version=42)

@@ -48,13 +48,6 @@ def test_push_records_the_policy_version_and_the_metrics(tiny_config, bpe_tokeni
     sync.close()
 
 
-def test_the_old_spelling_still_reads_the_owners_versions(tiny_config, bpe_tokenizer):
-    strategy, sync = connected(tiny_config, bpe_tokenizer)
-    sync.sync(2)
-    with pytest.warns(DeprecationWarning, match=r"strategy.weight_sync.versions"):
-        assert strategy.weight_versions is sync.versions
-
-
 def test_an_unknown_push_mode_is_refused(tiny_config, bpe_tokenizer):
     with pytest.raises(ValueError, match="mode must be one of 'wait', 'background', 'overlap', got 'later'"):
         connected(tiny_config, bpe_tokenizer, mode="later")

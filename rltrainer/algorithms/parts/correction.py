@@ -82,7 +82,7 @@ class RolloutCorrection(Part):
         ``rollout_log_probs``): adds ``rollout_is_weights [N, T]`` if the correction has weights, and
         sets rejected tokens of ``response_mask [N, T]`` to 0, as verl does before computing
         advantages. Without ``old_log_probs`` (one optimizer step, no rejection) it sets
-        ``meta["correct_in_update"]`` and :meth:`update` does the same with its own forward's."""
+        ``batch.correct_in_update`` and :meth:`update` does the same with its own forward's."""
         name = self.rollout_correction
         if name is not None and "rollout_log_probs" not in batch:
             raise KeyError(f"rollout_correction={name!r} needs 'rollout_log_probs' [N, T] in the "
@@ -94,7 +94,7 @@ class RolloutCorrection(Part):
                 if self.rejects:
                     raise KeyError(f"rollout_correction={name!r} rejects tokens, so it needs 'old_log_probs' before "
                                    f"the update (stage 'old_log_prob'); the batch has {batch.keys()}")
-                batch.meta["correct_in_update"] = True
+                batch.correct_in_update = True
             return batch
         old, rollout, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
         metrics = mismatch_metrics(old, rollout, mask)
@@ -114,7 +114,7 @@ class RolloutCorrection(Part):
         """:meth:`before_advantages` inside the update, on one micro-batch whose ``old_log_probs
         [n, T]`` come from the update's own forward: the IS weights ``[n, T]`` (or ``None``) and the
         ``rollout_corr/*`` metrics as this micro-batch's share of the batch's."""
-        mask, meta = micro_batch["response_mask"], micro_batch.meta
+        mask = micro_batch["response_mask"]
         rollout = micro_batch["rollout_log_probs"]
         metrics = mismatch_metrics(old_log_probs, rollout, mask)
         weights = None
@@ -123,13 +123,13 @@ class RolloutCorrection(Part):
                                                    rollout_log_probs=rollout, response_mask=mask, **self.params)
             weights = correction.weights
             metrics.update(correction.metrics)
-        shares = share_of_batch(metrics, mask, meta["global_tokens"], meta["global_rows"])
+        shares = share_of_batch(metrics, mask, micro_batch.global_tokens, micro_batch.global_rows)
         return weights, {f"rollout_corr/{k}": v.detach() for k, v in shares.items()}
 
     def update(self, u: Update) -> None:
         mb = u.micro_batch
         u.is_weights = mb["rollout_is_weights"] if "rollout_is_weights" in mb else None
-        if mb.meta.get("correct_in_update"):  # one optimizer step: old_log_probs are this forward's
+        if mb.correct_in_update:  # one optimizer step: old_log_probs are this forward's
             u.is_weights, metrics = self.in_update(u.old_log_probs, mb)
             u.metrics.update(metrics)
 

@@ -42,7 +42,7 @@ class PolicyLoss(Part):
             ``"seq-mean-token-sum-norm"`` (Dr. GRPO), for every loss term (KL and value loss too).
 
     Needs the stage ``old_log_prob`` when the entry selects tokens from the whole batch (a
-    ``prepare``: Clip-Cov, KL-Cov); its outputs travel in the batch, named in ``meta["loss_extras"]``.
+    ``prepare``: Clip-Cov, KL-Cov); its outputs travel in the batch, named in ``batch.loss_extras``.
     """
 
     policy_loss: str = "ppo_clip"
@@ -56,7 +56,7 @@ class PolicyLoss(Part):
     params: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     reads: ClassVar[tuple[str, ...]] = ("advantages", "response_mask", "old_log_probs", "rollout_is_weights")
-    adds: ClassVar[tuple[str, ...]] = ()  # and the entry's prepare's outputs (meta["loss_extras"])
+    adds: ClassVar[tuple[str, ...]] = ()  # and the entry's prepare's outputs (batch.loss_extras)
 
     def __post_init__(self) -> None:
         AGGREGATIONS.get(self.loss_agg_mode)  # an unknown name raises here
@@ -87,18 +87,18 @@ class PolicyLoss(Part):
             extras = self.prepare(batch["old_log_probs"], batch["advantages"], batch["response_mask"], **self.params)
             for name, value in extras.items():
                 batch[name] = value  # [N, T]
-            batch.meta["loss_extras"] = sorted(extras)
+            batch.loss_extras = sorted(extras)
         return batch
 
     def update(self, u: Update) -> None:
-        mb, meta, mask = u.micro_batch, u.micro_batch.meta, u.micro_batch["response_mask"]
+        mb, mask = u.micro_batch, u.micro_batch["response_mask"]
         ctx = LossContext(u.loss_agg_mode, **u.counts, rollout_is_weights=u.is_weights,
-                          extras={k: mb[k] for k in meta.get("loss_extras", ())})
+                          extras={k: mb[k] for k in mb.loss_extras})
         pg_loss, metrics = self._fn(u.log_probs, u.old_log_probs, mb["advantages"], mask, ctx, **self.params)
         u.metrics.update(metrics)
         loss = pg_loss
         u.metrics["actor/pg_loss"] = pg_loss.detach()
-        u.metrics["actor/entropy"] = masked_sum_over(u.entropy.detach(), mask, meta["global_tokens"])
+        u.metrics["actor/entropy"] = masked_sum_over(u.entropy.detach(), mask, mb.global_tokens)
         if self.entropy_coef != 0:
             loss = loss - self.entropy_coef * aggregate(u.entropy, mask, u.loss_agg_mode, **u.counts)
         u.add(loss)

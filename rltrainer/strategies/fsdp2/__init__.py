@@ -11,7 +11,7 @@ sharded: from a checkpoint's safetensors files (no rank ever holds the whole mod
 random init, from rank 0, the one rank that runs it whole (see :meth:`FSDP2Worker.setup`).
 
 Gradients are summed across ranks, not averaged: ``policy_step`` normalises by the global token
-or row count in ``micro_batch.meta``, so a 2-rank step equals a 1-rank step.
+or row count in ``micro_batch.global_tokens`` / ``global_rows``, so a 2-rank step equals a 1-rank step.
 
 Where each job lives:
 
