@@ -90,6 +90,25 @@ def test_a_part_whose_input_nothing_provides_is_refused_naming_it():
     assert make(FilterOnly, dynamic_sampling=False).parts["group_filter"].dynamic_sampling is False  # reads nothing
 
 
+@dataclass
+class ValueBonus(Part):
+    """A user's part that reads a critic's ``values``."""
+
+    kind: ClassVar[str] = "value_bonus"
+    reads: ClassVar[tuple[str, ...]] = ("values",)
+
+
+class NeedsValues(PolicyGradient):
+    PARTS = {**PolicyGradient.PARTS, "value_bonus": ValueBonus}
+
+
+def test_a_users_part_reading_a_field_no_part_adds_is_refused_until_one_does():
+    with pytest.raises(ValueError, match=r"NeedsValues: the value_bonus part \(ValueBonus\) reads 'values', which no "
+                                         r"part or hook of this module provides\. It could come from a Critic part"):
+        make(NeedsValues)
+    assert "values" in make(NeedsValues, parts=[Critic()]).compute_stages()  # the critic adds them
+
+
 def test_parts_given_whole_replace_the_presets_of_their_kind():
     assert make(parts=[KLPenalty(kl_coef=0.1)]).parts["kl"] == KLPenalty(kl_coef=0.1)
     with pytest.raises(TypeError, match=r"GRPO\(parts=...\) got two parts of kind 'kl'"):
