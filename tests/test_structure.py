@@ -309,7 +309,8 @@ def test_every_presets_signature_is_within_the_parameter_limit() -> None:
 
 
 def _functions_named(name: str) -> list[str]:
-    return [f"{module}:{node.lineno}" for module, path in modules().items() for node in ast.walk(ast.parse(path.read_text()))
+    return [f"{module}:{node.lineno}" for module, path in modules().items()
+            for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.FunctionDef) and node.name == name]
 
 

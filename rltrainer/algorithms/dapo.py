@@ -84,8 +84,8 @@ class OverlongPenalty(Part):
 
     def check(self, setup: Setup) -> None:
         check_int("overlong_buffer_len", self.buffer_len(setup.max_new_tokens), at_least=1,
-                  at_most=setup.max_new_tokens, meaning="L_cache within L_max = max_new_tokens; None: max_new_tokens / 5",
-                  owner="DAPO")
+                  at_most=setup.max_new_tokens, owner="DAPO",
+                  meaning="L_cache within L_max = max_new_tokens; None: max_new_tokens / 5")
 
     def score(self, batch: RolloutBatch, step: Step) -> RolloutBatch:
         batch["task_scores"] = batch["scores"].clone()  # [N]

@@ -19,8 +19,9 @@ that has nothing to do at a hook inherits the base class's no-op. The hooks, in 
 - ``check(setup)``, at construction: refuse what cannot work with the other parts.
 
 What parts read and add is one graph, checked at construction (:func:`check_reads`): each field a
-part :meth:`~Part.fields_read` must come from the module's own hooks (:data:`HOOK_FIELDS`), a
-forward pass some part asks for (:data:`STAGE_FIELDS`) or another part's :attr:`~Part.adds`;
+part :meth:`~Part.fields_read` must come from the module's own hooks (:data:`HOOK_FIELDS`, from the
+hook contracts), a forward pass some part asks for (:data:`STAGE_FIELDS`) or another part's
+:attr:`~Part.adds`;
 otherwise the module is refused, naming the part, the field and who could provide it.
 
 Settings are the part's dataclass fields: typed, documented and defaulted there, once (read them
@@ -36,25 +37,25 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from rltrainer.contracts import CONTRACTS
+from rltrainer.contracts import STAGE_FIELDS as CONTRACT_STAGES  # what each stage adds, by contract
 from rltrainer.data.batch import RolloutBatch
 
 #: The forward passes before ``advantage_step``, in the order they run, and the field each adds.
-STAGE_FIELDS: dict[str, str] = {"old_log_prob": "old_log_probs", "ref": "ref_log_probs",
-                                "teacher": "teacher_log_probs", "reward_model": "rm_scores", "values": "values"}
+STAGE_FIELDS: dict[str, str] = {stage: CONTRACT_STAGES[stage].name
+                                for stage in ("old_log_prob", "ref", "teacher", "reward_model", "values")}
 
-#: The fields the module's own hooks put in the batch (``rollout_step``, ``reward_step``,
-#: ``advantage_step``; ``old_log_probs``: the stage, or the update's own forward), by who adds them.
+#: The fields the module's hooks add, by hook: every field of the hook contracts
+#: (:data:`rltrainer.contracts.CONTRACTS`, the compute stages' apart: a part asks for those), and
+#: those PolicyGradient's own hooks add besides (``old_log_probs``: the stage, or the update's forward).
 HOOK_FIELDS: dict[str, str] = {
-    "prompt_ids": "rollout_step", "responses": "rollout_step", "response_mask": "rollout_step",
-    "uid": "rollout_step", "finish_reason": "rollout_step", "response_text": "rollout_step",
-    "scores": "reward_step", "reward_baselines": "reward_step (the greedy baseline, when a part reads it)",
-    "advantages": "advantage_step", "returns": "advantage_step",
+    **{f.name: c.hook for c in CONTRACTS.values() if c.hook != "compute_step" for f in c.adds},
+    "prompt_ids": "the loader", "finish_reason": "rollout_step", "returns": "advantage_step",
+    "reward_baselines": "reward_step (the greedy baseline, when a part reads it)",
     "old_log_probs": "stage 'old_log_prob' (or the update's own forward)"}
 #: Fields a part uses when the batch has them, and who may add them (not required by the check).
-OPTIONAL_FIELDS: dict[str, str] = {
-    "rollout_log_probs": "an engine that returns log-probs", "routed_experts": "an engine that records MoE routes",
-    "rollout_is_weights": "a rollout correction with weights", "token_level_scores": "per-token reward functions",
-    "reward_invalid": "reward_step (NaN/inf rewards)"}
+OPTIONAL_FIELDS: dict[str, str] = {"routed_experts": "an engine that records MoE routes",
+                                   "rollout_is_weights": "a rollout correction with weights"}
 #: Who can add the fields of the optional parts, for the check's message.
 PROVIDERS: dict[str, str] = {
     "values": "a Critic part (stage 'values'; rltrainer.PPO has one)",

@@ -73,7 +73,8 @@ def test_the_papers_defaults() -> None:
     assert loss.policy_loss == "ppo_clip"
     assert loss.params == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": None}
     assert loss.loss_agg_mode == "token-mean" and parts["kl"].kl_coef == 0.0 and not module.needs_ref()
-    assert module.sampling.n == 16 and parts["group_filter"].dynamic_sampling and parts["group_filter"].max_gen_rounds == 10
+    group_filter = parts["group_filter"]
+    assert module.sampling.n == 16 and group_filter.dynamic_sampling and group_filter.max_gen_rounds == 10
     overlong = parts["overlong"]
     assert overlong.buffer_len(20480) == 4096 and overlong.overlong_penalty_factor == 1.0
     assert parts["truncation"].mask_truncated

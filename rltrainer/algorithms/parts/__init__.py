@@ -31,5 +31,5 @@ from rltrainer.algorithms.parts.reward_model import RewardModelScores, log_score
 from rltrainer.algorithms.parts.routing import Routing
 
 __all__ = ["STAGE_FIELDS", "Advantage", "BaseModels", "Critic", "CriticAdvantage", "DynamicSampling", "KLPenalty",
-           "OverlongPenalty", "Part", "PolicyLoss", "RewardModelScores", "RolloutCorrection", "Routing", "Sampler", "Setup",
-           "Step", "Teacher", "TruncationMask", "Update", "build_value_model", "log_scores", "response_values"]
+           "OverlongPenalty", "Part", "PolicyLoss", "RewardModelScores", "RolloutCorrection", "Routing", "Sampler",
+           "Setup", "Step", "Teacher", "TruncationMask", "Update", "build_value_model", "log_scores", "response_values"]
