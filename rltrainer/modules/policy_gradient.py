@@ -36,6 +36,7 @@ ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason
 #: ``num_generations`` (``G``) where a preset does not set it
 GROUP_SIZE = 8
 
+
 class PolicyGradient(RLModule):
     """A policy-gradient algorithm composed of parts; the presets (:class:`~rltrainer.GRPO`,
     :class:`~rltrainer.PPO`, :class:`~rltrainer.DAPO`, ...) are this with other parts or defaults.
@@ -179,9 +180,8 @@ class PolicyGradient(RLModule):
     def flat_settings(self) -> dict[str, Any]:
         """Every setting by its flat keyword, read from the part or group that holds it (the
         ``*_kwargs``: the registry entry's full parameters); the loggers' hyperparameters."""
-        groups = [self.reward_settings, self.optimizer_settings, *self.parts.values()]
-        return {name: value for group in groups if dataclasses.is_dataclass(group)
-                for name, value in group.exposed().items()}
+        groups = [self.reward_settings, self.optimizer_settings, *(p for k, p in self.parts.items() if k in self.PARTS)]
+        return {name: value for group in groups for name, value in group.exposed().items()}
 
     # -- models ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
