@@ -11,7 +11,7 @@ of the strategy (``trainer.strategy``: a registered name or a ``class_path``), o
 --trainer.pipeline.max_staleness 2``) and of the data
 (``data:``: :class:`~rltrainer.data.PromptDataModule`'s arguments, or a ``class_path`` of your own
 data module with ``init_args``) can be set in YAML or as a flag (``--trainer.max_steps 5``,
-``--module.init_args.lr 1e-5``); ``--print_config`` writes the whole resolved config. Reward
+``--module.init_args.optimizer.lr 1e-5``); ``--print_config`` writes the whole resolved config. Reward
 functions are named by dotted path (``reward_funcs: [my_task.partial_credit]``); your modules
 import from the working directory or the config file's folder. The module's ``tokenizer`` may be a
 path, a hub id or a tokenizer shipped in ``recipes/data/tokenizers`` (``qwen2.5-instruct``,

@@ -131,9 +131,10 @@ def log_hyperparameters(loggers: list[Any], params: Mapping[str, Any]) -> None:
 def hyperparameters(obj: Any, prefix: str) -> dict[str, Any]:
     """``obj``'s settings as flat ``prefix/name`` scalars: its public attributes that are numbers,
     strings, booleans or ``None``, and those inside its dicts and dataclasses (``sampling``,
-    ``policy_loss_kwargs``...)."""
+    ``policy_loss_kwargs``...); with its ``flat_settings()`` (a policy-gradient module's parts')."""
     out: dict[str, Any] = {}
-    for key, value in vars(obj).items():
+    flat = obj.flat_settings() if callable(getattr(obj, "flat_settings", None)) else {}
+    for key, value in {**vars(obj), **flat}.items():
         if key.startswith("_") or key.endswith("metrics"):  # private state, the metrics of a run
             continue
         if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -41,8 +41,10 @@ def test_cpu_config_holds_the_recipes_cpu_preset():
     module, trainer, data = config["module"]["init_args"], config["trainer"], config["data"]
     strategy = trainer["strategy"]["init_args"]
     assert (data["batch_size"], data["max_prompt_length"]) == (preset["batch_size"], preset["max_prompt_length"])
-    for key in ("num_generations", "max_new_tokens", "lr", "kl_coef"):
+    for key in ("num_generations", "max_new_tokens"):
         assert module[key] == preset[key], key
+    (kl,) = module["parts"]  # the settings group and the part, given whole
+    assert module["optimizer"]["lr"] == preset["lr"] and kl["init_args"]["kl_coef"] == preset["kl_coef"]
     assert (trainer["max_steps"], trainer["val_check_interval"], trainer["limit_val_batches"]) == (
         preset["max_steps"], preset["val_check_interval"], preset["val_batches"])
     assert (strategy["micro_batch_size"], strategy["precision"]) == (preset["micro_batch_size"], preset["precision"])
@@ -67,7 +69,8 @@ def test_flags_override_every_layer_and_print_config_is_complete(capsys, tmp_pat
     printed = capsys.readouterr().out
     written = yaml.safe_load(printed)
     assert written["trainer"]["pipeline"]["init_args"]["staleness_policy"] == "wait"  # a default the config never set
-    assert written["module"]["init_args"]["clip_ratio_high"] == 0.2
+    assert written["module"]["init_args"]["parts"][0]["init_args"]["kl_estimator"] == "k3"  # nor these two
+    assert written["module"]["init_args"]["optimizer"]["weight_decay"] == 0.01
     assert written["trainer"]["strategy"]["init_args"]["max_tokens_per_micro_batch"] is None
     (tmp_path / "printed.yaml").write_text(printed)
     again = parse("--config", str(tmp_path / "printed.yaml"))

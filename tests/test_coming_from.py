@@ -41,6 +41,8 @@ def rltrainer_default(cell: str) -> object:
     assert match, f"not a `Name(parameter)` cell: {cell}"
     name, param = match.groups()
     target = getattr(rltrainer, name, None) or getattr(rltrainer.data, name)
+    if isinstance(target, type) and issubclass(target, rltrainer.PolicyGradient):  # named or flat (its parts')
+        return target.default_of(param)
     parameter = inspect.signature(target).parameters.get(param)
     assert parameter is not None, f"{name} has no parameter {param!r}"
     return parameter.default

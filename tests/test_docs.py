@@ -6,6 +6,7 @@ is generated at build time (``.ci/docs/hooks.py``): every entry of every registr
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import inspect
 import os
@@ -98,12 +99,30 @@ def test_the_grpo_signature_on_the_algorithms_page_is_the_real_one() -> None:
     block = re.search(r"```python\n(GRPO\(.*?)\n```", text, re.S)
     assert block, "algorithms.md has no GRPO(...) signature block"
     call = ast.parse(block[1]).body[0].value
-    written = [arg.id for arg in call.args] + [keyword.arg for keyword in call.keywords]
-    defaults = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    written = [arg.id for arg in call.args] + [keyword.arg or keyword.value.id for keyword in call.keywords]
+    defaults = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords if keyword.arg}
     real = inspect.signature(rltrainer.GRPO).parameters
     assert written == list(real), f"algorithms.md lists GRPO's arguments as {written}; they are {list(real)}"
     wrong = {name: (value, real[name].default) for name, value in defaults.items() if real[name].default != value}
     assert not wrong, f"algorithms.md gives GRPO defaults that differ (page, real): {wrong}"
+
+
+def test_the_flat_keywords_table_on_the_algorithms_page_is_the_real_mapping() -> None:
+    """The one mapping of flat keywords (``flat_keywords``), as the page's table shows it: each
+    row's keywords are the fields of its part or group, with their defaults."""
+    from rltrainer.algorithms import parts
+    from rltrainer.modules import settings
+
+    text = (CONFIG.parent / "pages" / "algorithms.md").read_text()
+    rows = re.findall(r"^\| `(\w+)`[^|]*\| `(\w+)` \| (.+) \|$", text, re.M)
+    assert len(rows) == 12, rows
+    for kind, name, cell in rows:
+        cls = getattr(parts, name, None) or getattr(settings, name)
+        written = dict(re.findall(r"`(\w+)=([^`]+)`", cell))
+        own = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+        assert cls.kind == kind if hasattr(cls, "kind") else kind in settings.flat_keywords({kind: cls}).values()
+        assert set(written) <= set(own), (name, set(written) - set(own))
+        assert {k: ast.literal_eval(v) for k, v in written.items()} == {k: own[k] for k in written}, name
 
 
 def test_the_model_families_table_is_the_one_the_checks_give() -> None:

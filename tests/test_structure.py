@@ -378,5 +378,59 @@ def test_a_deprecation_warning_from_rltrainer_fails_the_test() -> None:
     warnings.warn_explicit("a library's own", DeprecationWarning, "torch/x.py", 1, module="torch.x")  # no raise
 
 
+# --- issue 45 point 2: algorithms as parts ---
+def presets() -> list[type]:
+    """PolicyGradient and every preset of it in rltrainer.modules (GRPO, DAPO, PPO, DrGRPO...)."""
+    from rltrainer.modules import PolicyGradient
+
+    found, todo = [PolicyGradient], [PolicyGradient]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("rltrainer.modules.") and sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
+
+
+def test_presets_are_parts_plus_defaults_and_override_no_hook() -> None:
+    """A preset declares its parts and defaults (``PARTS``, ``preset``): no hook, no ``__init__``."""
+    from rltrainer.module import RLModule
+
+    hooks = {name for name, value in vars(RLModule).items() if callable(value) and not name.startswith("_")}
+    assert {"rollout_step", "reward_step", "advantage_step", "policy_step", "compute_step"} <= hooks
+    found = presets()
+    assert {cls.__name__ for cls in found} >= {"PolicyGradient", "GRPO", "DAPO", "PPO", "DrGRPO", "GSPO", "CISPO"}
+    for cls in found[1:]:
+        overridden = sorted(hooks & set(vars(cls)))
+        assert not overridden, f"{cls.__name__} overrides the hooks {overridden}: make them parts"
+        assert "__init__" not in vars(cls), f"{cls.__name__} has its own __init__: declare PARTS and preset instead"
+
+
+def test_every_presets_signature_is_within_the_parameter_limit() -> None:
+    """What ``inspect.signature`` gives is what ``help()`` shows and what is counted (``**settings``
+    included): at most MAX_INIT_PARAMETERS."""
+    import inspect
+
+    for cls in presets():
+        count = len(inspect.signature(cls).parameters)
+        assert count <= MAX_INIT_PARAMETERS, f"{cls.__name__} has {count} parameters (at most {MAX_INIT_PARAMETERS})"
+
+
+def _functions_named(name: str) -> list[str]:
+    return [f"{module}:{node.lineno}" for module, path in modules().items()
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef) and node.name == name]
+
+
+def test_no_signature_is_synthesised_and_settings_of_is_one() -> None:
+    assigned = [f"{module}:{node.lineno}" for module, path in modules().items()
+                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+                and node.attr == "__signature__" and isinstance(node.ctx, ast.Store)]
+    assert not assigned, f"signatures set by hand (write the __init__ out instead): {assigned}"
+    synthesised = [where for where in _functions_named("__init_subclass__") if ".modules" in where]
+    assert not synthesised, f"__init_subclass__ in the algorithms: {synthesised}"
+    assert len(_functions_named("settings_of")) == 1, _functions_named("settings_of")
+
+
 if __name__ == "__main__":
     print(report())

@@ -135,6 +135,9 @@ def _numeric_parameters(cls: type) -> dict[str, str]:
         text = str(hints.get(p.name, p.annotation))
         if p.name != "self" and ("int" in text or "float" in text) and "list[int]" not in text:
             out[p.name] = text
+    if issubclass(cls, PolicyGradient):  # its flat keywords: the settings of its parts and groups
+        for group in (g for g in {**cls.GROUPS, **cls.PARTS}.values() if g is not None):
+            out = {**_numeric_parameters(group), **out}
     return out
 
 

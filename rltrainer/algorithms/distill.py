@@ -54,6 +54,7 @@ class Teacher(Part):
                     meaning="the distillation weight: lambda in A - lambda * (log pi - log pi_teacher)")
         check_int("seed", self.seed, none="the RNG as the policy's init left it", owner="Teacher")
 
+    kind: ClassVar[str] = "teacher"
     reads: ClassVar[tuple[str, ...]] = ("old_log_probs", "teacher_log_probs")
     adds: ClassVar[tuple[str, ...]] = ("teacher_log_probs",)
 

@@ -8,15 +8,25 @@ that has nothing to do at a hook inherits the base class's no-op. The hooks, in 
 - ``build_models(base)``, by ``configure_model`` (every rank): its models, set on the module;
 - ``optimizers(models, weight_decay)``, by ``configure_optimizers``: those of the models it trains;
 - ``compute(models, micro_batch, stage)``, by ``compute_step`` (ranks): its stage, else ``None``;
+- ``rollout(prompts, sampler, step)``, by ``rollout_step`` (controller): the rollout's rows, or
+  ``None`` to leave it to the next part (DAPO's group filter draws and filters here);
+- ``score(batch, step)``, by ``score`` after the rule rewards (controller): shape ``scores``
+  (DAPO's overlong penalty);
 - ``before_advantages``, ``adjust_advantages``, ``after_advantages``, by ``advantage_step``
   (controller): scores and mask before the estimator (the advantage part's ``estimate``), the
   advantages after it (distillation), then what the update needs (a loss's token selection);
 - ``update(u)``, by ``policy_step`` (ranks): its term of the loss;
 - ``check(setup)``, at construction: refuse what cannot work with the other parts.
 
-Settings are the part's dataclass fields: typed, documented and defaulted there, once. A module
-routes each of its keyword settings to the part that declares it
-(:func:`rltrainer.modules.settings.route_settings`).
+What parts read and add is one graph, checked at construction (:func:`check_reads`): each field a
+part :meth:`~Part.fields_read` must come from the module's own hooks (:data:`HOOK_FIELDS`, from the
+hook contracts), a forward pass some part asks for (:data:`STAGE_FIELDS`) or another part's
+:attr:`~Part.adds`;
+otherwise the module is refused, naming the part, the field and who could provide it.
+
+Settings are the part's dataclass fields: typed, documented and defaulted there, once (read them
+on the part: ``module.parts["loss"].clip_ratio_high``). A module routes each of its flat keyword
+settings to the part that declares it (:func:`rltrainer.modules.settings.route_settings`).
 """
 
 from __future__ import annotations
@@ -27,11 +37,32 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from rltrainer.contracts import CONTRACTS
+from rltrainer.contracts import STAGE_FIELDS as CONTRACT_STAGES  # what each stage adds, by contract
 from rltrainer.data.batch import RolloutBatch
 
 #: The forward passes before ``advantage_step``, in the order they run, and the field each adds.
-STAGE_FIELDS: dict[str, str] = {"old_log_prob": "old_log_probs", "ref": "ref_log_probs",
-                                "teacher": "teacher_log_probs", "reward_model": "rm_scores", "values": "values"}
+STAGE_FIELDS: dict[str, str] = {stage: CONTRACT_STAGES[stage].name
+                                for stage in ("old_log_prob", "ref", "teacher", "reward_model", "values")}
+
+#: The fields the module's hooks add, by hook: every field of the hook contracts
+#: (:data:`rltrainer.contracts.CONTRACTS`, the compute stages' apart: a part asks for those), and
+#: those PolicyGradient's own hooks add besides (``old_log_probs``: the stage, or the update's forward).
+HOOK_FIELDS: dict[str, str] = {
+    **{f.name: c.hook for c in CONTRACTS.values() if c.hook != "compute_step" for f in c.adds},
+    "prompt_ids": "the loader", "finish_reason": "rollout_step", "returns": "advantage_step",
+    "reward_baselines": "reward_step (the greedy baseline, when a part reads it)",
+    "old_log_probs": "stage 'old_log_prob' (or the update's own forward)"}
+#: Fields a part uses when the batch has them, and who may add them (not required by the check).
+OPTIONAL_FIELDS: dict[str, str] = {"routed_experts": "an engine that records MoE routes",
+                                   "rollout_is_weights": "a rollout correction with weights"}
+#: Who can add the fields of the optional parts, for the check's message.
+PROVIDERS: dict[str, str] = {
+    "values": "a Critic part (stage 'values'; rltrainer.PPO has one)",
+    "ref_log_probs": "a part asking for stage 'ref' (kl_coef > 0, or a KL in the reward)",
+    "teacher_log_probs": "a Teacher (teacher=Teacher(...))",
+    "rm_scores": "a RewardModel in reward_funcs",
+    "task_scores": "an OverlongPenalty part (rltrainer.DAPO has one)"}
 
 Log = Callable[[str, float], None]
 
@@ -52,6 +83,7 @@ class Step:
 
     log: Log
     off_policy: bool
+    max_new_tokens: int = 0  # L_max of the responses (the module's sampling)
 
 
 @dataclass(frozen=True)
@@ -65,6 +97,16 @@ class Setup:
     rule_rewards: bool  # reward functions scored on the controller
     reward_model: bool  # a RewardModel scored on the training ranks
     tokenizer: Any
+    max_new_tokens: int = 0  # L_max of the responses
+
+
+class Sampler(NamedTuple):
+    """What a part's :meth:`Part.rollout` may ask of the module."""
+
+    sample: Callable[[RolloutBatch], RolloutBatch]  # prompts -> scored rows (rollout_step's default, then score)
+    draw_prompts: Callable[[], RolloutBatch | None] | None  # the next loader batch (None: not inside fit)
+    group_size: int  # G
+    pad_token_id: int
 
 
 @dataclass
@@ -95,12 +137,24 @@ class Part:
     """A part of a policy-gradient algorithm. Subclass it (as a dataclass whose fields are its
     settings) and override the hooks it has a say in; the others do nothing.
 
-    Class attributes declare, for the reader and the module's checks, the batch fields the part
-    reads and adds (``reads`` / ``adds``); :meth:`stages` the forward passes it needs."""
+    Class attributes declare its ``kind`` (the key in the module's ``parts``: a part given in
+    ``parts=[...]`` replaces the preset's of its kind), and, for the reader and the module's check
+    (:func:`check_reads`), the batch fields the part reads and adds (``reads`` / ``adds``);
+    :meth:`stages` the forward passes it needs; ``shorthands`` the settings that set a registry
+    entry's parameter (setting -> (the entry's parameter, the setting's default))."""
 
+    kind: ClassVar[str] = ""
     #: the batch fields the part reads (on the controller or in the update) and the ones it adds
     reads: ClassVar[tuple[str, ...]] = ()
     adds: ClassVar[tuple[str, ...]] = ()
+    shorthands: ClassVar[dict[str, tuple[str, Any]]] = {}
+    #: the pipelines the part can run in (None: all), and why, for the module's refusal
+    supported_pipelines: ClassVar[tuple[str, ...] | None] = None
+    pipeline_reason: ClassVar[str] = ""
+
+    def pipelines(self) -> tuple[str, ...] | None:
+        """The pipelines this part (as configured) can run in; ``None``: every one."""
+        return self.supported_pipelines
 
     def fields_read(self) -> frozenset[str]:
         """The batch fields this part reads (:attr:`reads`, and any its settings add)."""
@@ -123,6 +177,14 @@ class Part:
         """The tensors of ``stage`` for ``micro_batch`` if it is this part's stage, else ``None``."""
         return None
 
+    def rollout(self, prompts: RolloutBatch, sampler: Sampler, step: Step) -> RolloutBatch | None:
+        """The rollout's rows for ``prompts``, or ``None``: the module's own sampling."""
+        return None
+
+    def score(self, batch: RolloutBatch, step: Step) -> RolloutBatch:
+        """After the rule rewards (``scores [N]``): shape them."""
+        return batch
+
     def before_advantages(self, batch: RolloutBatch, step: Step) -> RolloutBatch:
         return batch
 
@@ -139,10 +201,28 @@ class Part:
         """Refuse, at construction, what cannot work with the rest of the module (raise)."""
 
     def exposed(self) -> dict[str, Any]:
-        """The module attributes that show this part's settings (read them; a change goes through a new part)."""
+        """This part's settings by their flat keywords, as the module's ``flat_settings()`` shows them
+        (the loggers' hyperparameters); a ``*_kwargs`` setting shows the entry's full parameters."""
         return settings_of(self)
 
 
-def settings_of(part: Any) -> dict[str, Any]:
-    """A part's settings: the dataclass fields given at construction."""
-    return {f.name: getattr(part, f.name) for f in fields(part) if f.init}
+def settings_of(group: Any) -> dict[str, Any]:
+    """A part's (or a settings group's) settings: the dataclass fields given at construction."""
+    return {f.name: getattr(group, f.name) for f in fields(group) if f.init}
+
+
+def check_reads(owner: str, parts: Mapping[str, Part], stages: frozenset[str]) -> None:
+    """Refuse a module one of whose parts reads a field nothing provides: not the module's own hooks
+    (:data:`HOOK_FIELDS`), not optional (:data:`OPTIONAL_FIELDS`), not a forward pass some part asks
+    for (``stages``, :data:`STAGE_FIELDS`), and no part's ``adds``. The error names the part, the
+    field and who could provide it."""
+    provided = {**HOOK_FIELDS, **OPTIONAL_FIELDS, **{STAGE_FIELDS[s]: f"stage {s!r}" for s in stages}}
+    for kind, part in parts.items():
+        provided.update({name: f"the {kind} part" for name in part.adds})
+    for kind, part in parts.items():
+        for name in sorted(part.fields_read()):
+            if name not in provided:
+                could = PROVIDERS.get(name, "a part that declares it in its adds")
+                raise ValueError(f"{owner}: the {kind} part ({type(part).__name__}) reads {name!r}, which no part or "
+                                 f"hook of this module provides. It could come from {could}: add that part, or leave "
+                                 f"the {kind} part out.")

@@ -4,8 +4,8 @@ and its presets, each a choice of parts and defaults:
 - :class:`GRPO`: the default parts (``ppo_clip`` loss, ``grpo`` advantages);
 - :class:`DrGRPO`, :class:`GSPO`, :class:`CISPO`, :class:`RLOO`, :class:`ReinforcePlusPlus`:
   GRPO with other settings (:mod:`rltrainer.modules.presets`);
-- :class:`DAPO`: clip-higher and token-mean defaults, plus dynamic sampling, overlong shaping and
-  truncated responses masked (its own hooks);
+- :class:`DAPO`: clip-higher defaults, plus three parts: dynamic sampling, overlong shaping and
+  truncated responses masked;
 - :class:`PPO`: policy gradient plus a critic, GAE advantages.
 """
 

@@ -13,24 +13,28 @@ __all__ = ["GRPO", "ROLLOUT_FIELDS"]
 class GRPO(PolicyGradient):
     """Group Relative Policy Optimization (Shao et al. 2024) with the knobs of its successors.
 
-    The parts (each documents its settings, all of which ``GRPO(...)`` takes by name):
+    The parts, by kind (each documents its settings; give a part whole, ``GRPO(...,
+    parts=[PolicyLoss(clip_ratio_high=0.28)])``, or its settings flat, ``GRPO(...,
+    clip_ratio_high=0.28)``: :func:`~rltrainer.modules.settings.flat_keywords` is the mapping):
 
-    - :class:`~rltrainer.algorithms.parts.PolicyLoss`: ``policy_loss="ppo_clip"``, the clip range
+    - :class:`~rltrainer.algorithms.parts.PolicyLoss` (``loss``): ``policy_loss="ppo_clip"``, the clip range
       ``clip_ratio_low=0.2``, ``clip_ratio_high=0.2``, ``clip_ratio_c=3.0``, ``entropy_coef=0.0``,
       ``loss_agg_mode="token-mean"``;
-    - :class:`~rltrainer.algorithms.parts.Advantage`: ``advantage_estimator="grpo"``
+    - :class:`~rltrainer.algorithms.parts.Advantage` (``advantage``): ``advantage_estimator="grpo"``
       (``norm_adv_by_std=True``); an estimator that needs a critic's values is refused;
-    - :class:`~rltrainer.algorithms.parts.RolloutCorrection`: ``rollout_correction=None`` (the
+    - :class:`~rltrainer.algorithms.parts.RolloutCorrection` (``correction``): ``rollout_correction=None`` (the
       mismatch is logged when rollouts can be off-policy);
-    - :class:`~rltrainer.algorithms.parts.KLPenalty`: ``kl_coef=0.0`` (no reference model),
+    - :class:`~rltrainer.algorithms.parts.KLPenalty` (``kl``): ``kl_coef=0.0`` (no reference model),
       ``kl_estimator="k3"``;
     - optional: a :class:`~rltrainer.algorithms.distill.Teacher` (``teacher=``), a
       :class:`~rltrainer.rewards.model.RewardModel` (in ``reward_funcs``), a
-      :class:`~rltrainer.algorithms.parts.Critic` (``critic=``);
-    - and the settings groups :class:`~rltrainer.modules.settings.Optimizer` (``lr=1e-6``,
-      ``weight_decay``, ``warmup_steps``, ``lr_scheduler_type``, ``lr_scheduler_kwargs``) and
-      :class:`~rltrainer.modules.settings.Rewards` (``reward_weights``, ``reward_num_workers``,
-      ``reward_timeout``).
+      :class:`~rltrainer.algorithms.parts.Critic` (``parts=[Critic()]``);
+    - :class:`~rltrainer.algorithms.parts.Routing` (``routing``): ``routing_replay="rollout"``,
+      ``router_aux_loss_coef=None`` (a mixture-of-experts policy's);
+    - and the settings groups :class:`~rltrainer.modules.settings.Optimizer` (``optimizer=``:
+      ``lr=1e-6``, ``weight_decay``, ``warmup_steps``, ``lr_scheduler_type``,
+      ``lr_scheduler_kwargs``) and :class:`~rltrainer.modules.settings.Rewards` (``rewards=``:
+      ``reward_weights``, ``reward_num_workers``, ``reward_timeout``).
 
     The module's own arguments: :class:`~rltrainer.modules.PolicyGradient`.
     """

@@ -15,16 +15,16 @@ import torch
 
 from rltrainer.algorithms.advantages import group_signal_metrics
 from rltrainer.algorithms.distill import Teacher
-from rltrainer.algorithms.part import STAGE_FIELDS, BaseModels, Part, Setup, Step, Update
-from rltrainer.algorithms.parts import (Advantage, Critic, KLPenalty, PolicyLoss, RewardModelScores, RolloutCorrection,
-                                        Routing, log_scores)
+from rltrainer.algorithms.part import STAGE_FIELDS, BaseModels, Part, Sampler, Setup, Step, Update, check_reads
+from rltrainer.algorithms.parts import (Advantage, KLPenalty, PolicyLoss, RewardModelScores, RolloutCorrection, Routing,
+                                        log_scores)
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.envs import as_multi_turn, env_reward
 from rltrainer.lora import adapter_disabled, apply_lora, check_lora_config
 from rltrainer.models import ModelSpec, build_causal_lm, frozen_copy, response_log_probs
 from rltrainer.models.moe import recording
 from rltrainer.module import RLModule
-from rltrainer.modules.settings import Optimizer, Rewards, flat_signature, route_settings
+from rltrainer.modules.settings import Optimizer, Rewards, flat_keywords, route_settings
 from rltrainer.rewards.manager import declares_correctness, reward_max_score
 from rltrainer.rewards.model import RewardSpec, split_rewards
 from rltrainer.rollout.engine import RolloutEngine, SamplingParams
@@ -33,16 +33,8 @@ from rltrainer.values import check_int
 #: Non-tensor fields made by the rollout, not dataset columns; not passed to reward functions.
 ROLLOUT_FIELDS = frozenset({"prompt_ids", "response_text", "uid", "finish_reason", "baseline_response_text",
                             "turn_rewards", "env_turns", "env_finish", "env_error"})
-
-#: The signature's order: today's GRPO arguments, then the parts passed as such.
-SIGNATURE_ORDER = (
-    "model", "tokenizer", "reward_funcs", "reward_weights", "reward_num_workers", "reward_timeout", "num_generations",
-    "max_new_tokens", "temperature", "top_p", "top_k", "lr", "weight_decay", "warmup_steps", "lr_scheduler_type",
-    "lr_scheduler_kwargs", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef", "kl_estimator",
-    "entropy_coef", "loss_agg_mode", "norm_adv_by_std", "advantage_estimator", "advantage_kwargs", "policy_loss",
-    "policy_loss_kwargs", "update_epochs", "mini_batch_size", "rollout_correction", "rollout_correction_kwargs",
-    "model_seed", "teacher", "environment", "lora", "routing_replay", "router_aux_loss_coef", "loss", "advantage",
-    "correction", "kl", "critic")
+#: ``num_generations`` (``G``) where a preset does not set it
+GROUP_SIZE = 8
 
 
 class PolicyGradient(RLModule):
@@ -61,7 +53,8 @@ class PolicyGradient(RLModule):
             i.e. per entry of the ``completion_ids`` field every reward function receives):
             ``token_level_scores [N, T]``, which the token-level estimators use, while outcome
             estimators use its sum.
-        num_generations: group size ``G``: samples per prompt.
+        num_generations: group size ``G``: samples per prompt (``None``: the preset's, its
+            ``preset["num_generations"]``: 8; DAPO 16, PPO 1).
         max_new_tokens, temperature, top_p, top_k: rollout sampling (``top_k=0`` is off).
         update_epochs, mini_batch_size: passes over each batch, and rows per optimizer step.
         model_seed: seed for a randomly initialised ``model`` config.
@@ -72,13 +65,17 @@ class PolicyGradient(RLModule):
             then scores each with its summed environment reward. ``max_new_tokens`` is per turn.
         lora: a ``peft.LoraConfig``: train a LoRA adapter on the policy (``single`` and ``fsdp2``
             strategies); the reference model is the policy with its adapter disabled.
-        loss, advantage, correction, kl, critic: the parts, given as such
-            (:class:`~rltrainer.algorithms.parts.PolicyLoss`, ``Advantage``, ``RolloutCorrection``,
-            ``KLPenalty``, ``Critic``); a part not given is built from its settings.
-        **settings: every part's and group's settings by name (documented on the part:
-            ``clip_ratio_high=0.28`` goes to ``PolicyLoss``, ``lr=...`` to
-            :class:`~rltrainer.modules.settings.Optimizer`, ``reward_weights=...`` to
-            :class:`~rltrainer.modules.settings.Rewards`); an unknown name raises a TypeError.
+        optimizer, rewards: the settings groups, given whole
+            (:class:`~rltrainer.modules.settings.Optimizer`, :class:`~rltrainer.modules.settings.Rewards`).
+        parts: parts given as such (:class:`~rltrainer.algorithms.parts.PolicyLoss`,
+            ``Advantage``, ``RolloutCorrection``, ``KLPenalty``, ``Critic``, ``Routing``, a part of
+            your own...); each replaces the preset's part of its ``kind``, preset defaults and all.
+            A part not given is built from the preset's defaults and the flat settings.
+        **settings: the same settings flat, by one mapping
+            (:func:`~rltrainer.modules.settings.flat_keywords`): a keyword is the field of the one
+            part or group that declares it (``clip_ratio_high=0.28`` goes to ``PolicyLoss``,
+            ``lr=...`` to ``Optimizer``, ``reward_weights=...`` to ``Rewards``); an unknown name
+            raises a TypeError. :meth:`flat_settings` reads them back from their owners.
 
     Where the scores come from, in the loop's order: ``reward_step`` (controller) sums the rule
     rewards (``scores [N]``, zeros if there are none); the compute stages then run on the training
@@ -94,28 +91,29 @@ class PolicyGradient(RLModule):
         "routing": Routing}
     #: settings groups that are not parts of the algorithm
     GROUPS: ClassVar[dict[str, type]] = {"rewards": Rewards, "optimizer": Optimizer}
-    #: a preset's defaults for routed settings (e.g. ``{"policy_loss": "gspo"}``)
+    #: a preset's defaults: for routed settings (e.g. ``{"policy_loss": "gspo"}``) and ``num_generations``
     preset: ClassVar[dict[str, Any]] = {}
-    signature_order: ClassVar[tuple[str, ...]] = SIGNATURE_ORDER
 
     def __init__(self, model: ModelSpec, tokenizer: Any, reward_funcs: Sequence[RewardSpec] | RewardSpec | None, *,
-                 num_generations: int = 8, max_new_tokens: int = 512, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, update_epochs: int = 1, mini_batch_size: int | None = None,
+                 num_generations: int | None = None, max_new_tokens: int = 512, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, update_epochs: int = 1, mini_batch_size: int | None = None,
                  model_seed: int | None = 0, teacher: Teacher | None = None, environment: Any = None,
-                 lora: Any = None, loss: PolicyLoss | None = None, advantage: Advantage | None = None,
-                 correction: RolloutCorrection | None = None, kl: KLPenalty | None = None,
-                 critic: Critic | None = None, **settings: Any) -> None:
+                 lora: Any = None, optimizer: Optimizer | None = None, rewards: Rewards | None = None,
+                 parts: Sequence[Part] = (), **settings: Any) -> None:
         super().__init__()
+        owner = type(self).__name__
+        given = {"optimizer": optimizer, "rewards": rewards, **given_parts(owner, parts, self.PARTS)}
         named = [p for p in inspect.signature(PolicyGradient.__init__).parameters if p != "self"]
-        given = {"loss": loss, "advantage": advantage, "correction": correction, "kl": kl, "critic": critic}
-        built = route_settings(type(self).__name__, settings, {**self.GROUPS, **self.PARTS}, given, self.preset, named)
+        preset = {k: v for k, v in self.preset.items() if k != "num_generations"}
+        built = route_settings(owner, settings, {**self.GROUPS, **self.PARTS}, given, preset, named)
         self.environment = as_multi_turn(environment)
         if self.environment is not None and reward_funcs is None:
             reward_funcs = env_reward  # the episodes' summed environment reward
         if lora is not None:
             check_lora_config(lora)
         self.lora = lora
-        owner = type(self).__name__
+        if num_generations is None:
+            num_generations = self.preset.get("num_generations", GROUP_SIZE)
         num_generations = check_int("num_generations", num_generations, at_least=1, meaning="samples per prompt, G",
                                     owner=owner)
         update_epochs = check_int("update_epochs", update_epochs, at_least=1, meaning="passes over each batch",
@@ -127,22 +125,19 @@ class PolicyGradient(RLModule):
             raise TypeError(f"teacher must be a rltrainer.algorithms.distill.Teacher (the model and its coef), got "
                             f"{type(teacher).__name__}; e.g. teacher=Teacher('Qwen/Qwen3-8B', coef=1.0).")
         if tokenizer is None or getattr(tokenizer, "pad_token_id", None) is None:
-            raise ValueError(f"{type(self).__name__} needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
-        rewards: Rewards = built.pop("rewards")
+            raise ValueError(f"{owner} needs a tokenizer with a pad_token_id (set tokenizer.pad_token).")
+        self.reward_settings: Rewards = built.pop("rewards")
         self.rewards, self.reward_model_spec, self.reward_model_weight = split_rewards(
-            reward_funcs, rewards.reward_weights, num_workers=rewards.reward_num_workers,
-            timeout=rewards.reward_timeout)
+            reward_funcs, self.reward_settings.reward_weights, num_workers=self.reward_settings.reward_num_workers,
+            timeout=self.reward_settings.reward_timeout)
         if self.rewards is not None:  # validation's full credit: every rule reward's max_score, weighted
             self.max_score = self.rewards.max_score
         self.optimizer_settings: Optimizer = built.pop("optimizer")
         reward_model = (RewardModelScores(self.reward_model_spec, self.reward_model_weight)
                         if self.reward_model_spec is not None else None)
-        #: the parts, in the order every hook asks them
+        #: the parts, in the order every hook asks them; each holds its settings (read them there)
         self.parts: dict[str, Part] = {k: v for k, v in {"teacher": teacher, "reward_model": reward_model,
                                                           **built}.items() if v is not None}
-        for group in (rewards, self.optimizer_settings, *built.values()):  # the settings' flat views
-            for name, value in group.exposed().items():  # (read them, and the loggers' hyperparameters)
-                setattr(self, name, value)
         self.distill = teacher
         self.model_spec, self.model_seed, self.tokenizer = model, model_seed, tokenizer
         self.sampling = SamplingParams(n=num_generations, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -151,37 +146,42 @@ class PolicyGradient(RLModule):
         self._check_parts(num_generations)
 
     def _check_parts(self, num_generations: int) -> None:
+        """Each part's own check, then the graph of what the parts read and add
+        (:func:`~rltrainer.algorithms.part.check_reads`); the pipelines the parts allow."""
+        owner = type(self).__name__
         stages = frozenset(s for part in self.parts.values() for flag in (False, True) for s in part.stages(flag))
-        setup = Setup(type(self).__name__, num_generations, stages, self.environment is not None,
-                      self.rewards is not None, self.reward_model_spec is not None, self.tokenizer)
+        setup = Setup(owner, num_generations, stages, self.environment is not None, self.rewards is not None,
+                      self.reward_model_spec is not None, self.tokenizer, self.sampling.max_new_tokens)
         for part in self.parts.values():
             part.check(setup)
         if self.rewards is None and self.reward_model_spec is None and self.distill is None:
-            raise ValueError(f"{type(self).__name__} got no reward (reward_funcs is empty) and no teacher: give reward "
+            raise ValueError(f"{owner} got no reward (reward_funcs is empty) and no teacher: give reward "
                              "functions, a RewardModel, or teacher=Teacher(...) to train on distillation alone.")
+        check_reads(owner, self.parts, stages | {"old_log_prob"})
+        for part in self.parts.values():
+            if part.pipelines() is not None:
+                self.supported_pipelines, self.pipeline_reason = part.pipelines(), part.pipeline_reason
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A preset that sets ``preset`` or its own ``__init__(..., **settings)`` gets the signature
-        listing every setting (:func:`~rltrainer.modules.settings.flat_signature`)."""
-        super().__init_subclass__(**kwargs)
-        own_init = cls.__dict__.get("__init__")
-        if own_init is None and "preset" not in cls.__dict__ and "PARTS" not in cls.__dict__:
-            return  # the parent's __init__ and signature hold
-        if own_init is None:
-            parent_init = cls.__init__
+    @classmethod
+    def default_of(cls, name: str) -> Any:
+        """The default of keyword ``name`` here: the preset's, else a named argument's, else the field
+        default of the part or group that declares it (:func:`~rltrainer.modules.settings.flat_keywords`)."""
+        if name in cls.preset:
+            return cls.preset[name]
+        named = inspect.signature(cls).parameters
+        if name in named and named[name].kind is not named[name].VAR_KEYWORD:
+            return GROUP_SIZE if name == "num_generations" else named[name].default
+        groups = {**cls.GROUPS, **cls.PARTS}
+        kind = flat_keywords(groups).get(name)
+        if kind is None:
+            raise KeyError(f"{cls.__name__} has no argument or setting {name!r}")
+        return next(f.default for f in dataclasses.fields(groups[kind]) if f.name == name)
 
-            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-                parent_init(self, *args, **kwargs)
-
-            __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-            cls.__init__ = own_init = __init__  # type: ignore[method-assign]
-            init_for_names, parent = parent_init, None
-        else:
-            if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(own_init).parameters.values()):
-                return
-            init_for_names, parent = own_init, inspect.signature(super(cls, cls).__init__)  # type: ignore[misc]
-        own_init.__signature__ = flat_signature(init_for_names, {**cls.GROUPS, **cls.PARTS}, cls.preset, parent,
-                                                cls.signature_order)
+    def flat_settings(self) -> dict[str, Any]:
+        """Every setting by its flat keyword, read from the part or group that holds it (the
+        ``*_kwargs``: the registry entry's full parameters); the loggers' hyperparameters."""
+        groups = [self.reward_settings, self.optimizer_settings, *(p for k, p in self.parts.items() if k in self.PARTS)]
+        return {name: value for group in groups for name, value in group.exposed().items()}
 
     # -- models ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -216,9 +216,22 @@ class PolicyGradient(RLModule):
         return any(field in part.fields_read() for part in self.parts.values())
 
     def rollout_step(self, batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
-        """The default sampling; when a part reads ``reward_baselines`` (ReMax), also one greedy
+        """The first part's rollout that has one (DAPO's group filter: rows sampled, scored and
+        filtered, drawing more prompts), else :meth:`default_rollout`."""
+        sampler = Sampler(lambda prompts: self.score(self.default_rollout(prompts, engine)),
+                          self.draw_prompts if self._trainer is not None else None,  # called by hand: draws none
+                          self.sampling.n, self.tokenizer.pad_token_id)
+        step = self.controller_step()
+        for part in self.parts.values():
+            rows = part.rollout(batch, sampler, step)
+            if rows is not None:
+                return rows
+        return self.default_rollout(batch, engine)
+
+    def default_rollout(self, batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
+        """RLModule's sampling; when a part reads ``reward_baselines`` (ReMax), also one greedy
         response per prompt, ``baseline_response_text`` (each row its prompt's), which
-        :meth:`reward_step` scores."""
+        :meth:`score` scores."""
         out = super().rollout_step(batch, engine)
         if self.reads("reward_baselines"):
             greedy_sampling = dataclasses.replace(self.sampling, n=1, temperature=0.0)
@@ -227,8 +240,18 @@ class PolicyGradient(RLModule):
         return out
 
     def reward_step(self, batch: RolloutBatch) -> RolloutBatch:
-        """``scores [N]``: the rule rewards' weighted sum (zeros without rule rewards). A reward
-        model's scores are added later, in :meth:`advantage_step` (see the class docstring)."""
+        """:meth:`score`, unless a part's rollout scored the rows already (they have ``scores``),
+        then ``critic/score/*`` (without a reward model, whose scores join in :meth:`advantage_step`)."""
+        if "scores" not in batch:
+            batch = self.score(batch)
+        if self.reward_model_spec is None:
+            self.log_scores(batch["scores"])
+        return batch
+
+    def score(self, batch: RolloutBatch) -> RolloutBatch:
+        """``scores [N]``: the rule rewards' weighted sum (zeros without rule rewards), then each
+        part's shaping (DAPO's overlong penalty). A reward model's scores are added later, in
+        :meth:`advantage_step` (see the class docstring)."""
         if self.rewards is None:
             batch["scores"] = torch.zeros(len(batch), dtype=torch.float32)  # [N]
         else:
@@ -251,8 +274,9 @@ class PolicyGradient(RLModule):
                 self.log("critic/reward_baseline/mean", batch["reward_baselines"].mean().item())
             for name, value in result.metrics().items():
                 self.log(name, value)
-        if self.reward_model_spec is None:
-            self.log_scores(batch["scores"])
+        step = self.controller_step()
+        for part in self.parts.values():
+            batch = part.score(batch, step)
         return batch
 
     def teardown(self) -> None:
@@ -331,13 +355,13 @@ class PolicyGradient(RLModule):
     def corrects_rollouts(self) -> bool:
         """Whether rollouts can be off-policy here (the Trainer's ``off_policy``) or a
         ``rollout_correction`` is set: then the mismatch is logged and the correction applied."""
-        return self.off_policy() or self.rollout_correction is not None
+        return self.off_policy() or self.parts["correction"].rollout_correction is not None
 
     def advantage_step(self, batch: RolloutBatch) -> RolloutBatch:
         """Ask the parts in order: before the estimator (a reward model's scores, the rollout
         correction), the estimator, the advantages' adjustments (distillation), then what the update
         needs (the loss's batch-level selection); log the advantages and the group signal."""
-        step = Step(self.log, self.off_policy())
+        step = self.controller_step()
         for part in self.parts.values():
             batch = part.before_advantages(batch, step)
         advantages, returns = self.estimate_advantages(batch)
@@ -354,12 +378,13 @@ class PolicyGradient(RLModule):
             self.log(name, value)
         return batch
 
+    def controller_step(self) -> Step:
+        """The step as the parts' controller hooks see it."""
+        return Step(self.log, self.off_policy(), self.sampling.max_new_tokens)
+
     def estimate_advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The advantage part's ``(advantages, returns)`` ``[N, T]`` (rows with invalid rewards left out)."""
         return self.parts["advantage"].estimate(batch)
-
-    def _loss_prepare(self) -> Any:
-        return self.parts["loss"].prepare
 
     # -- compute flow ---------------------------------------------------------------------------
     def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -382,5 +407,19 @@ class PolicyGradient(RLModule):
         return u.loss, u.metrics
 
 
-PolicyGradient.__init__.__signature__ = flat_signature(  # type: ignore[attr-defined]
-    PolicyGradient.__init__, {**PolicyGradient.GROUPS, **PolicyGradient.PARTS}, {}, None, SIGNATURE_ORDER)
+
+def given_parts(owner: str, parts: Sequence[Part], kinds: dict[str, type[Part] | None]) -> dict[str, Part]:
+    """``parts`` by their ``kind``; refuses what is not a part, a kind given twice, and a kind the
+    module has no place for (with the kinds it has)."""
+    out: dict[str, Part] = {}
+    for part in parts:
+        if not isinstance(part, Part) or not part.kind:
+            raise TypeError(f"{owner}(parts=...) takes parts (rltrainer.algorithms.parts: PolicyLoss, Advantage, "
+                            f"KLPenalty, ...), each with a kind; got {part!r}.")
+        if part.kind not in kinds:
+            raise TypeError(f"{owner}(parts=...) got {type(part).__name__}, of kind {part.kind!r}, which {owner} has "
+                            f"no place for; its kinds: {', '.join(kinds)}. Add it to a subclass's PARTS.")
+        if part.kind in out:
+            raise TypeError(f"{owner}(parts=...) got two parts of kind {part.kind!r}: {out[part.kind]!r} and {part!r}.")
+        out[part.kind] = part
+    return out

@@ -1,6 +1,7 @@
 """Presets that are settings of :class:`~rltrainer.modules.PolicyGradient`'s parts: the same
 module, other defaults (every setting can still be given). A preset of your own is the same few
-lines: a subclass with ``preset = {...}`` (routed settings only), or other ``PARTS``."""
+lines: a subclass with ``preset = {...}`` (the parts' settings, and ``num_generations``), or other
+``PARTS``."""
 
 from __future__ import annotations
 

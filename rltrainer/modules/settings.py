@@ -1,25 +1,26 @@
-"""A module's settings, grouped: each keyword setting belongs to one dataclass (a part of the
-algorithm, or one of the groups here) that types, documents and defaults it, once.
+"""A module's settings, grouped: each setting belongs to one dataclass (a part of the algorithm,
+or one of the groups here) that types, documents and defaults it, once, and holds it: read it there
+(``module.parts["loss"].clip_ratio_high``, ``module.optimizer_settings.lr``).
 
-A preset's ``__init__`` names the common settings and takes the rest as ``**settings``;
-:func:`route_settings` hands each to the group that declares it (an unknown name raises a TypeError
-with the closest valid one), and :func:`flat_signature` gives the preset the signature that lists
-them all (what ``inspect.signature``, ``help()`` and the command line's jsonargparse read), so a
-setting is written the same way in Python, in YAML and as a flag.
+A module's signature names its own arguments and takes each group whole (``optimizer=Optimizer(lr=
+1e-5)``, ``parts=[PolicyLoss(clip_ratio_high=0.28)]``: what the command line's jsonargparse reads);
+``**settings`` takes the same settings flat (``GRPO(..., lr=1e-5, clip_ratio_high=0.28)``), by one
+mapping, :func:`flat_keywords`: a keyword is the field of the one group that declares it.
+:func:`route_settings` hands each to that group (an unknown name raises a TypeError with the
+closest valid one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
-import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rltrainer.algorithms.part import settings_of
 from rltrainer.optim import adamw
 from rltrainer.schedulers import build_lr_scheduler, check_lr_scheduler
 from rltrainer.values import check_float, check_int
@@ -88,13 +89,10 @@ class Rewards:
         return settings_of(self)
 
 
-def settings_of(group: Any) -> dict[str, Any]:
-    """A settings dataclass's fields given at construction."""
-    return {f.name: getattr(group, f.name) for f in dataclasses.fields(group) if f.init}
-
-
-def setting_names(group: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(group) if f.init]
+def flat_keywords(groups: Mapping[str, type | None]) -> dict[str, str]:
+    """The one mapping of flat keywords: each setting of each group's (or part's) dataclass, to the
+    kind of the group that declares it (``{"clip_ratio_high": "loss", "lr": "optimizer", ...}``)."""
+    return {f.name: kind for kind, cls in groups.items() if cls is not None for f in dataclasses.fields(cls) if f.init}
 
 
 def route_settings(owner: str, settings: Mapping[str, Any], groups: Mapping[str, type | None],
@@ -106,7 +104,7 @@ def route_settings(owner: str, settings: Mapping[str, Any], groups: Mapping[str,
     the valid ones: the groups' settings and ``named``, the owner's own arguments), and for a part
     given together with one of its settings."""
     given = {k: v for k, v in (given or {}).items() if v is not None}
-    owners = {name: kind for kind, cls in groups.items() if cls is not None for name in setting_names(cls)}
+    owners = flat_keywords(groups)
     unknown = [name for name in settings if name not in owners]
     if unknown:
         valid = sorted(set(owners) | set(named))
@@ -135,37 +133,3 @@ def _is_default(cls: type | None, name: str, value: Any, defaults: Mapping[str, 
     field = next(f for f in dataclasses.fields(cls) if f.name == name)
     default = (defaults or {}).get(name, field.default)
     return value is default or (type(value) is type(default) and value == default)
-
-
-def flat_signature(init: Callable[..., None], groups: Mapping[str, type | None], preset: Mapping[str, Any],
-                   parent: inspect.Signature | None, order: Sequence[str]) -> inspect.Signature:
-    """The signature of a preset's ``init(self, <named>, **settings)`` with ``**settings`` spelled
-    out: its named parameters, every setting of ``groups`` (defaults: ``preset``'s, else the
-    field's), and what ``parent`` (the signature ``**settings`` is passed on to) has besides; in
-    ``order``, then the rest. Everything after the first three is keyword-only."""
-    try:
-        own_hints = typing.get_type_hints(init)
-    except NameError:  # an annotation only imported for type checkers: keep the strings
-        own_hints = {}
-    own = [p.replace(annotation=own_hints.get(p.name, p.annotation))
-           for p in inspect.signature(init).parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-    params = {p.name: p for p in own if p.name != "self"}
-    for cls in (c for c in groups.values() if c is not None):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.init and f.name not in params:
-                default = preset.get(f.name, f.default)
-                params[f.name] = inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                                   annotation=hints.get(f.name, f.type))
-    for p in (parent.parameters.values() if parent is not None else ()):
-        if p.name not in params and p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-            params[p.name] = p
-    for name, value in preset.items():  # a preset's defaults, over an inherited signature's
-        if name in params:
-            params[name] = params[name].replace(default=value)
-    ranked = sorted(params.values(), key=lambda p: (order.index(p.name) if p.name in order else len(order)))
-    positional = {p.name for p in ranked[:3] if p.kind is p.POSITIONAL_OR_KEYWORD}
-    ranked = [p if p.name in positional else p.replace(kind=p.KEYWORD_ONLY) for p in ranked]
-    return inspect.Signature([own[0], *ranked])  # own[0]: self
-
-

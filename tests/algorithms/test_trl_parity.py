@@ -205,8 +205,8 @@ def test_policy_loss_entries_match_trl(case, rollout, bpe_tokenizer, tmp_path):
                   loss_agg_mode=mode, policy_loss=name, **grpo_kwargs)
     ours_lp = log_probs.clone().requires_grad_(True)
     ctx = LossContext(mode, global_tokens=float(mask.sum()), global_rows=float(N), max_response_length=T)
-    loss, metrics = POLICY_LOSSES.get(module.policy_loss)(ours_lp, old, advantages, mask, ctx,
-                                                          **module.policy_loss_kwargs)
+    loss, metrics = POLICY_LOSSES.get(module.parts["loss"].policy_loss)(ours_lp, old, advantages, mask, ctx,
+                                                          **module.parts["loss"].params)
     loss.backward()
     torch.testing.assert_close(loss.detach(), trl_loss.detach(), rtol=0, atol=1e-6)
     torch.testing.assert_close(ours_lp.grad, theirs_lp.grad, rtol=0, atol=1e-6)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rltrainer import DAPO, GRPO, ModelCheckpoint, Trainer, prompt_dataloader
+from rltrainer import DAPO, ModelCheckpoint, Trainer, prompt_dataloader
 from rltrainer.algorithms.dapo import mixed_groups, overlong_penalty
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.module import Attachment
@@ -70,12 +70,16 @@ def dapo(**kwargs) -> DAPO:
 def test_the_papers_defaults() -> None:
     module = DAPO(tiny_qwen2_config(vocab_size=VOCAB), SimpleNamespace(pad_token_id=0), zero_reward,
                   max_new_tokens=20480)
-    assert module.policy_loss == "ppo_clip"
-    assert module.policy_loss_kwargs == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": None}
-    assert module.loss_agg_mode == "token-mean" and module.kl_coef == 0.0 and not module.needs_ref()
-    assert module.sampling.n == 16 and module.dynamic_sampling and module.max_gen_rounds == 10
-    assert module.overlong_buffer_len == 4096 and module.overlong_penalty_factor == 1.0 and module.mask_truncated
-    assert dapo(max_new_tokens=512).overlong_buffer_len == 102 and dapo(max_new_tokens=3).overlong_buffer_len == 1
+    loss, parts = module.parts["loss"], module.parts
+    assert loss.policy_loss == "ppo_clip"
+    assert loss.params == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": None}
+    assert loss.loss_agg_mode == "token-mean" and parts["kl"].kl_coef == 0.0 and not module.needs_ref()
+    group_filter = parts["group_filter"]
+    assert module.sampling.n == 16 and group_filter.dynamic_sampling and group_filter.max_gen_rounds == 10
+    overlong = parts["overlong"]
+    assert overlong.buffer_len(20480) == 4096 and overlong.overlong_penalty_factor == 1.0
+    assert parts["truncation"].mask_truncated
+    assert overlong.buffer_len(512) == 102 and overlong.buffer_len(3) == 1
     assert module.supported_pipelines == ("sync",) and dapo(dynamic_sampling=False).supported_pipelines is None
 
 
@@ -288,7 +292,7 @@ def test_groups_are_filtered_on_the_task_score_not_the_shaped_one() -> None:
     assert len(out) == 0 and drawn == [1]
     metrics = module.logged_metrics
     assert metrics["dynamic_sampling/dropped_group_share"] == 1.0 and metrics["dynamic_sampling/gen_rounds"] == 1
-    shaped = module.score(GRPO.rollout_step(module, prompts, LengthByIndexEngine()))["scores"]
+    shaped = module.score(module.default_rollout(prompts, LengthByIndexEngine()))["scores"]
     assert shaped.tolist() == [1.0, 0.0, 1.0, 0.0]  # unequal: filtering on these would keep both groups
     module._prompt_source = None  # called by hand: filters the given prompts' groups, draws nothing
     assert len(module.rollout_step(prompts, LengthByIndexEngine())) == 0

@@ -45,7 +45,7 @@ def test_teacher_stage_and_distilled_advantages_follow_the_formula(tiny_config, 
     assert not any(p.requires_grad for p in module.teacher.parameters()) and not module.teacher.training
     mask = batch["response_mask"]
     estimator, _ = ADVANTAGES.get("grpo")(batch["scores"], mask, batch["uid"], AdvantageContext(),
-                                          **module.advantage_kwargs)
+                                          **module.parts["advantage"].params)
     expected = estimator - 0.5 * (batch["old_log_probs"] - batch["teacher_log_probs"]) * mask
     torch.testing.assert_close(batch["advantages"], expected, rtol=0, atol=1e-6)
     assert (batch["advantages"] - estimator).abs().sum() > 0.1  # the term is really there
@@ -59,7 +59,7 @@ def test_a_teacher_equal_to_the_policy_adds_nothing(tiny_config, bpe_tokenizer, 
     torch.testing.assert_close(batch["teacher_log_probs"], batch["old_log_probs"], rtol=0, atol=1e-6)
     assert module.logged_metrics["distill/reverse_kl/mean"] == pytest.approx(0.0, abs=1e-6)
     plain, _ = ADVANTAGES.get("grpo")(batch["scores"], batch["response_mask"], batch["uid"], AdvantageContext(),
-                                      **module.advantage_kwargs)
+                                      **module.parts["advantage"].params)
     torch.testing.assert_close(batch["advantages"], plain, rtol=0, atol=1e-5)
 
 

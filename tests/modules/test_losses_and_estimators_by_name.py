@@ -25,9 +25,9 @@ def grpo(**kwargs) -> GRPO:
 
 def test_defaults_are_todays_ppo_clip_and_grpo() -> None:
     module = grpo()
-    assert module.policy_loss == "ppo_clip" and module.advantage_estimator == "grpo"
-    assert module.policy_loss_kwargs == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
-    assert module.advantage_kwargs == {"norm_by_std": True, "epsilon": 1e-6}
+    assert module.parts["loss"].policy_loss == "ppo_clip" and module.parts["advantage"].advantage_estimator == "grpo"
+    assert module.parts["loss"].params == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
+    assert module.parts["advantage"].params == {"norm_by_std": True, "epsilon": 1e-6}
     assert module.compute_stages() == []
 
 
@@ -67,15 +67,15 @@ def test_bad_estimator_values_are_refused() -> None:
 
 
 def test_shorthands_map_onto_the_entrys_parameters() -> None:
-    assert grpo(clip_ratio_high=0.28).policy_loss_kwargs["clip_ratio_high"] == 0.28  # DAPO's clip-higher
-    assert grpo(clip_ratio_c=None).policy_loss_kwargs["clip_ratio_c"] is None
+    assert grpo(clip_ratio_high=0.28).parts["loss"].params["clip_ratio_high"] == 0.28  # DAPO's clip-higher
+    assert grpo(clip_ratio_c=None).parts["loss"].params["clip_ratio_c"] is None
     # left at their defaults, they leave the entry's own (GSPO's clip range is 3e-4, 4e-4)
-    assert grpo(policy_loss="gspo").policy_loss_kwargs == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
-    assert grpo(policy_loss="gspo", clip_ratio_high=1e-3).policy_loss_kwargs["clip_ratio_high"] == 1e-3
-    assert grpo(norm_adv_by_std=False).advantage_kwargs["norm_by_std"] is False  # Dr. GRPO
-    assert grpo(advantage_estimator="dr_grpo").advantage_kwargs["norm_by_std"] is False
+    assert grpo(policy_loss="gspo").parts["loss"].params == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    assert grpo(policy_loss="gspo", clip_ratio_high=1e-3).parts["loss"].params["clip_ratio_high"] == 1e-3
+    assert grpo(norm_adv_by_std=False).parts["advantage"].params["norm_by_std"] is False  # Dr. GRPO
+    assert grpo(advantage_estimator="dr_grpo").parts["advantage"].params["norm_by_std"] is False
     # the same value twice is not a conflict
-    assert grpo(clip_ratio_high=0.28, policy_loss_kwargs={"clip_ratio_high": 0.28}).policy_loss_kwargs[
+    assert grpo(clip_ratio_high=0.28, policy_loss_kwargs={"clip_ratio_high": 0.28}).parts["loss"].params[
         "clip_ratio_high"] == 0.28
 
 
@@ -101,8 +101,8 @@ def test_an_estimator_that_needs_a_critic_is_refused_and_points_to_ppo() -> None
 
 def test_ppo_composes_the_same_pieces_with_a_critic(tiny_config, bpe_tokenizer) -> None:
     module = PPO(tiny_config, bpe_tokenizer, reward_funcs=zero_reward, gamma=0.9, lam=0.8, kl_in_reward_coef=0.05)
-    assert module.advantage_estimator == "gae"
-    assert module.advantage_kwargs == {"gamma": 0.9, "lam": 0.8, "whiten": True, "kl_in_reward_coef": 0.05,
+    assert module.parts["advantage"].advantage_estimator == "gae"
+    assert module.parts["advantage"].params == {"gamma": 0.9, "lam": 0.8, "whiten": True, "kl_in_reward_coef": 0.05,
                                        "kl_estimator": "k1"}
     assert module.compute_stages() == ["old_log_prob", "ref", "values"]  # the KL in the reward needs both
     plain = PPO(tiny_config, bpe_tokenizer, reward_funcs=zero_reward)
@@ -168,7 +168,7 @@ def test_a_users_loss_is_registered_and_chosen_by_name() -> None:
 
     try:
         module = grpo(policy_loss="scaled_pg", policy_loss_kwargs={"scale": 2.0})
-        assert module.policy_loss_kwargs == {"scale": 2.0}
+        assert module.parts["loss"].params == {"scale": 2.0}
         with pytest.raises(ValueError, match="has no parameter"):
             grpo(policy_loss="scaled_pg", policy_loss_kwargs={"scal": 2.0})
     finally:

@@ -16,18 +16,18 @@ from rltrainer import DAPO, GRPO, PPO, Trainer, prompt_dataloader
 from rltrainer.algorithms import ADVANTAGES, POLICY_LOSSES, LossContext
 from rltrainer.algorithms.advantages import uses_groups
 from rltrainer.algorithms.part import Part, Update
-from rltrainer.algorithms.parts import Advantage, Critic, KLPenalty, PolicyLoss
+from rltrainer.algorithms.parts import Advantage, Critic, DynamicSampling, KLPenalty, PolicyLoss
 from rltrainer.modules import CISPO, GSPO, RLOO, DrGRPO, PolicyGradient, ReinforcePlusPlus
+from rltrainer.modules.settings import Optimizer
 from rltrainer.testing import tiny_qwen2_config
 
-#: GRPO's arguments before issue 33, in their order (the docs' signature block lists them so).
-TODAYS_GRPO = [
-    "model", "tokenizer", "reward_funcs", "reward_weights", "reward_num_workers", "reward_timeout", "num_generations",
-    "max_new_tokens", "temperature", "top_p", "top_k", "lr", "weight_decay", "warmup_steps", "lr_scheduler_type",
-    "lr_scheduler_kwargs", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef", "kl_estimator",
-    "entropy_coef", "loss_agg_mode", "norm_adv_by_std", "advantage_estimator", "advantage_kwargs", "policy_loss",
-    "policy_loss_kwargs", "update_epochs", "mini_batch_size", "rollout_correction", "rollout_correction_kwargs",
-    "model_seed", "teacher", "environment", "lora"]
+#: The constructor's own arguments, then the groups and parts given whole, then the flat settings.
+SIGNATURE = [
+    "model", "tokenizer", "reward_funcs", "num_generations", "max_new_tokens", "temperature", "top_p", "top_k",
+    "update_epochs", "mini_batch_size", "model_seed", "teacher", "environment", "lora", "optimizer", "rewards", "parts",
+    "settings"]
+#: Every preset, for the tests that check them all.
+PRESETS = (PolicyGradient, GRPO, DAPO, PPO, DrGRPO, GSPO, CISPO, RLOO, ReinforcePlusPlus)
 
 
 def zero_reward(completions, **kwargs):
@@ -52,36 +52,82 @@ def test_ppo_is_policy_gradient_with_a_critic_not_a_grpo():
     assert list(make().parts) == ["correction", "advantage", "loss", "kl", "routing"]
 
 
-def test_the_signature_keeps_every_argument_and_default():
-    """Every argument of today's constructors is still there, with its default, where the CLI and
-    ``help()`` read it; the parts follow as arguments of their own."""
-    grpo = inspect.signature(GRPO).parameters
-    assert list(grpo) == TODAYS_GRPO + ["routing_replay", "router_aux_loss_coef", "loss", "advantage", "correction", "kl",
-                                        "critic"]
-    assert grpo["clip_ratio_high"].default == 0.2 and grpo["lr"].default == 1e-6 and grpo["model_seed"].default == 0
-    ppo = inspect.signature(PPO).parameters
-    assert (ppo["num_generations"].default, ppo["advantage_estimator"].default, ppo["critic_lr"].default) == (1, "gae",
-                                                                                                          1e-5)
-    assert set(TODAYS_GRPO) <= set(ppo) and {"gamma", "lam", "kl_in_reward_coef", "vf_coef"} <= set(ppo)
-    dapo = inspect.signature(DAPO).parameters
-    assert (dapo["clip_ratio_high"].default, dapo["clip_ratio_c"].default, dapo["num_generations"].default) == (
-        0.28, None, 16)
-    assert inspect.signature(DrGRPO).parameters["norm_adv_by_std"].default is False
+def test_every_presets_signature_is_written_out_and_the_same():
+    """A preset is parts plus defaults: its signature is PolicyGradient's, written out (what
+    ``help()`` shows and the CLI reads), with the groups and parts given whole and the flat
+    settings as ``**settings``; the preset's own defaults are on its ``preset`` and its parts."""
+    for cls in PRESETS:
+        sig = inspect.signature(cls)
+        assert list(sig.parameters) == SIGNATURE, cls
+        assert sig.parameters["settings"].kind is inspect.Parameter.VAR_KEYWORD
+        assert "__init__" not in vars(cls) or cls is PolicyGradient, cls
+    assert (make(DAPO, num_generations=None).sampling.n, make(PPO, num_generations=None).sampling.n,
+            make(num_generations=None).sampling.n) == (16, 1, 8)
+    assert make(DAPO).parts["loss"].clip_ratio_high == 0.28 and make(DrGRPO).parts["advantage"].norm_adv_by_std is False
 
 
 def test_no_constructor_has_over_twenty_named_parameters():
-    for cls in (PolicyGradient, PPO, DAPO):
-        code = cls.__dict__["__init__"].__code__
-        assert code.co_argcount + code.co_kwonlyargcount - 1 <= 20, cls
+    for cls in PRESETS:
+        assert len(inspect.signature(cls).parameters) <= 20, cls
+
+
+def test_every_preset_builds_and_its_parts_read_what_some_part_or_hook_adds():
+    for cls in PRESETS:
+        module = make(cls)
+        assert module.parts and all(kind == part.kind for kind, part in module.parts.items()), cls
+
+
+def test_a_part_whose_input_nothing_provides_is_refused_naming_it():
+    """DAPO's group filter reads ``task_scores``, which only the overlong penalty adds."""
+
+    class FilterOnly(PolicyGradient):
+        PARTS = {**PolicyGradient.PARTS, "group_filter": DynamicSampling}
+
+    with pytest.raises(ValueError, match=r"FilterOnly: the group_filter part \(DynamicSampling\) reads 'task_scores'"
+                                         r", which no part or hook of this module provides\. It could come from an "
+                                         r"OverlongPenalty part"):
+        make(FilterOnly)
+    assert make(FilterOnly, dynamic_sampling=False).parts["group_filter"].dynamic_sampling is False  # reads nothing
+
+
+@dataclass
+class ValueBonus(Part):
+    """A user's part that reads a critic's ``values``."""
+
+    kind: ClassVar[str] = "value_bonus"
+    reads: ClassVar[tuple[str, ...]] = ("values",)
+
+
+class NeedsValues(PolicyGradient):
+    PARTS = {**PolicyGradient.PARTS, "value_bonus": ValueBonus}
+
+
+def test_a_users_part_reading_a_field_no_part_adds_is_refused_until_one_does():
+    with pytest.raises(ValueError, match=r"NeedsValues: the value_bonus part \(ValueBonus\) reads 'values', which no "
+                                         r"part or hook of this module provides\. It could come from a Critic part"):
+        make(NeedsValues)
+    assert "values" in make(NeedsValues, parts=[Critic()]).compute_stages()  # the critic adds them
+
+
+def test_parts_given_whole_replace_the_presets_of_their_kind():
+    assert make(parts=[KLPenalty(kl_coef=0.1)]).parts["kl"] == KLPenalty(kl_coef=0.1)
+    with pytest.raises(TypeError, match=r"GRPO\(parts=...\) got two parts of kind 'kl'"):
+        make(parts=[KLPenalty(), KLPenalty()])
+    with pytest.raises(TypeError, match=r"of kind 'group_filter', which GRPO has no place for; its kinds: correction"):
+        make(parts=[DynamicSampling()])
+    with pytest.raises(TypeError, match=r"GRPO\(parts=...\) takes parts .* got 'kl'"):
+        make(parts=["kl"])
 
 
 def test_a_setting_reaches_the_part_that_declares_it():
     module = make(clip_ratio_high=0.28, kl_coef=0.1, lr=1e-5, reward_num_workers=0)
     assert module.parts["loss"].clip_ratio_high == 0.28 and module.parts["kl"].kl_coef == 0.1
     assert module.optimizer_settings.lr == 1e-5
-    assert module.policy_loss_kwargs["clip_ratio_high"] == 0.28 and module.kl_coef == 0.1  # the flat views
-    given = make(loss=PolicyLoss(clip_ratio_high=0.28), kl=KLPenalty(kl_coef=0.1))
-    assert given.policy_loss_kwargs == module.policy_loss_kwargs and given.compute_stages() == module.compute_stages()
+    flat = module.flat_settings()  # read back from the parts, by the same mapping
+    assert flat["policy_loss_kwargs"]["clip_ratio_high"] == 0.28 and flat["kl_coef"] == 0.1 and flat["lr"] == 1e-5
+    assert not hasattr(module, "kl_coef") and not hasattr(module, "clip_ratio_high")  # one owner: the part
+    given = make(parts=[PolicyLoss(clip_ratio_high=0.28), KLPenalty(kl_coef=0.1)], optimizer=Optimizer(lr=1e-5))
+    assert given.flat_settings() == flat and given.compute_stages() == module.compute_stages()
 
 
 def test_an_unknown_setting_names_the_closest_and_the_valid_ones():
@@ -95,8 +141,8 @@ def test_an_unknown_setting_names_the_closest_and_the_valid_ones():
 
 def test_a_part_and_one_of_its_settings_are_refused_together():
     with pytest.raises(TypeError, match=r"got loss=PolicyLoss\(.*\) and its setting\(s\) clip_ratio_high"):
-        make(loss=PolicyLoss(), clip_ratio_high=0.3)
-    assert make(loss=PolicyLoss(clip_ratio_high=0.3), clip_ratio_high=0.2).parts["loss"].clip_ratio_high == 0.3
+        make(parts=[PolicyLoss()], clip_ratio_high=0.3)
+    assert make(parts=[PolicyLoss(clip_ratio_high=0.3)], clip_ratio_high=0.2).parts["loss"].clip_ratio_high == 0.3
 
 
 @pytest.mark.parametrize("cls, settings", [
@@ -107,10 +153,10 @@ def test_a_part_and_one_of_its_settings_are_refused_together():
     (ReinforcePlusPlus, {"advantage_estimator": "reinforce_plus_plus"}),
 ])
 def test_presets_are_grpo_with_other_settings(cls, settings):
-    preset, spelled = make(cls), make(GRPO, **settings)
+    preset, spelled = make(cls).flat_settings(), make(GRPO, **settings).flat_settings()
     for name in ("policy_loss", "policy_loss_kwargs", "advantage_estimator", "advantage_kwargs", "loss_agg_mode"):
-        assert getattr(preset, name) == getattr(spelled, name), name
-    assert make(cls, kl_coef=0.1).kl_coef == 0.1  # every other setting still applies
+        assert preset[name] == spelled[name], name
+    assert make(cls, kl_coef=0.1).parts["kl"].kl_coef == 0.1  # every other setting still applies
 
 
 @dataclass
@@ -120,6 +166,7 @@ class LengthBonus(Part):
 
     length_coef: float = 0.0
 
+    kind: ClassVar[str] = "length"
     reads: ClassVar[tuple[str, ...]] = ("response_mask",)
 
     def update(self, u: Update) -> None:
@@ -137,7 +184,8 @@ class LengthAware(PolicyGradient):
 
 
 def test_a_users_part_is_one_class_and_its_settings_route_to_it(tiny_config, bpe_tokenizer, gsm8k_prompts):
-    assert inspect.signature(LengthAware).parameters["length_coef"].default == 0.0  # in the signature, so the CLI
+    assert LengthAware(tiny_config, bpe_tokenizer, length_reward, parts=[LengthBonus(0.5)]).parts["length"] == (
+        LengthBonus(length_coef=0.5))  # given whole (so the CLI: parts: [{class_path: ..., init_args: ...}])
     module = LengthAware(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2,
                          max_new_tokens=6, lr=1e-3, length_coef=0.5)
     assert module.parts["length"] == LengthBonus(length_coef=0.5)
@@ -165,8 +213,8 @@ def test_a_users_registered_loss_and_estimator_train_a_step(tiny_config, bpe_tok
 
     try:
         module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=6,
-                      lr=1e-3, loss=PolicyLoss("test_reinforce", {"scale": 2.0}),
-                      advantage=Advantage("test_max_baseline"))
+                      lr=1e-3, parts=[PolicyLoss("test_reinforce", {"scale": 2.0}),
+                                      Advantage("test_max_baseline")])
         trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False)
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         m = trainer.callback_metrics
@@ -181,7 +229,7 @@ def test_a_users_registered_loss_and_estimator_train_a_step(tiny_config, bpe_tok
 
 
 def test_dapos_loss_settings_are_a_preset_a_given_loss_replaces():
-    dapo = make(DAPO, dynamic_sampling=False)
-    assert (dapo.clip_ratio_high, dapo.clip_ratio_c, dapo.loss_agg_mode) == (0.28, None, "token-mean")
-    given = make(DAPO, dynamic_sampling=False, loss=PolicyLoss(clip_ratio_high=0.3))
-    assert given.policy_loss_kwargs["clip_ratio_high"] == 0.3 and given.policy_loss_kwargs["clip_ratio_c"] == 3.0
+    loss = make(DAPO, dynamic_sampling=False).parts["loss"]
+    assert (loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode) == (0.28, None, "token-mean")
+    given = make(DAPO, dynamic_sampling=False, parts=[PolicyLoss(clip_ratio_high=0.3)]).parts["loss"]
+    assert given.params["clip_ratio_high"] == 0.3 and given.params["clip_ratio_c"] == 3.0

@@ -162,10 +162,10 @@ LOSS_PARAMS = {
 
 def prepare_like_advantage_step(module: GRPO, batch: RolloutBatch) -> None:
     """What ``advantage_step`` does for a loss with a batch-level ``prepare`` (Clip-Cov, KL-Cov)."""
-    prepare = module._loss_prepare()
+    prepare = module.parts["loss"].prepare
     if prepare is not None:
         extras = prepare(batch["old_log_probs"], batch["advantages"], batch["response_mask"],
-                         **module.policy_loss_kwargs)
+                         **module.parts["loss"].params)
         for name, value in extras.items():
             batch[name] = value
         batch.loss_extras = sorted(extras)

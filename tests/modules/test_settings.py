@@ -1,13 +1,12 @@
-"""Settings routed to the group that declares them, and the flat signature that lists them."""
+"""Settings routed to the group that declares them, by the one mapping of flat keywords."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import pytest
 
-from rltrainer.modules.settings import Optimizer, Rewards, flat_signature, route_settings
+from rltrainer.modules.settings import Optimizer, Rewards, flat_keywords, route_settings
 
 
 @dataclass
@@ -44,14 +43,8 @@ def test_a_given_part_takes_no_setting_but_its_defaults():
         route_settings("Algo", {"high": 0.3}, GROUPS, given={"clip": Clip(high=0.9)})
 
 
-def test_the_flat_signature_spells_out_the_settings_in_order():
-    def init(self, model: str, tokenizer: object, reward: object, *, steps: int = 1, **settings: float) -> None: ...
-
-    sig = flat_signature(init, GROUPS, {"high": 0.28}, None, ["model", "tokenizer", "reward", "coef", "low"])
-    assert list(sig.parameters) == ["self", "model", "tokenizer", "reward", "coef", "low", "steps", "high"]
-    assert sig.parameters["high"].default == 0.28 and sig.parameters["coef"].annotation is float
-    assert sig.parameters["low"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert sig.parameters["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+def test_a_flat_keyword_is_the_field_of_the_one_group_that_declares_it():
+    assert flat_keywords(GROUPS) == {"low": "clip", "high": "clip", "coef": "coef"}
 
 
 def test_the_module_groups_check_their_values():

@@ -47,6 +47,7 @@ class Advantage(Part):
 
     #: this part's shorthands: argument -> (the entry's parameter, the argument's default)
     shorthands: ClassVar[dict[str, tuple[str, Any]]] = {"norm_adv_by_std": ("norm_by_std", True)}
+    kind: ClassVar[str] = "advantage"
     adds: ClassVar[tuple[str, ...]] = ("advantages", "returns")
 
     def __post_init__(self) -> None:

@@ -56,6 +56,7 @@ class RolloutCorrection(Part):
     params: dict[str, Any] = field(init=False, repr=False, compare=False)
     rejects: bool = field(init=False, repr=False, compare=False)
 
+    kind: ClassVar[str] = "correction"
     reads: ClassVar[tuple[str, ...]] = ("old_log_probs", "rollout_log_probs", "response_mask")
     adds: ClassVar[tuple[str, ...]] = ("rollout_is_weights",)  # and rejected tokens leave response_mask
 

@@ -79,6 +79,7 @@ class Critic(Part):
     vf_coef: float = 0.5
     cliprange_value: float = 0.5
 
+    kind: ClassVar[str] = "critic"
     reads: ClassVar[tuple[str, ...]] = ("values", "returns", "response_mask")
     adds: ClassVar[tuple[str, ...]] = ("values",)
 

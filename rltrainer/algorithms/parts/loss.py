@@ -17,10 +17,6 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.registry import entry_params
 from rltrainer.values import check_float
 
-#: The shorthands that set a policy loss's parameter of the same name, with their defaults.
-LOSS_SHORTHANDS = {"clip_ratio_low": ("clip_ratio_low", 0.2), "clip_ratio_high": ("clip_ratio_high", 0.2),
-                   "clip_ratio_c": ("clip_ratio_c", 3.0)}
-
 
 @dataclass
 class PolicyLoss(Part):
@@ -55,8 +51,13 @@ class PolicyLoss(Part):
     #: the entry's full parameters (its defaults, the kwargs, the shorthands), checked
     params: dict[str, Any] = field(init=False, repr=False, compare=False)
 
+    kind: ClassVar[str] = "loss"
     reads: ClassVar[tuple[str, ...]] = ("advantages", "response_mask", "old_log_probs", "rollout_is_weights")
     adds: ClassVar[tuple[str, ...]] = ()  # and the entry's prepare's outputs (batch.loss_extras)
+    #: the settings that set the loss's parameter of the same name, with their defaults
+    shorthands: ClassVar[dict[str, tuple[str, Any]]] = {
+        "clip_ratio_low": ("clip_ratio_low", 0.2), "clip_ratio_high": ("clip_ratio_high", 0.2),
+        "clip_ratio_c": ("clip_ratio_c", 3.0)}
 
     def __post_init__(self) -> None:
         AGGREGATIONS.get(self.loss_agg_mode)  # an unknown name raises here
@@ -72,7 +73,7 @@ class PolicyLoss(Part):
         self._fn = POLICY_LOSSES.get(self.policy_loss)
         self.params = check_policy_loss(self.policy_loss, entry_params(
             "policy loss", self.policy_loss, POLICY_LOSSES.defaults(self.policy_loss), self.policy_loss_kwargs,
-            {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": cap}, LOSS_SHORTHANDS))
+            {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": cap}, self.shorthands))
 
     @property
     def prepare(self) -> Callable[..., dict[str, torch.Tensor]] | None:
@@ -104,7 +105,7 @@ class PolicyLoss(Part):
         u.add(loss)
 
     def exposed(self) -> dict[str, Any]:
-        """The module's attributes of this part's settings (``policy_loss_kwargs``: the full ones)."""
+        """This part's settings, flat (``policy_loss_kwargs``: the full ones)."""
         return {**settings_of(self), "policy_loss_kwargs": self.params}
 
 
@@ -120,11 +121,15 @@ class KLPenalty(Part):
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
 
+    kind: ClassVar[str] = "kl"
     reads: ClassVar[tuple[str, ...]] = ("ref_log_probs",)
 
     def __post_init__(self) -> None:
         KL_ESTIMATORS.get(self.kl_estimator)  # an unknown name raises here
         self.kl_coef = check_float("kl_coef", self.kl_coef, at_least=0, meaning="0: no KL term")
+
+    def fields_read(self) -> frozenset[str]:
+        return frozenset(self.reads) if self.kl_coef > 0 else frozenset()
 
     def stages(self, off_policy: bool) -> tuple[str, ...]:
         return ("ref",) if self.kl_coef > 0 else ()

@@ -31,6 +31,7 @@ class RewardModelScores(Part):
     spec: RewardModel
     weight: float = 1.0
 
+    kind: ClassVar[str] = "reward_model"
     reads: ClassVar[tuple[str, ...]] = ("rm_scores", "scores")
     adds: ClassVar[tuple[str, ...]] = ("rm_scores",)
 

@@ -47,6 +47,7 @@ class Routing(Part):
     routing_replay: str = "rollout"
     router_aux_loss_coef: float | None = None
 
+    kind: ClassVar[str] = "routing"
     reads: ClassVar[tuple[str, ...]] = ("routed_experts",)
 
     def __post_init__(self) -> None:
