@@ -219,7 +219,7 @@ class PolicyGradient(RLModule):
         """The first part's rollout that has one (DAPO's group filter: rows sampled, scored and
         filtered, drawing more prompts), else :meth:`default_rollout`."""
         sampler = Sampler(lambda prompts: self.score(self.default_rollout(prompts, engine)),
-                          self.draw_prompts if self._trainer is not None else None,  # called by hand: draws none
+                          self.draw_prompts if self._prompt_source is not None else None,  # by hand: draws none
                           self.sampling.n, self.tokenizer.pad_token_id)
         step = self.controller_step()
         for part in self.parts.values():
