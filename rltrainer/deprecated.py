@@ -15,7 +15,7 @@ from rltrainer.data.batch import RolloutBatch
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
-    from rltrainer.strategies.weight_sync import WeightSync
+    from rltrainer.weights.sync import WeightSync
 
 #: Trainer keyword -> (its new home, how to spell it there).
 MOVED: dict[str, tuple[str, str]] = {
@@ -68,11 +68,11 @@ class DeprecatedTrainerMethods:
     global_step: int
 
     def sync_weights(self) -> dict[str, float]:
-        """Deprecated: ``trainer.sync.sync(trainer.global_step)``."""
-        _warn("Trainer.sync_weights()", "trainer.sync.sync(trainer.global_step)")
+        """Deprecated: ``trainer.sync.push(trainer.global_step, mode="wait")``."""
+        _warn("Trainer.sync_weights()", 'trainer.sync.push(trainer.global_step, mode="wait")')
         if self.sync is None:
             raise RuntimeError("Trainer.sync_weights() needs a set-up trainer (inside or after fit/validate)")
-        return self.sync.sync(self.global_step)
+        return self.sync.push(self.global_step, mode="wait")
 
     def as_batch(self, raw: Any) -> RolloutBatch:
         """Deprecated: ``RolloutBatch.from_loader(raw)``."""

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from rltrainer.module import RLModule
     from rltrainer.rollout.engine import RolloutEngine
     from rltrainer.strategies.strategy import Strategy
-    from rltrainer.strategies.weight_sync import WeightSync
+    from rltrainer.weights.sync import WeightSync
 
 #: Training steps in a row that skipped every optimizer step before the run stops with an error.
 MAX_SKIPPED_STEPS = 3

@@ -31,12 +31,13 @@ from rltrainer.models.moe import routing_shape
 from rltrainer.module import RLModule, check_hooks
 from rltrainer.pipelines import Pipeline, SyncRun, check_module_pipeline, prompt_batches, resolve_pipeline
 from rltrainer.plan import RunPlan, build_plan, log_plan
-from rltrainer.rollout.engine import RolloutEngine, build_engine, check_engine_sampling
+from rltrainer.rollout.engine import RolloutEngine, check_engine_sampling
+from rltrainer.rollout.rollout import Rollout, resolve_rollout
 from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, resolve_strategy
-from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.training_checkpoint import PendingCheckpoint, load_checkpoint, write_checkpoint
 from rltrainer.values import check_float, check_int
+from rltrainer.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class Trainer(DeprecatedTrainerMethods):
         strategy: ``"single"`` (one device, in-process), a registered preset, or a ``Strategy``
             (which carries the micro-batch, packing and clipping settings:
             ``FSDP2Strategy(micro_batch_size=4, padding_free=True)``).
-        rollout: ``"hf"`` (transformers, runs anywhere), a registered engine, or a ``RolloutEngine``.
+        rollout: a :class:`~rltrainer.rollout.rollout.Rollout` (``Rollout("vllm", placement="split", replicas=2)``)
+            or, as shorthand, its engine: ``"hf"`` (runs anywhere), a registered engine, or a ``RolloutEngine``.
         devices: devices for training (``1`` for ``"single"``).
         num_nodes: nodes for distributed strategies.
         max_steps: stop after this many steps (``-1``: no limit).
@@ -83,8 +85,8 @@ class Trainer(DeprecatedTrainerMethods):
     former keywords that moved to their owners warn with the new spelling (:data:`rltrainer.deprecated.MOVED`).
     """
 
-    def __init__(self, strategy: str | Strategy = "single", rollout: str | RolloutEngine = "hf", devices: int | str = 1,
-                 num_nodes: int = 1, max_steps: int = -1, max_epochs: int | None = None,
+    def __init__(self, strategy: str | Strategy = "single", rollout: str | RolloutEngine | Rollout = "hf",
+                 devices: int | str = 1, num_nodes: int = 1, max_steps: int = -1, max_epochs: int | None = None,
                  val_check_interval: int | None = None, limit_val_batches: int | None = None,
                  log_every_n_steps: int = 1, log_flush_s: float = 0.0, precision: str = "32-true",
                  gradient_clip_val: float | None = 1.0, seed: int = 0, default_root_dir: str | Path | None = None,
@@ -107,11 +109,12 @@ class Trainer(DeprecatedTrainerMethods):
         self.strategy = resolve_strategy(strategy, devices=devices, num_nodes=num_nodes, precision=precision,
                                          gradient_clip_val=gradient_clip_val, **moved["strategy"])
         self.watchdog = self.strategy.watchdog = Watchdog(stage_timeout_s)
-        self.pipeline.check_strategy(self.strategy)
+        self.rollout = resolve_rollout(rollout)  # the engine, where it runs, and how weights reach it
+        self.pipeline.check_rollout(self.rollout)
         self._run: SyncRun | None = None  # during fit: the pipeline's running state
         self._pipeline_state: dict[str, Any] | None = None  # restored from a checkpoint, for the next fit
-        self._engine_spec = build_engine(rollout)
-        self.engine: RolloutEngine = self._engine_spec  # after setup: the engine the strategy connected
+        self._engine_spec = self.rollout.engine
+        self.engine: RolloutEngine = self._engine_spec  # after setup: the engine the rollout connected
         self.sync: WeightSync | None = None  # after setup: pushes the strategy's weights into the engine
         self._pending_checkpoint: PendingCheckpoint | None = None  # an async save, completed later
         self.fast_dev_run = int(fast_dev_run)
@@ -155,7 +158,7 @@ class Trainer(DeprecatedTrainerMethods):
                               type(module).__name__)
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self.estimated_total_steps = estimate_training_steps(train_loader, self.max_epochs, self.max_steps)
-        self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps, self._engine_spec)
+        self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps, self.rollout)
         resume = resolve_ckpt_path(self, ckpt_path) if ckpt_path is not None else None
         if resume is not None:  # before anything is logged: the resumed run writes on in the checkpointed run's log
             continue_logs(self.loggers, read_trainer_state(resume))
@@ -241,9 +244,9 @@ class Trainer(DeprecatedTrainerMethods):
         if self.sync is not None:
             self.sync.wait()
         pipeline = self._run.state_dict() if self._run is not None else self._pipeline_state or {}
-        state = {"pipeline": {"mode": self.pipeline.mode, **pipeline}, "global_step": self.global_step,
-                 "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch,
-                 "loggers": log_versions(self.loggers)}
+        state = {"pipeline": {"mode": self.pipeline.mode, **pipeline}, "rollout": self.rollout.state_dict(),
+                 "global_step": self.global_step, "current_epoch": self.current_epoch,
+                 "batches_seen_in_epoch": self.batches_seen_in_epoch, "loggers": log_versions(self.loggers)}
         self._pending_checkpoint = write_checkpoint(path, self.strategy, state, functools.partial(
             call_callback_hooks, self, "on_save_checkpoint"), async_save, on_saved)
         if not async_save:
@@ -272,7 +275,8 @@ class Trainer(DeprecatedTrainerMethods):
         except Exception:  # release everything even so; the previous checkpoint is intact
             log.exception("An asynchronous checkpoint save failed; it was not made visible")
         if self._is_setup and self._run is not None:
-            self.strategy.teardown()  # kill the workers first: threads waiting on them return at once
+            self.rollout.teardown()  # kill the workers first: threads waiting on them return at once
+            self.strategy.teardown()
         if self._run is not None:
             self._run.close()
             self._run = None
@@ -283,6 +287,7 @@ class Trainer(DeprecatedTrainerMethods):
                 self.engine.teardown()
             finally:
                 call_module_hook(self, "teardown")  # its own processes (GRPO: the reward workers)
+                self.rollout.teardown()
                 self.strategy.teardown()
                 self.engine, self.sync = self._engine_spec, None
                 self._is_setup = False
@@ -304,10 +309,10 @@ class Trainer(DeprecatedTrainerMethods):
             self.max_positions = getattr(config, "max_position_embeddings", None)  # and prompt lengths
             if module.records_routes() and routing_shape(config) is not None:  # a MoE policy's routes (R3)
                 self._engine_spec.return_routed_experts = True
-            self.sync = self.strategy.connect(self._engine_spec, module.tokenizer, watchdog=self.watchdog,
-                                              mode=self.pipeline.push_mode)
+            self.sync = self.rollout.connect(self.strategy, module.tokenizer, seed=self.seed, watchdog=self.watchdog,
+                                             mode=self.pipeline.push_mode)
             self.engine = self.sync.engine
-            self.sync.sync(self.global_step)
+            self.sync.push(self.global_step, mode="wait")
         except BaseException:
             self._is_setup = True  # release what setup started (worker processes), then report the error
             with contextlib.suppress(Exception):
@@ -388,5 +393,6 @@ class Trainer(DeprecatedTrainerMethods):
         self.current_epoch = checkpoint["current_epoch"]
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
         self.ckpt_path, self.ckpt_step = path, checkpoint["global_step"]
+        self.rollout.load_state_dict(checkpoint.get("rollout", {}))
         call_callback_hooks(self, "on_load_checkpoint", checkpoint)
-        self.sync.sync(self.global_step)
+        self.sync.push(self.global_step, mode="wait")

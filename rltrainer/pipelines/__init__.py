@@ -50,7 +50,7 @@ resumed run ends with the uninterrupted run's weights, bit for bit, on any numbe
 (Timing-driven, ``deterministic=False`` or ``"drop"``: only the prompts trained are the same.)
 
 Generation overlaps training only when the engines have processes of their own (split
-placement); :meth:`Pipeline.check_strategy` refuses the other modes otherwise. ``sync`` puts an engine to
+placement); :meth:`Pipeline.check_rollout` refuses the other modes otherwise. ``sync`` puts an engine to
 sleep after each rollout only where it shares the trainer's memory (:func:`engine_shares_memory`).
 """
 

@@ -25,10 +25,11 @@ if TYPE_CHECKING:
 Position = tuple[int, int, int]  # one prompt: (epoch, batch index in the epoch, row in that batch)
 
 
-def engine_shares_memory(strategy: Any) -> bool:
-    """Whether the strategy's engines share memory with training (colocated, or in the trainer's
-    process), so that they sleep while it trains; split engines have devices of their own."""
-    return getattr(strategy, "rollout_placement", "colocated") != "split"
+def engine_shares_memory(engine: Any) -> bool:
+    """Whether the connected ``engine`` shares memory with training (colocated, or in the trainer's
+    process), so that it sleeps while the policy trains; split engines (``placement == "split"``,
+    set by :meth:`Rollout.connect <rltrainer.rollout.rollout.Rollout.connect>`) have devices of their own."""
+    return getattr(engine, "placement", "colocated") != "split"
 
 
 @dataclass
@@ -87,7 +88,7 @@ class SyncRun:
         self._drew = False  # whether the rollout_step running now drew prompts of its own
         self._executors: dict[int | None, ThreadPoolExecutor] = {}  # None: shared; a lane: one replica's, in order
         self._in_flight: list[Future] = []
-        self._sleeps = engine_shares_memory(fit.strategy)  # inline rollouts: wake, generate, sleep
+        self._sleeps = engine_shares_memory(fit.engine)  # inline rollouts: wake, generate, sleep
         self._window = time.perf_counter()
         self._waited = self._engine_busy = 0.0
 

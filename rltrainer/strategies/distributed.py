@@ -5,7 +5,7 @@ controller side, with the batch dispatch, is :mod:`rltrainer.strategies.dispatch
 (:class:`WorkerGroupStrategy`, :func:`partition_for_ranks`).
 """
 
-from rltrainer.strategies.dispatch import PLACEMENTS, WorkerGroupStrategy, partition_for_ranks, ship_user_code
+from rltrainer.strategies.dispatch import WorkerGroupStrategy, partition_for_ranks, ship_user_code
 from rltrainer.strategies.rank_worker import TrainingWorker
 
-__all__ = ["PLACEMENTS", "TrainingWorker", "WorkerGroupStrategy", "partition_for_ranks", "ship_user_code"]
+__all__ = ["TrainingWorker", "WorkerGroupStrategy", "partition_for_ranks", "ship_user_code"]

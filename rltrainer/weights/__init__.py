@@ -11,7 +11,7 @@ rollout engines. It imports nothing else of rltrainer; ``rollout``, ``controller
   shared memory, each with ``start(version) -> SyncHandle`` and ``SyncHandle.wait() -> stats``.
 - :mod:`~rltrainer.weights.sender` / :mod:`~rltrainer.weights.receiver`: the training ranks' and
   the rollout processes' sides.
-- :mod:`~rltrainer.weights.delta`: delta sync (``weight_sync_delta``): only the words that changed
+- :mod:`~rltrainer.weights.delta`: delta sync (``Rollout(delta=...)``): only the words that changed
   since the engines' copy, verified by checksums, with a fall back to full buckets.
 - :mod:`~rltrainer.weights.staging`: a rollout process's staged syncs, received beside its
   requests and applied between two of them.

@@ -4,7 +4,7 @@ A version is a count of training steps: the weights after ``k`` updates of the p
 version ``k`` (the Trainer's ``global_step``; version 0 is the initial weights).
 
 - :class:`WeightVersions` (the controller's, owned by the engine's sync owner,
-  ``rltrainer.strategies.weight_sync.WeightSync``, and written by it only): ``policy`` (the version
+  ``rltrainer.weights.sync.WeightSync``, and written by it only): ``policy`` (the version
   last pushed or synced: the weights the strategy trains), ``started`` (the last sync started) and
   ``loaded`` (the last sync every replica loaded).
 - ``RolloutEngine.weight_version``: the version the engine holds, written where the engine lives by

@@ -14,13 +14,15 @@ from rltrainer import (AsyncPipeline, LogGenerations, Logger, OneStepOffPipeline
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.deprecated import MOVED
 from rltrainer.pipelines import PIPELINES, resolve_pipeline
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy
 
 QUIET = dict(logger=False, enable_progress_bar=False)
 
 
-def split() -> FSDP2Strategy:
-    return FSDP2Strategy(devices=1, rollout_placement="split")
+def split() -> dict:
+    """A Trainer's strategy and rollout with the engine in a process of its own."""
+    return dict(strategy=FSDP2Strategy(devices=1), rollout=Rollout(placement="split"))
 
 
 def test_the_constructor_has_at_most_20_parameters():
@@ -33,11 +35,11 @@ def test_the_constructor_has_at_most_20_parameters():
 
 @pytest.mark.parametrize("name, cls", list(PIPELINES.items()))
 def test_a_name_is_shorthand_for_the_pipeline_object_with_its_defaults(name, cls):
-    strategy = split() if name != "sync" else SingleDeviceStrategy()
+    where = split() if name != "sync" else dict(strategy=SingleDeviceStrategy())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new spellings do not warn
-        by_name, by_object = Trainer(strategy=strategy, pipeline=name, **QUIET), \
-            Trainer(strategy=strategy, pipeline=cls(), **QUIET)
+        by_name, by_object = Trainer(**where, pipeline=name, **QUIET), \
+            Trainer(**where, pipeline=cls(), **QUIET)
     assert type(by_name.pipeline) is type(by_object.pipeline) is cls
     assert by_name.pipeline == by_object.pipeline == name and by_name.pipeline.mode == name
     assert by_name.pipeline != ("sync" if name != "sync" else SyncPipeline(weight_sync="async"))
@@ -63,7 +65,7 @@ def test_the_former_keywords_map_onto_their_homes_with_one_warning(tmp_path):
     old = dict(pipeline="async", max_staleness=2, staleness_policy="drop", log_generations_every_n_steps=7,
                log_generations_rows=2, project="proj", run_name="run")
     with pytest.warns(DeprecationWarning) as caught:
-        t = Trainer(strategy=split(), logger="csv", default_root_dir=tmp_path, enable_progress_bar=False, **old)
+        t = Trainer(**split(), logger="csv", default_root_dir=tmp_path, enable_progress_bar=False, **old)
     assert len([w for w in caught if issubclass(w.category, DeprecationWarning)]) == 1
     message = str(caught[0].message)
     assert "pipeline=AsyncPipeline(max_staleness=...)" in message and "LogGenerations(rows=...)" in message
@@ -99,7 +101,7 @@ def test_the_new_spellings_configure_the_same(tmp_path):
 
 def test_a_setting_given_twice_is_refused():
     with pytest.raises(ValueError, match=r"set them in its constructor"), pytest.warns(DeprecationWarning):
-        Trainer(strategy=split(), pipeline=AsyncPipeline(), max_staleness=3, **QUIET)
+        Trainer(**split(), pipeline=AsyncPipeline(), max_staleness=3, **QUIET)
     with pytest.raises(ValueError, match=r"configure the callback alone"), pytest.warns(DeprecationWarning):
         Trainer(callbacks=[LogGenerations()], log_generations_rows=2, **QUIET)
     with pytest.raises(ValueError, match=r"LogGenerations\(rows=...\): rows must be an int >= 1.*got 0"):
@@ -128,9 +130,9 @@ def test_the_module_facing_helpers_left_the_trainer_and_still_answer(tiny_config
     with pytest.raises(RuntimeError, match=r"draw_prompts\(\) is only available inside fit\(\)"):
         module.draw_prompts()
     t.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
-    with pytest.warns(DeprecationWarning, match=r"trainer.sync.sync\(trainer.global_step\)"):
+    with pytest.warns(DeprecationWarning, match=r'trainer.sync.push\(trainer.global_step, mode="wait"\)'):
         stats = t.sync_weights()
-    assert stats["skipped"] and stats["tensors"] == 0  # the engine already holds these weights
+    assert stats["sync/skipped"] and stats["sync/tensors"] == 0  # the engine already holds these weights
     with pytest.warns(DeprecationWarning, match=r"self.draw_prompts\(\)"), \
             pytest.raises(RuntimeError, match="inside fit"):
         t.draw_prompts()  # after fit: no pipeline runs
