@@ -143,19 +143,14 @@ class Rollout:
                        seed: int) -> tuple[RolloutEngine, WeightTransport, Any]:
         """Colocated: one replica in every training process. Split: ``replicas`` Ray processes of
         their own, fed by the transport ``transport`` resolves to (:meth:`_split_transport`)."""
-        engine, split, config = self.engine, self.placement == "split", strategy.model_config()
+        engine, split = self.engine, self.placement == "split"
         self._check_ranks(strategy, engine)
         group = self._start_replicas(strategy, engine, seed) if split else strategy.require_group()
         view, dtype = engine_view(strategy.lora_config, engine), getattr(engine, "dtype", None)
         if split:  # resolved, and checked with the engine, before it starts
             self._transport = self._split_transport(strategy, group, dtype)
             engine.check_split_transport(self._transport.name, adapter=view == "adapter")
-        files = engine.runtime_env is not None and split  # another transformers, maybe
-        lora = strategy.lora_config if view == "adapter" else None
-        if files and lora is not None:  # peft may be missing there: adapter_config.json as a dict
-            lora = adapter_config_dict(lora)
-        group.remote.setup_engine(engine, ModelFiles.of(config, tokenizer) if files else config,
-                                  None if files else tokenizer, lora)
+        self._setup_engines(group, strategy, tokenizer, view)
         strategy.set_weight_view(view)
         strategy.require_group().remote.configure_weight_sync(self.bucket_bytes, self.delta if split else None)
         strategy.forget_synced(group.remote.engine_weight_groups(strategy.weight_names()))  # kept whole
@@ -168,6 +163,17 @@ class Rollout:
         self.remote_engine.return_routed_experts = engine.return_routed_experts  # what its replicas were asked
         self.remote_engine.placement = self.placement  # split replicas do not sleep while the policy trains
         return self.remote_engine, self._transport, view
+
+    def _setup_engines(self, group: WorkerGroup, strategy: WorkerGroupStrategy, tokenizer: Any, view: Any) -> None:
+        """Set the engine up in every process of ``group`` (a LoRA policy's adapter config with it if
+        the engine loads adapters); a split engine of another Python environment gets the model's
+        files, not objects of this environment's transformers."""
+        files = self.engine.runtime_env is not None and self.placement == "split"  # another transformers, maybe
+        config, lora = strategy.model_config(), strategy.lora_config if view == "adapter" else None
+        if files and lora is not None:  # peft may be missing there: adapter_config.json as a dict
+            lora = adapter_config_dict(lora)
+        group.remote.setup_engine(self.engine, ModelFiles.of(config, tokenizer) if files else config,
+                                  None if files else tokenizer, lora)
 
     def _check_ranks(self, strategy: WorkerGroupStrategy, engine: RolloutEngine) -> None:
         """Refuse, before any replica starts, what cannot run: the model on the ranks' devices, a

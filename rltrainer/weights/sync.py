@@ -2,9 +2,9 @@
 
 :meth:`Rollout.connect <rltrainer.rollout.rollout.Rollout.connect>` builds it; no one else does. It
 holds the transport the rollout chose, the LoRA view the engine loads, the push in flight, the thread
-that runs a background push, and the controller's version counters
-(:class:`~rltrainer.weights.versions.WeightVersions`, see that module for every version's meaning),
-so the Trainer, the step, the pipelines and export ask it instead of each other. Its verbs:
+that runs a background push, and the version last pushed (:attr:`WeightSync.version`; see
+:mod:`rltrainer.weights.versions` for every version's meaning), so the Trainer, the step, the
+pipelines and export ask it instead of each other. Its verbs:
 
 - :meth:`push` a version: ``mode="wait"`` pushes and waits (its metrics go to this step),
   ``"background"`` pushes in a thread while logging, callbacks and loading the next prompts go on,
@@ -23,7 +23,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rltrainer.weights.transports import WeightTransport, sync_metrics
-from rltrainer.weights.versions import WeightVersions
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -61,15 +60,15 @@ class WeightSync:
         check_push_mode(mode)
         self.engine, self.transport, self.source, self.mode = engine, transport, source, mode
         self.watchdog, self.view, self.bucket_bytes = watchdog, view, bucket_bytes
-        self.versions = WeightVersions()  # policy / started / loaded: written here only
+        self.version = 0  # the version last pushed: the weights the strategy trains (global_step)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | Any | None = None  # a Future (background) or a transport's handle
 
     def push(self, version: int | None = None, mode: str | None = None) -> dict[str, float]:
-        """Push the policy's weights as ``version`` (default: the last pushed, :attr:`versions.policy
-        <rltrainer.weights.versions.WeightVersions.policy>`) in ``mode`` (default: this owner's); the
-        metrics of whatever push this waited for (with ``"wait"``: this one's, ``sync/tensors``,
-        ``sync/bytes``, ``sync/skipped`` (unchanged since the last push), ``sync/buckets``...).
+        """Push the policy's weights as ``version`` (default: the last pushed, :attr:`version`) in
+        ``mode`` (default: this owner's); returns the metrics of whatever push this waited for (with
+        ``"wait"``: this one's, ``sync/tensors``, ``sync/bytes``, ``sync/skipped`` (unchanged since
+        the last push), ``sync/buckets``...).
 
         From the moment it returns, requests ask for ``version``: replicas where it has not arrived
         yet wait for it. Once loaded (:meth:`wait`), ``engine.weight_version == version`` (for remote
@@ -77,8 +76,7 @@ class WeightSync:
         weights (``engine.weights_discarded``), the push sends every weight."""
         mode = self.mode if mode is None else check_push_mode(mode)
         metrics = self.wait()  # one push at a time
-        version = self.versions.policy if version is None else version
-        self.versions.policy = version
+        version = self.version = self.version if version is None else version
         if mode == "background":
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltrainer-weight-sync")
@@ -116,18 +114,13 @@ class WeightSync:
         if getattr(self.engine, "weights_discarded", False):
             self.source.forget_synced()
             self.engine.weights_discarded = False
-        self.versions.started = version
-        handle = self.transport.start(version, on_loaded=self._loaded)
+        handle = self.transport.start(version, on_loaded=self._hold)  # a RemoteEngine mirrors its replicas
         self._hold(version)
         return handle
 
-    def _loaded(self, version: int) -> None:
-        self.versions.loaded = version
-        self._hold(version)  # a controller-side handle (RemoteEngine) mirrors its replicas
-
     def _hold(self, version: int) -> None:
-        """The version the controller's handle on the engine asks its requests for (where the engine
-        lives, :func:`~rltrainer.weights.versions.mark_loaded` writes it)."""
+        """Requests from now on ask for ``version`` (set when a push starts and when it has loaded;
+        the controller's handle on remote replicas keeps it, see :mod:`rltrainer.weights.versions`)."""
         self.engine.weight_version = version
 
 

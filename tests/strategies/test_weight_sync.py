@@ -27,16 +27,14 @@ def connected(tiny_config, bpe_tokenizer, **kwargs):
 def test_connect_returns_the_owner_and_it_holds_the_versions(tiny_config, bpe_tokenizer):
     strategy, sync = connected(tiny_config, bpe_tokenizer)
     assert isinstance(sync, WeightSync) and isinstance(sync.engine, HFEngine)
-    assert (sync.versions.policy, sync.versions.started, sync.versions.loaded) == (0, -1, -1)
-    assert sync.engine.weight_version == -1
+    assert sync.version == 0 and sync.engine.weight_version == -1
     stats = sync.push(3, mode="wait")
     assert stats["sync/tensors"] == len(strategy.weight_names())
-    assert (sync.versions.policy, sync.versions.started, sync.versions.loaded) == (3, 3, 3)
-    assert sync.engine.weight_version == 3
+    assert sync.version == 3 and sync.engine.weight_version == 3
     assert sync.push(4, mode="overlap") == {}  # started, not waited for
-    assert sync.versions.started == 4 and sync.versions.loaded == 3 and sync.versions.policy == 4
-    sync.wait()
-    assert sync.versions.loaded == 4 and sync.engine.weight_version == 4
+    assert sync.version == 4 and sync.engine.weight_version == 4  # requests ask for it from the start
+    assert "sync/tensors" in sync.wait()
+    assert sync.engine.weight_version == 4
     assert sync.push(mode="wait")["sync/tensors"] == 0 and sync.engine.weight_version == 4  # the policy's
 
 
@@ -45,7 +43,7 @@ def test_push_records_the_policy_version_and_the_metrics(tiny_config, bpe_tokeni
     assert sync.push(1) == {}  # nothing was in flight
     metrics = sync.wait()
     assert "sync/tensors" in metrics and "timing_s/wait_weights" in metrics
-    assert sync.versions.policy == sync.versions.loaded == sync.engine.weight_version == 1
+    assert sync.version == sync.engine.weight_version == 1
     sync.close()
 
 

@@ -17,7 +17,7 @@ def test_in_process_sync_sends_what_changed_and_sets_the_version(tiny_config, bp
     strategy.setup(module, seed=0)
     sync = Rollout(HFEngine()).connect(strategy, bpe_tokenizer)
     engine = sync.engine
-    assert engine.weight_version == -1 and sync.versions.policy == 0
+    assert engine.weight_version == -1 and sync.version == 0
     handle = sync.transport.start(5)
     assert handle.done is False and engine.weight_version == 5  # in-process: loaded before start returns
     stats = handle.wait()
@@ -27,6 +27,6 @@ def test_in_process_sync_sends_what_changed_and_sets_the_version(tiny_config, bp
         assert torch.equal(dict(engine.model.named_parameters())[name], p), name
     again = sync.push(mode="wait")  # nothing stepped: nothing sent, the version still moves
     assert again["sync/tensors"] == 0 and again["sync/skipped"] == len(names) and again["sync/buckets"] == 0
-    assert engine.weight_version == sync.versions.policy == 0 and sync.versions.loaded == 0
+    assert engine.weight_version == sync.version == 0
     strategy.versions.bump(["model.norm.weight"])  # as an optimizer step would
     assert sync.push(9, mode="wait")["sync/tensors"] == 1 and engine.weight_version == 9
