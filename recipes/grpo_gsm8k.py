@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="single", help="a registered strategy name")
     p.add_argument("--rollout", default="hf", help="a registered rollout engine name")
     p.add_argument("--devices", type=int, default=1, help="training ranks (fsdp2: Ray workers when > 1)")
-    p.add_argument("--weight-sync", choices=["sync", "async"], default="sync")
+    p.add_argument("--push-mode", choices=["wait", "background"], default="wait",
+                   help="sync pipeline: wait for each step's weight push, or push in the background")
     p.add_argument("--pipeline", choices=["sync", "one_step_off", "async"], default="sync",
                    help="one_step_off / async: generate while the policy trains (engines in processes of their own; "
                         "strategy 'single' becomes one in-process fsdp2 rank)")
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rollout = Rollout(args.rollout, placement="split" if args.pipeline != "sync" else "colocated")
     strategy = build_strategy(args.strategy, devices=args.devices, precision=args.precision,
                               micro_batch_size=args.micro_batch_size, padding_free=args.padding_free, **per_rank)
-    pipeline = (SyncPipeline(weight_sync=args.weight_sync) if args.pipeline == "sync" else OneStepOffPipeline()
+    pipeline = (SyncPipeline(push_mode=args.push_mode) if args.pipeline == "sync" else OneStepOffPipeline()
                 if args.pipeline == "one_step_off" else AsyncPipeline(max_staleness=args.max_staleness))
     start = time.perf_counter()
     with Trainer(strategy=strategy, rollout=rollout, max_steps=args.max_steps, seed=args.seed,

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 #: Trainer keyword -> (its new home, how to spell it there).
 MOVED: dict[str, tuple[str, str]] = {
-    "weight_sync": ("pipeline", "pipeline=SyncPipeline(weight_sync=...)"),
+    "weight_sync": ("pipeline", "pipeline=SyncPipeline(push_mode='wait' | 'background')"),
     "max_staleness": ("pipeline", "pipeline=AsyncPipeline(max_staleness=...)"),
     "staleness_policy": ("pipeline", "pipeline=AsyncPipeline(staleness_policy=...)"),
     "micro_batch_size": ("strategy", "strategy=SingleDeviceStrategy(micro_batch_size=...) (or FSDP2Strategy(...))"),

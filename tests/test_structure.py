@@ -331,12 +331,19 @@ def test_no_strategy_argument_reaches_the_user_through_kwargs() -> None:
 def test_weights_move_by_three_verbs() -> None:
     """A Rollout connects; its WeightSync pushes and waits (``close`` ends it). The retired verbs
     are defined nowhere in the package."""
+    import inspect
+
     from rltrainer.rollout.rollout import Rollout
     from rltrainer.weights.sync import WeightSync
 
     public = {n for n in vars(WeightSync) if not n.startswith("_") and callable(getattr(WeightSync, n))}
     assert public == {"push", "wait", "close"}, public
     assert "connect" in vars(Rollout) and SYNC_VERBS <= {"connect", *public}
+    from rltrainer.pipelines.modes import SYNC_PUSH_MODES, SyncPipeline
+    from rltrainer.weights.sync import PUSH_MODES
+
+    assert list(inspect.signature(SyncPipeline).parameters) == ["push_mode"]  # one spelling of a push's mode
+    assert set(SYNC_PUSH_MODES) <= set(PUSH_MODES)
     retired = [f"{m}.{f.name}" for m, f in functions() if f.name in RETIRED_SYNC_VERBS
                and m != "rltrainer.deprecated"]  # the Trainer's old spellings, deleted by issue 45 point 4
     assert not retired, retired

@@ -1,6 +1,6 @@
 """When rollouts are made relative to policy updates: ``sync``, ``one_step_off`` and ``async``,
 as objects (``Trainer(pipeline=AsyncPipeline(max_staleness=2, staleness_policy="drop"))``,
-``SyncPipeline(weight_sync="async")``, ``OneStepOffPipeline()``) or by name (``"sync"``,
+``SyncPipeline(push_mode="background")``, ``OneStepOffPipeline()``) or by name (``"sync"``,
 ``"one_step_off"``, ``"async"``: each with its defaults). Each checks its settings when it is
 built; :mod:`rltrainer.pipelines.modes` holds them and :mod:`rltrainer.pipelines.runs` the
 running state of a fit.

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from rltrainer.loop import FitContext
 
 STALENESS_POLICIES = ("wait", "drop")
-WEIGHT_SYNCS = ("sync", "async")
+#: A sync pipeline's push: wait for it at the end of the step, or run it in the background.
+SYNC_PUSH_MODES = ("wait", "background")
 
 
 class Pipeline:
@@ -60,24 +61,24 @@ class SyncPipeline(Pipeline):
     """``"sync"``: generate a batch with the current weights, then train on it.
 
     Args:
-        weight_sync: ``"sync"`` (push new weights at the end of each step and wait) or ``"async"``
+        push_mode: ``"wait"`` (push new weights at the end of each step and wait) or ``"background"``
             (push in a background thread; logging, callbacks and loading the next prompts overlap
-            with it, and the next rollout, validation or checkpoint waits for it).
+            with it, and the next rollout, validation or checkpoint waits for it): the
+            :data:`~rltrainer.weights.sync.PUSH_MODES` a sync step may use.
     """
 
     mode = "sync"
 
-    def __init__(self, weight_sync: str = "sync") -> None:
-        if weight_sync not in WEIGHT_SYNCS:
-            raise ValueError(f"weight_sync must be 'sync' or 'async', got {weight_sync!r}")
-        self.weight_sync = weight_sync
-        self.push_mode = "background" if weight_sync == "async" else "wait"
+    def __init__(self, push_mode: str = "wait") -> None:
+        if push_mode not in SYNC_PUSH_MODES:
+            raise ValueError(f"push_mode must be 'wait' or 'background', got {push_mode!r}")
+        self.push_mode = push_mode
 
     def start(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]]) -> SyncRun:
         return SyncRun(fit, prompt_batches)
 
     def __repr__(self) -> str:
-        return f"SyncPipeline(weight_sync={self.weight_sync!r})"
+        return f"SyncPipeline(push_mode={self.push_mode!r})"
 
 
 class OneStepOffPipeline(Pipeline):
@@ -161,7 +162,9 @@ def resolve_pipeline(pipeline: str | Pipeline, **settings: Any) -> Pipeline:
                          f"pipeline={pipeline!r} already pushes in the background: leave weight_sync='sync'")
     if pipeline == "async":
         return checked
-    return SyncPipeline(weight_sync) if pipeline == "sync" else OneStepOffPipeline()
+    if pipeline == "sync":  # the Trainer's former weight_sync="sync" | "async"
+        return SyncPipeline("background" if weight_sync == "async" else "wait")
+    return OneStepOffPipeline()
 
 
 def check_module_pipeline(module: Any, pipeline: str | Pipeline) -> None:

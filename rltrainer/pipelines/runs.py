@@ -94,7 +94,7 @@ class SyncRun:
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         for prompts in self._prompts:
-            self.fit.log(self.fit.sync.wait())  # weight_sync="async"
+            self.fit.log(self.fit.sync.wait())  # SyncPipeline(push_mode="background")
             self.fit.call_hooks("on_step_start", prompts.batch)
             batch = self._wait(self._submit(prompts, inline=True))
             if len(batch) == 0 and self._exhausted:  # rollout_step drew to the data's end and kept nothing

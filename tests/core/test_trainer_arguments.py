@@ -42,7 +42,7 @@ def test_a_name_is_shorthand_for_the_pipeline_object_with_its_defaults(name, cls
             Trainer(**where, pipeline=cls(), **QUIET)
     assert type(by_name.pipeline) is type(by_object.pipeline) is cls
     assert by_name.pipeline == by_object.pipeline == name and by_name.pipeline.mode == name
-    assert by_name.pipeline != ("sync" if name != "sync" else SyncPipeline(weight_sync="async"))
+    assert by_name.pipeline != ("sync" if name != "sync" else SyncPipeline(push_mode="background"))
 
 
 def test_each_pipeline_checks_its_own_settings_at_construction():
@@ -50,13 +50,13 @@ def test_each_pipeline_checks_its_own_settings_at_construction():
         AsyncPipeline(max_staleness=-1)
     with pytest.raises(ValueError, match=r"staleness_policy='skip'; choose from wait, drop"):
         AsyncPipeline(staleness_policy="skip")
-    with pytest.raises(ValueError, match=r"weight_sync must be 'sync' or 'async', got 'later'"):
-        SyncPipeline(weight_sync="later")
+    with pytest.raises(ValueError, match=r"push_mode must be 'wait' or 'background', got 'later'"):
+        SyncPipeline(push_mode="later")
     with pytest.raises(ValueError, match=r"pipeline='overlap'; choose from sync, one_step_off, async"):
         resolve_pipeline("overlap")
     with pytest.raises(ValueError, match="split"):  # the pairing with the strategy: checked by the Trainer
         Trainer(pipeline=AsyncPipeline(max_staleness=2), **QUIET)
-    assert [SyncPipeline().push_mode, SyncPipeline("async").push_mode, OneStepOffPipeline().push_mode,
+    assert [SyncPipeline().push_mode, SyncPipeline("background").push_mode, OneStepOffPipeline().push_mode,
             AsyncPipeline().push_mode] == ["wait", "background", "overlap", "overlap"]
     assert repr(AsyncPipeline(2, "drop")) == "AsyncPipeline(max_staleness=2, staleness_policy='drop')"
 
@@ -90,7 +90,7 @@ def test_the_new_spellings_configure_the_same(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         t = Trainer(strategy=SingleDeviceStrategy(micro_batch_size=3, padding_free=True),
-                    pipeline=SyncPipeline(weight_sync="async"), logger=Logger("csv", project="proj", run_name="run"),
+                    pipeline=SyncPipeline(push_mode="background"), logger=Logger("csv", project="proj", run_name="run"),
                     callbacks=[LogGenerations(every_n_steps=7, rows=2)], default_root_dir=tmp_path,
                     enable_progress_bar=False)
     assert (t.strategy.micro_batch_size, t.strategy.padding_free, t.pipeline.push_mode) == (3, True, "background")

@@ -169,23 +169,23 @@ def test_one_rank_runs_in_process_like_single(tiny_config, bpe_tokenizer, gsm8k_
         torch.testing.assert_close(results["fsdp2"][name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-def test_async_weight_sync_gives_the_same_run(tiny_config, bpe_tokenizer, gsm8k_prompts):
+def test_a_background_push_gives_the_same_run(tiny_config, bpe_tokenizer, gsm8k_prompts):
     results = {}
-    for mode in ("sync", "async"):
+    for mode in ("wait", "background"):
         module = make_module(FrozenEmbeddingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
         trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, seed=2,
-                          pipeline=SyncPipeline(weight_sync=mode))
+                          pipeline=SyncPipeline(push_mode=mode))
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         results[mode] = ({n: p.detach().clone() for n, p in module.policy.named_parameters()},
                          trainer.callback_metrics)
         engine = {n: p for n, p in trainer.engine.model.named_parameters()}
         for n, p in module.policy.named_parameters():
             assert torch.equal(engine[n], p), n  # fit returns with the last push done
-    for name, tensor in results["sync"][0].items():
-        assert torch.equal(results["async"][0][name], tensor), name
-    assert "timing_s/wait_weights" in results["async"][1] and results["async"][1]["sync/skipped"] == 1
-    with pytest.raises(ValueError, match="weight_sync"):
-        Trainer(pipeline=SyncPipeline(weight_sync="later"))
+    for name, tensor in results["wait"][0].items():
+        assert torch.equal(results["background"][0][name], tensor), name
+    assert "timing_s/wait_weights" in results["background"][1] and results["background"][1]["sync/skipped"] == 1
+    with pytest.raises(ValueError, match="push_mode"):
+        Trainer(pipeline=SyncPipeline(push_mode="later"))
 
 
 def test_bad_fsdp2_and_rollout_arguments():
