@@ -37,7 +37,7 @@ class FitContext:
 
     module: RLModule
     strategy: Strategy
-    engine: RolloutEngine  # the engine the strategy connected
+    engine: RolloutEngine  # the engine the rollout connected
     sync: WeightSync  # the one owner of weight pushes
     watchdog: Watchdog
     seed: int

@@ -174,7 +174,7 @@ class Trainer(DeprecatedTrainerMethods):
                 self._restore(resume)
             self._validated_this_step = self.should_stop = False
             log_hyperparameters(self.loggers, {"pipeline/mode": self.pipeline.mode, **hyperparameters_of(
-                trainer=self, pipeline=self.pipeline, strategy=self.strategy, module=module)})
+                trainer=self, pipeline=self.pipeline, strategy=self.strategy, rollout=self.rollout, module=module)})
             call_hooks(self, "on_fit_start")
             with stop_on_interrupt(self):
                 if val_loader is not None and self.val_check_interval and self.global_step == 0:
