@@ -279,7 +279,7 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
     def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
                           backend: str, device: torch.device | str, timeout_s: float) -> None:
         """SGLang's schedulers join as ranks ``rank_offset + tp_rank`` (SGLang's own timeout applies).
-        A LoRA engine is refused (the strategy asks :meth:`check_split_transport` before any replica starts)."""
+        A LoRA engine is refused (the rollout asks :meth:`check_split_transport` before any replica starts)."""
         self.check_split_transport("broadcast", adapter=self._adapter is not None)
         self.close_weight_group()
         _checked(self.engine.init_weights_update_group(master_address=address, master_port=port,

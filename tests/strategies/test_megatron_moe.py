@@ -100,7 +100,7 @@ def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, micro_batch
         ref = strategy.compute(batch, "ref")["ref_log_probs"]
         metrics = [(single.train_step(batch), strategy.train_step(batch)) for _ in range(2)]
         after = dict(strategy.export_weights())
-        layout = strategy._require_group().execute_all("training_layout") if devices > 1 else None
+        layout = strategy.require_group().execute_all("training_layout") if devices > 1 else None
     finally:
         strategy.teardown()
     return dict(single=single_module.policy, batch=batch, before=before, ref=ref, metrics=metrics, after=after,

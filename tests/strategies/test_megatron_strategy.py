@@ -118,7 +118,7 @@ def test_dp2_lr_schedule_and_clipping_match_one_device(distributed, overlap, con
         strategy.setup(make_module(config, bpe_tokenizer, warmup_steps=3), seed=7)
         optimizer = ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer" if distributed
                      else "megatron.core.optimizer.optimizer.FP32Optimizer")
-        for layout in strategy._require_group().execute_all("training_layout"):
+        for layout in strategy.require_group().execute_all("training_layout"):
             assert layout == {"ddp": {"policy": DDP}, "optimizers": [optimizer]}
         lrs = []
         for _ in range(3):
@@ -147,7 +147,7 @@ def test_dp2_bf16_steps_with_the_distributed_optimizer(config, bpe_tokenizer, gs
     strategy = MegatronStrategy(devices=2, micro_batch_size=5, precision="bf16-true")
     try:
         strategy.setup(make_module(config, bpe_tokenizer), seed=7)
-        assert strategy._require_group().execute_all("training_layout")[0]["optimizers"] == [
+        assert strategy.require_group().execute_all("training_layout")[0]["optimizers"] == [
             "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"]
         before = dict(strategy.export_weights())
         for _ in range(2):
@@ -282,7 +282,7 @@ def test_ppo_critic_on_tensor_parallel_matches_one_device(config, bpe_tokenizer,
     strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2, micro_batch_size=4)
     try:
         strategy.setup(ppo(), seed=3)
-        for layout in strategy._require_group().execute_all("training_layout"):  # both models, one optimizer
+        for layout in strategy.require_group().execute_all("training_layout"):  # both models, one optimizer
             assert layout == {"ddp": {"policy": DDP, "critic": DDP},
                               "optimizers": ["megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"]}
         torch.testing.assert_close(strategy.compute(batch, "values")["values"], batch["values"], rtol=0, atol=1e-5)
