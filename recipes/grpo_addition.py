@@ -383,12 +383,14 @@ def run(config: Config) -> dict[str, Any]:
                 raise ValueError(f"--placement {config.placement!r}; choose from auto, split")
             if config.pipeline == "sync" and config.placement == "auto" and config.rollout == "hf":
                 strategy: Any = SingleDeviceStrategy(micro_batch_size=config.micro_batch_size)
+                rollout = rltrainer.Rollout(build_engine(config))
             else:  # the policy trains in this process, the engine generates in a Ray process of its own
-                strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=config.micro_batch_size,
+                strategy = FSDP2Strategy(devices=1, micro_batch_size=config.micro_batch_size,
                                          threads_per_worker=config.threads)
+                rollout = rltrainer.Rollout(build_engine(config), placement="split")
             progress = PrintProgress(config.print_every)
             trainer = rltrainer.Trainer(
-                strategy=strategy, rollout=build_engine(config),
+                strategy=strategy, rollout=rollout,
                 pipeline=rltrainer.AsyncPipeline(max_staleness=config.max_staleness) if config.pipeline == "async"
                 else config.pipeline,
                 max_steps=config.steps, seed=config.seed if config.sampling_seed < 0 else config.sampling_seed,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rltrainer import GRPO, AsyncPipeline, OneStepOffPipeline, SyncPipeline, Trainer, prompt_dataloader
+from rltrainer import GRPO, AsyncPipeline, OneStepOffPipeline, Rollout, SyncPipeline, Trainer, prompt_dataloader
 from rltrainer.data import load_rows, prepare_gsm8k
 from rltrainer.strategies import build_strategy
 from rltrainer.testing import data_path, tiny_qwen2_config, tiny_qwen3_config
@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="single", help="a registered strategy name")
     p.add_argument("--rollout", default="hf", help="a registered rollout engine name")
     p.add_argument("--devices", type=int, default=1, help="training ranks (fsdp2: Ray workers when > 1)")
-    p.add_argument("--weight-sync", choices=["sync", "async"], default="sync")
+    p.add_argument("--push-mode", choices=["wait", "background"], default="wait",
+                   help="sync pipeline: wait for each step's weight push, or push in the background")
     p.add_argument("--pipeline", choices=["sync", "one_step_off", "async"], default="sync",
                    help="one_step_off / async: generate while the policy trains (engines in processes of their own; "
                         "strategy 'single' becomes one in-process fsdp2 rank)")
@@ -103,14 +104,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.pipeline != "sync":  # overlapping needs the engines in processes of their own
         args.strategy = "fsdp2" if args.strategy == "single" else args.strategy
     per_rank = {"threads_per_worker": args.threads} if args.strategy.startswith("fsdp2") and args.threads else {}
-    if args.pipeline != "sync":
-        per_rank["rollout_placement"] = "split"
+    rollout = Rollout(args.rollout, placement="split" if args.pipeline != "sync" else "colocated")
     strategy = build_strategy(args.strategy, devices=args.devices, precision=args.precision,
                               micro_batch_size=args.micro_batch_size, padding_free=args.padding_free, **per_rank)
-    pipeline = (SyncPipeline(weight_sync=args.weight_sync) if args.pipeline == "sync" else OneStepOffPipeline()
+    pipeline = (SyncPipeline(push_mode=args.push_mode) if args.pipeline == "sync" else OneStepOffPipeline()
                 if args.pipeline == "one_step_off" else AsyncPipeline(max_staleness=args.max_staleness))
     start = time.perf_counter()
-    with Trainer(strategy=strategy, rollout=args.rollout, max_steps=args.max_steps, seed=args.seed,
+    with Trainer(strategy=strategy, rollout=rollout, max_steps=args.max_steps, seed=args.seed,
                  val_check_interval=args.val_check_interval, limit_val_batches=args.val_batches,
                  default_root_dir=args.output_dir, enable_progress_bar=not args.no_progress_bar,
                  pipeline=pipeline) as trainer:

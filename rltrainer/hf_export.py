@@ -6,7 +6,7 @@ The weights come from the strategy's own export, the stream weight sync uses
 (``Strategy.export_weights``: full tensors in HF names, gathered one bucket at a time from FSDP2
 shards or megatron's tensor x pipeline layout, converted back by
 :mod:`rltrainer.strategies.megatron.layouts`). Each safetensors shard holds at most
-``max_shard_bytes`` (default: the strategy's ``bucket_bytes``), so an export holds about one
+``max_shard_bytes`` (default: the rollout's ``bucket_bytes``), so an export holds about one
 bucket in memory besides the model. A LoRA policy exports merged (``lora="merged"``: plain HF
 weights) or as the adapter alone (``lora="adapter"``: ``adapter_config.json`` and
 ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained(base, path)`` loads).
@@ -222,7 +222,7 @@ def save_hf(module: Any, strategy: Any, sync: Any, path: str | Path, dtype: torc
     sync.wait()
     tokenizer = getattr(module, "tokenizer", None)
     lora_config = getattr(module, "lora", None)
-    shard = max_shard_bytes or getattr(strategy, "bucket_bytes", DEFAULT_BUCKET_BYTES)
+    shard = max_shard_bytes or getattr(sync, "bucket_bytes", DEFAULT_BUCKET_BYTES)
     if lora == "adapter":
         if lora_config is None:
             raise ValueError("save_hf(lora='adapter'): the policy has no LoRA adapter (the module was built without "

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from rltrainer.module import RLModule, StepMetrics
     from rltrainer.rollout.engine import RolloutEngine
     from rltrainer.strategies.strategy import Strategy
-    from rltrainer.strategies.weight_sync import WeightSync
+    from rltrainer.weights.sync import WeightSync
 
 #: Training steps in a row that skipped every optimizer step before the run stops with an error.
 MAX_SKIPPED_STEPS = 3
@@ -40,7 +40,7 @@ class FitContext:
 
     module: RLModule
     strategy: Strategy
-    engine: RolloutEngine  # the engine the strategy connected
+    engine: RolloutEngine  # the engine the rollout connected
     sync: WeightSync  # the one owner of weight pushes
     watchdog: Watchdog
     seed: int

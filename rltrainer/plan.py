@@ -29,6 +29,7 @@ from rltrainer.values import check_int
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
     from rltrainer.rollout.engine import RolloutEngine
+    from rltrainer.rollout.rollout import Rollout
     from rltrainer.strategies.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,10 @@ class RunPlan:
 
 
 def build_plan(module: RLModule, strategy: Strategy, loader: Any, total_steps: int | None,
-               engine: RolloutEngine | None = None) -> RunPlan:
-    """The plan of ``fit(module, loader)`` under ``strategy`` (with ``engine``'s notes); raises
+               rollout: Rollout | RolloutEngine | None = None) -> RunPlan:
+    """The plan of ``fit(module, loader)`` under ``strategy`` and ``rollout`` (a
+    :class:`~rltrainer.rollout.rollout.Rollout`, whose placement and replicas it counts, or an engine
+    alone: colocated; with the engine's notes); raises
     :class:`ValueError` with the numbers if the batch cannot be split into mini-batches evenly (see
     :func:`check_plan`)."""
     B = getattr(loader, "batch_size", None)
@@ -85,8 +88,9 @@ def build_plan(module: RLModule, strategy: Strategy, loader: Any, total_steps: i
     if getattr(strategy, "padding_free", False):
         micro += ", packed"
     ranks = strategy.world_size
-    placement = getattr(strategy, "rollout_placement", "colocated")
-    replicas = getattr(strategy, "rollout_replicas", 1) if placement == "split" else ranks
+    engine = getattr(rollout, "engine", rollout)  # a Rollout's, or the engine given
+    placement = getattr(rollout, "placement", "colocated")
+    replicas = getattr(rollout, "replicas", 1) if placement == "split" else ranks
     return RunPlan(
         prompts_per_step=B, samples_per_prompt=G, rows_per_step=N, rows_per_optimizer_step=mini,
         optimizer_steps_per_training_step=module.update_epochs * (N // mini) if N and mini else None,

@@ -327,7 +327,7 @@ def _engine(model: Any, tokenizer: Any) -> Any:
         if model.sync is None:  # set up by fit() or validate(), until teardown()
             raise ValueError("accuracy(trainer, ...) needs the trainer's engine: call it after fit() or validate() "
                              "and before teardown(), or pass the model itself.")
-        model.sync.sync(model.global_step)
+        model.sync.push(model.global_step, mode="wait")
         model.engine.wake_up()
         return model.engine
     if not isinstance(model, torch.nn.Module):

@@ -30,25 +30,25 @@ from rltrainer.models.moe import routing_shape
 from rltrainer.module import Attachment, RLModule, StepMetrics, check_hooks
 from rltrainer.pipelines import Pipeline, SyncRun, check_module_pipeline, prompt_batches, resolve_pipeline
 from rltrainer.plan import RunPlan, build_plan, log_plan
-from rltrainer.rollout.engine import RolloutEngine, build_engine, check_engine_sampling
+from rltrainer.rollout.engine import RolloutEngine, check_engine_sampling
+from rltrainer.rollout.rollout import Rollout, resolve_rollout
 from rltrainer.schedulers import estimate_optimizer_steps
 from rltrainer.strategies.strategy import Strategy, resolve_strategy
-from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.training_checkpoint import PendingCheckpoint, load_checkpoint, write_checkpoint
 from rltrainer.values import check_float, check_int, named_keywords
+from rltrainer.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
-
 
 
 class Trainer:
     """Runs RL post-training on one controller process.
 
     Args:
-        strategy: ``"single"`` (one device, in-process), a registered preset, or a ``Strategy``
-            (which carries the micro-batch, packing and clipping settings:
-            ``FSDP2Strategy(micro_batch_size=4, padding_free=True)``).
-        rollout: ``"hf"`` (transformers, runs anywhere), a registered engine, or a ``RolloutEngine``.
+        strategy: ``"single"`` (one device, in-process), a registered preset, or a ``Strategy`` (with the
+            micro-batch, packing and clipping settings: ``FSDP2Strategy(micro_batch_size=4, padding_free=True)``).
+        rollout: a :class:`~rltrainer.rollout.rollout.Rollout` (``Rollout("vllm", placement="split", replicas=2)``)
+            or, as shorthand, its engine: ``"hf"`` (runs anywhere), a registered engine, or a ``RolloutEngine``.
         devices: devices for training (``1`` for ``"single"``).
         num_nodes: nodes for distributed strategies.
         max_steps: stop after this many steps (``-1``: no limit).
@@ -84,8 +84,8 @@ class Trainer:
     """
 
     @named_keywords("Trainer")
-    def __init__(self, strategy: str | Strategy = "single", rollout: str | RolloutEngine = "hf", devices: int | str = 1,
-                 num_nodes: int = 1, max_steps: int = -1, max_epochs: int | None = None,
+    def __init__(self, strategy: str | Strategy = "single", rollout: str | RolloutEngine | Rollout = "hf",
+                 devices: int | str = 1, num_nodes: int = 1, max_steps: int = -1, max_epochs: int | None = None,
                  val_check_interval: int | None = None, limit_val_batches: int | None = None,
                  log_every_n_steps: int = 1, log_flush_s: float = 0.0, precision: str = "32-true",
                  gradient_clip_val: float | None = 1.0, seed: int = 0, default_root_dir: str | Path | None = None,
@@ -94,9 +94,8 @@ class Trainer:
                  stage_timeout_s: float | dict[str, float] | None = None) -> None:
         for name, value, low, none in (
                 ("max_epochs", max_epochs, 1, "1 without max_steps"), ("seed", seed, None, None),
-                ("num_nodes", num_nodes, 1, None),
+                ("num_nodes", num_nodes, 1, None), ("max_steps", max_steps, 1, None),
                 ("val_check_interval", val_check_interval, 1, "at the end of fit only"),
-                ("max_steps", max_steps, 1, None),
                 ("limit_val_batches", limit_val_batches, 1, "all"), ("log_every_n_steps", log_every_n_steps, 1, None),
                 ("fast_dev_run", fast_dev_run * 1 if isinstance(fast_dev_run, bool) else fast_dev_run, 0, None),
                 ("devices", 1 if devices == "auto" else devices, 1, None)):
@@ -107,11 +106,12 @@ class Trainer:
         self.strategy = resolve_strategy(strategy, devices=devices, num_nodes=num_nodes, precision=precision,
                                          gradient_clip_val=gradient_clip_val)
         self.watchdog = self.strategy.watchdog = Watchdog(stage_timeout_s)
-        self.pipeline.check_strategy(self.strategy)
+        self.rollout = resolve_rollout(rollout)  # the engine, where it runs, and how weights reach it
+        self.pipeline.check_rollout(self.rollout)
         self._run: SyncRun | None = None  # during fit: the pipeline's running state
         self._pipeline_state: dict[str, Any] | None = None  # restored from a checkpoint, for the next fit
-        self._engine_spec = build_engine(rollout)
-        self.engine: RolloutEngine = self._engine_spec  # after setup: the engine the strategy connected
+        self._engine_spec = self.rollout.engine
+        self.engine: RolloutEngine = self._engine_spec  # after setup: the engine the rollout connected
         self.sync: WeightSync | None = None  # after setup: pushes the strategy's weights into the engine
         self._pending_checkpoint: PendingCheckpoint | None = None  # an async save, completed later
         self.fast_dev_run = int(fast_dev_run)
@@ -156,7 +156,7 @@ class Trainer:
                               type(module).__name__)
         train_loader, val_loader = resolve_dataloaders(train_dataloaders, val_dataloaders, datamodule)
         self.estimated_total_steps = estimate_training_steps(train_loader, self.max_epochs, self.max_steps)
-        self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps, self._engine_spec)
+        self.plan = build_plan(module, self.strategy, train_loader, self.estimated_total_steps, self.rollout)
         resume = resolve_ckpt_path(self, ckpt_path) if ckpt_path is not None else None
         if resume is not None:  # before anything is logged: the resumed run writes on in the checkpointed run's log
             continue_logs(self.loggers, read_trainer_state(resume))
@@ -172,7 +172,7 @@ class Trainer:
                 self._restore(resume)
             self._validated_this_step = self.should_stop = False
             log_hyperparameters(self.loggers, {"pipeline/mode": self.pipeline.mode, **hyperparameters_of(
-                trainer=self, pipeline=self.pipeline, strategy=self.strategy, module=module)})
+                trainer=self, pipeline=self.pipeline, strategy=self.strategy, rollout=self.rollout, module=module)})
             call_hooks(self, "on_fit_start")
             with stop_on_interrupt(self):
                 if val_loader is not None and self.val_check_interval and self.global_step == 0:
@@ -242,9 +242,9 @@ class Trainer:
         if self.sync is not None:
             self.sync.wait()
         pipeline = self._run.state_dict() if self._run is not None else self._pipeline_state or {}
-        state = {"pipeline": {"mode": self.pipeline.mode, **pipeline}, "global_step": self.global_step,
-                 "current_epoch": self.current_epoch, "batches_seen_in_epoch": self.batches_seen_in_epoch,
-                 "loggers": log_versions(self.loggers)}
+        state = {"pipeline": {"mode": self.pipeline.mode, **pipeline}, "rollout": self.rollout.state_dict(),
+                 "global_step": self.global_step, "current_epoch": self.current_epoch,
+                 "batches_seen_in_epoch": self.batches_seen_in_epoch, "loggers": log_versions(self.loggers)}
         self._pending_checkpoint = write_checkpoint(path, self.strategy, state, functools.partial(
             call_callback_hooks, self, "on_save_checkpoint"), async_save, on_saved)
         if not async_save:
@@ -273,7 +273,8 @@ class Trainer:
         except Exception:  # release everything even so; the previous checkpoint is intact
             log.exception("An asynchronous checkpoint save failed; it was not made visible")
         if self._is_setup and self._run is not None:
-            self.strategy.teardown()  # kill the workers first: threads waiting on them return at once
+            self.rollout.teardown()  # kill the workers first: threads waiting on them return at once
+            self.strategy.teardown()
         if self._run is not None:
             self._run.close()
             self._run = self._fit = None
@@ -284,6 +285,7 @@ class Trainer:
                 self.engine.teardown()
             finally:
                 call_module_hook(self, "teardown")  # its own processes (GRPO: the reward workers)
+                self.rollout.teardown()
                 self.strategy.teardown()
                 self.engine, self.sync = self._engine_spec, None
                 self._is_setup = False
@@ -310,10 +312,10 @@ class Trainer:
             self.max_positions = getattr(config, "max_position_embeddings", None)  # and prompt lengths
             if module.records_routes() and routing_shape(config) is not None:  # a MoE policy's routes (R3)
                 self._engine_spec.return_routed_experts = True
-            self.sync = self.strategy.connect(self._engine_spec, module.tokenizer, watchdog=self.watchdog,
-                                              mode=self.pipeline.push_mode)
+            self.sync = self.rollout.connect(self.strategy, module.tokenizer, seed=self.seed, watchdog=self.watchdog,
+                                             mode=self.pipeline.push_mode)
             self.engine = self.sync.engine
-            self.sync.sync(self.global_step)
+            self.sync.push(self.global_step, mode="wait")
         except BaseException:
             self._is_setup = True  # release what setup started (worker processes), then report the error
             with contextlib.suppress(Exception):
@@ -392,5 +394,6 @@ class Trainer:
         self.current_epoch = checkpoint["current_epoch"]
         self.batches_seen_in_epoch = checkpoint["batches_seen_in_epoch"]
         self.ckpt_path, self.ckpt_step = path, checkpoint["global_step"]
+        self.rollout.load_state_dict(checkpoint.get("rollout", {}))
         call_callback_hooks(self, "on_load_checkpoint", checkpoint)
-        self.sync.sync(self.global_step)
+        self.sync.push(self.global_step, mode="wait")

@@ -12,6 +12,7 @@ import torch
 
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.contracts import CONTRACTS, HookContractError, markdown_table
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy
 
 PAGE = Path(__file__).resolve().parents[1] / ".ci" / "docs" / "pages" / "hooks.md"
@@ -85,10 +86,11 @@ class FloatValidation(GRPO):
         return super().validation_step(batch, engine)["val/score"]
 
 
-def fit(cls, config, tokenizer, prompts, pipeline="sync", val=False, strategy="single", **kwargs):
+def fit(cls, config, tokenizer, prompts, pipeline="sync", val=False, strategy="single", rollout="hf", **kwargs):
     module = cls(config, tokenizer, reward_funcs=parity_reward, num_generations=2, max_new_tokens=4, lr=1e-3,
                  **kwargs)
-    trainer = Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, pipeline=pipeline)
+    trainer = Trainer(strategy=strategy, rollout=rollout, max_steps=2, logger=False, enable_progress_bar=False,
+                      pipeline=pipeline)
     loader = prompt_dataloader(prompts, batch_size=4)
     trainer.fit(module, loader, val_dataloaders=prompt_dataloader(prompts, 2, shuffle=False) if val else None)
     return trainer
@@ -129,9 +131,10 @@ def test_validation_step_returning_a_number_is_refused(tiny_config, bpe_tokenize
 
 @pytest.mark.usefixtures("warm_ranks")  # the split replica reuses a warm process (tests/conftest.py)
 def test_rollout_step_is_checked_in_a_pipeline_thread(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4)
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=4)
     with pytest.raises(HookContractError, match=r"NoRollout.rollout_step returned None.*return batch"):
-        fit(NoRollout, tiny_config, bpe_tokenizer, gsm8k_prompts, pipeline="one_step_off", strategy=strategy)
+        fit(NoRollout, tiny_config, bpe_tokenizer, gsm8k_prompts, pipeline="one_step_off", strategy=strategy,
+            rollout=Rollout(placement="split"))
 
 
 def test_healthy_hooks_pass_and_results_come_back_unchanged(tiny_config, bpe_tokenizer, gsm8k_prompts):

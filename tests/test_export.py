@@ -14,6 +14,7 @@ import torch
 from rltrainer import GRPO, RolloutBatch, Trainer, prompt_dataloader
 from rltrainer.export import main, write_safetensors
 from rltrainer.models import response_log_probs
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy
 from rltrainer.testing import length_reward
 
@@ -26,8 +27,9 @@ def make_module(config, tokenizer, **kwargs):
     return GRPO(config, tokenizer, **{**defaults, **kwargs})
 
 
-def trained(strategy, config, tokenizer, prompts, steps=2, **kwargs):
-    trainer = Trainer(strategy=strategy, max_steps=steps, logger=False, enable_progress_bar=False, seed=3)
+def trained(strategy, config, tokenizer, prompts, steps=2, rollout="hf", **kwargs):
+    trainer = Trainer(strategy=strategy, rollout=rollout, max_steps=steps, logger=False, enable_progress_bar=False,
+                      seed=3)
     module = make_module(config, tokenizer, **kwargs)
     trainer.fit(module, prompt_dataloader(prompts, batch_size=2))
     return trainer, module
@@ -73,8 +75,9 @@ def test_single_export_loads_in_transformers_with_the_policys_log_probs(tiny_con
 
 @pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
 def test_fsdp2_two_ranks_export_gathers_shards(tiny_config, bpe_tokenizer, gsm8k_prompts, tmp_path, ray_session):
-    strategy = FSDP2Strategy(devices=2, bucket_bytes=32 << 10)
-    trainer, module = trained(strategy, tiny_config, bpe_tokenizer, gsm8k_prompts)
+    strategy = FSDP2Strategy(devices=2)
+    trainer, module = trained(strategy, tiny_config, bpe_tokenizer, gsm8k_prompts,
+                              rollout=Rollout(bucket_bytes=32 << 10))
     with trainer:
         out = trainer.save_hf(tmp_path / "hf")  # shards of one weight-sync bucket (32 KiB) each
         assert len(list(out.glob("*.safetensors"))) > 1
@@ -88,9 +91,9 @@ def test_megatron_export_converts_the_layout_back(tp, pp, tiny_config, bpe_token
                                                   ray_session):
     from rltrainer.strategies import MegatronStrategy
 
-    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                bucket_bytes=32 << 10)
-    trainer, module = trained(strategy, tiny_config, bpe_tokenizer, gsm8k_prompts, lr=1e-3)
+    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    trainer, module = trained(strategy, tiny_config, bpe_tokenizer, gsm8k_prompts,
+                              rollout=Rollout(bucket_bytes=32 << 10), lr=1e-3)
     with trainer:
         out = trainer.save_hf(tmp_path / "hf")
         check_export(trainer, module, out, gsm8k_prompts)

@@ -430,6 +430,93 @@ def test_no_signature_is_synthesised_and_settings_of_is_one() -> None:
     synthesised = [where for where in _functions_named("__init_subclass__") if ".modules" in where]
     assert not synthesised, f"__init_subclass__ in the algorithms: {synthesised}"
     assert len(_functions_named("settings_of")) == 1, _functions_named("settings_of")
+# --- issue 45 point 1: Strategy and Rollout ---
+#: The Strategy computes (model, optimizer, forward/backward, checkpoint I/O); the Rollout places engines.
+MAX_STRATEGY_MEMBERS, MAX_CONNECT_LINES = 15, 25
+#: The one verb per move of weights: a Rollout connects, its WeightSync pushes and waits.
+SYNC_VERBS = {"connect", "push", "wait"}
+RETIRED_SYNC_VERBS = {"connect_engine", "sync_weights", "start_weight_sync", "transport_for", "_sync_of", "sync"}
+
+
+def strategy_members() -> list[str]:
+    """What ``Strategy`` defines itself: methods, properties, class attributes (dunders and ``abc``'s
+    bookkeeping aside)."""
+    from rltrainer.strategies.strategy import Strategy
+
+    return [n for n in vars(Strategy) if not (n.startswith("__") and n.endswith("__")) and n != "_abc_impl"]
+
+
+def functions() -> Iterator[tuple[str, ast.FunctionDef]]:
+    """``(module, def)`` for every function and method of the package."""
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield name, node
+
+
+def test_the_strategy_computes_and_places_no_engine() -> None:
+    members = strategy_members()
+    assert len(members) <= MAX_STRATEGY_MEMBERS, f"Strategy has {len(members)} members: {members}"
+    assert not {"connect", "policy_version", "weight_versions", "weight_sync"} & set(members), members
+
+
+def test_connecting_an_engine_fits_on_a_screen() -> None:
+    """``Rollout.connect`` and the steps it takes (``_connect_*``) are at most 25 lines each, and
+    no strategy connects an engine any more."""
+    too_long = [f"{m}.{f.name}: {f.end_lineno - f.lineno + 1} lines" for m, f in functions()
+                if "connect" in f.name and m == "rltrainer.rollout.rollout"
+                and f.end_lineno - f.lineno + 1 > MAX_CONNECT_LINES]
+    assert not too_long, too_long
+    assert any(m == "rltrainer.rollout.rollout" and f.name == "connect" for m, f in functions())
+
+
+def test_no_strategy_argument_reaches_the_user_through_kwargs() -> None:
+    """Each strategy's constructor shows every argument it takes (documented on its class)."""
+    import inspect
+
+    from rltrainer.strategies import STRATEGIES, FSDP2Strategy, MegatronStrategy, SingleDeviceStrategy
+    from rltrainer.strategies.strategy import Strategy
+
+    registered = {STRATEGIES._lookup(name)[0] for name in STRATEGIES}  # presets build these classes
+    classes = {FSDP2Strategy, MegatronStrategy, SingleDeviceStrategy, *(c for c in registered if isinstance(c, type))}
+    for cls in classes:
+        for klass in (k for k in cls.__mro__ if isinstance(k, type) and issubclass(k, Strategy)):
+            kinds = [p.kind for p in inspect.signature(klass.__init__).parameters.values()]
+            assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{klass.__name__}.__init__ takes **kwargs"
+    for name in ("rollout_placement", "rollout_replicas", "weight_transport", "weight_sync_timeout_s",
+                 "weight_sync_delta", "bucket_bytes"):
+        assert name not in inspect.signature(FSDP2Strategy).parameters, f"{name} is a Rollout argument"
+
+
+def test_weights_move_by_three_verbs() -> None:
+    """A Rollout connects; its WeightSync pushes and waits (``close`` ends it). The retired verbs
+    are defined nowhere in the package."""
+    import inspect
+
+    from rltrainer.rollout.rollout import Rollout
+    from rltrainer.weights.sync import WeightSync
+
+    public = {n for n in vars(WeightSync) if not n.startswith("_") and callable(getattr(WeightSync, n))}
+    assert public == {"push", "wait", "close"}, public
+    assert "connect" in vars(Rollout) and SYNC_VERBS <= {"connect", *public}
+    from rltrainer.pipelines.modes import SYNC_PUSH_MODES, SyncPipeline
+    from rltrainer.weights.sync import PUSH_MODES
+
+    assert list(inspect.signature(SyncPipeline).parameters) == ["push_mode"]  # one spelling of a push's mode
+    assert set(SYNC_PUSH_MODES) <= set(PUSH_MODES)
+    retired = [f"{m}.{f.name}" for m, f in functions() if f.name in RETIRED_SYNC_VERBS]
+    assert not retired, retired
+
+
+def test_one_docstring_claims_to_write_the_engines_version() -> None:
+    claims = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = " ".join((ast.get_docstring(node) or "").split())
+                if "one writer" in doc and "weight_version" in doc:
+                    claims.append(f"{name}:{getattr(node, 'name', '')}")
+    assert len(claims) == 1, claims
 
 
 if __name__ == "__main__":

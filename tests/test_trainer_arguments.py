@@ -11,13 +11,15 @@ import pytest
 from rltrainer import (AsyncPipeline, LogGenerations, Logger, OneStepOffPipeline, SingleDeviceStrategy, SyncPipeline,
                        Trainer)
 from rltrainer.pipelines import PIPELINES, resolve_pipeline
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy
 
 QUIET = dict(logger=False, enable_progress_bar=False)
 
 
-def split() -> FSDP2Strategy:
-    return FSDP2Strategy(devices=1, rollout_placement="split")
+def split() -> dict:
+    """A Trainer's strategy and rollout with the engine in a process of its own."""
+    return dict(strategy=FSDP2Strategy(devices=1), rollout=Rollout(placement="split"))
 
 
 def test_the_constructor_has_at_most_20_parameters():
@@ -31,14 +33,14 @@ def test_the_constructor_has_at_most_20_parameters():
 
 @pytest.mark.parametrize("name, cls", list(PIPELINES.items()))
 def test_a_name_is_shorthand_for_the_pipeline_object_with_its_defaults(name, cls):
-    strategy = split() if name != "sync" else SingleDeviceStrategy()
+    where = split() if name != "sync" else dict(strategy=SingleDeviceStrategy())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new spellings do not warn
-        by_name, by_object = Trainer(strategy=strategy, pipeline=name, **QUIET), \
-            Trainer(strategy=strategy, pipeline=cls(), **QUIET)
+        by_name, by_object = Trainer(**where, pipeline=name, **QUIET), \
+            Trainer(**where, pipeline=cls(), **QUIET)
     assert type(by_name.pipeline) is type(by_object.pipeline) is cls
     assert by_name.pipeline == by_object.pipeline and by_name.pipeline.mode == name
-    assert by_name.pipeline != (SyncPipeline() if name != "sync" else SyncPipeline(weight_sync="async"))
+    assert by_name.pipeline != (SyncPipeline() if name != "sync" else SyncPipeline(push_mode="background"))
     assert by_name.pipeline != name  # a pipeline is an object; its name is its mode
 
 
@@ -47,13 +49,13 @@ def test_each_pipeline_checks_its_own_settings_at_construction():
         AsyncPipeline(max_staleness=-1)
     with pytest.raises(ValueError, match=r"staleness_policy='skip'; choose from wait, drop"):
         AsyncPipeline(staleness_policy="skip")
-    with pytest.raises(ValueError, match=r"weight_sync must be 'sync' or 'async', got 'later'"):
-        SyncPipeline(weight_sync="later")
+    with pytest.raises(ValueError, match=r"push_mode must be 'wait' or 'background', got 'later'"):
+        SyncPipeline(push_mode="later")
     with pytest.raises(ValueError, match=r"pipeline='overlap'; choose from sync, one_step_off, async"):
         resolve_pipeline("overlap")
     with pytest.raises(ValueError, match="split"):  # the pairing with the strategy: checked by the Trainer
         Trainer(pipeline=AsyncPipeline(max_staleness=2), **QUIET)
-    assert [SyncPipeline().push_mode, SyncPipeline("async").push_mode, OneStepOffPipeline().push_mode,
+    assert [SyncPipeline().push_mode, SyncPipeline("background").push_mode, OneStepOffPipeline().push_mode,
             AsyncPipeline().push_mode] == ["wait", "background", "overlap", "overlap"]
     assert repr(AsyncPipeline(2, "drop")) == "AsyncPipeline(max_staleness=2, staleness_policy='drop')"
 
@@ -61,7 +63,7 @@ def test_each_pipeline_checks_its_own_settings_at_construction():
 def test_the_pipeline_the_callback_and_the_logger_carry_their_settings(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        t = Trainer(strategy=split(), pipeline=AsyncPipeline(max_staleness=2, staleness_policy="drop"),
+        t = Trainer(**split(), pipeline=AsyncPipeline(max_staleness=2, staleness_policy="drop"),
                     callbacks=[LogGenerations(every_n_steps=7, rows=2)],
                     logger=Logger("csv", project="proj", run_name="run"), default_root_dir=tmp_path,
                     enable_progress_bar=False)
@@ -76,14 +78,14 @@ def test_the_pipeline_the_callback_and_the_logger_carry_their_settings(tmp_path)
 def test_the_strategy_carries_its_micro_batch_settings():
     t = Trainer(strategy=SingleDeviceStrategy(micro_batch_size=3, padding_free=True), **QUIET)
     assert (t.strategy.micro_batch_size, t.strategy.padding_free) == (3, True)
-    assert Trainer(pipeline=SyncPipeline(weight_sync="async"), **QUIET).pipeline.push_mode == "background"
+    assert Trainer(pipeline=SyncPipeline(push_mode="background"), **QUIET).pipeline.push_mode == "background"
 
 
 def test_the_new_spellings_configure_the_same(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         t = Trainer(strategy=SingleDeviceStrategy(micro_batch_size=3, padding_free=True),
-                    pipeline=SyncPipeline(weight_sync="async"), logger=Logger("csv", project="proj", run_name="run"),
+                    pipeline=SyncPipeline(push_mode="background"), logger=Logger("csv", project="proj", run_name="run"),
                     callbacks=[LogGenerations(every_n_steps=7, rows=2)], default_root_dir=tmp_path,
                     enable_progress_bar=False)
     assert (t.strategy.micro_batch_size, t.strategy.padding_free, t.pipeline.push_mode) == (3, True, "background")

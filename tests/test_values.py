@@ -23,6 +23,7 @@ from rltrainer.data import PromptDataModule, prompt_dataloader
 from rltrainer.envs import Environment, MultiTurn, StepResult
 from rltrainer.modules.settings import Optimizer, Rewards
 from rltrainer.rewards import RewardManager
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies.dispatch import WorkerGroupStrategy
 from rltrainer.strategies.fsdp2 import FSDP2Strategy
 from rltrainer.strategies.megatron.strategy import MegatronStrategy
@@ -71,9 +72,9 @@ BUILDERS: dict[type, tuple[typing.Callable[..., object], tuple[str, ...], tuple[
     SGLangEngine: (SGLangEngine, ("tp_size", "bucket_bytes", "max_lora_rank", "context_length"),
                    ("mem_fraction_static",)),
     Strategy: (SingleDeviceStrategy, ("micro_batch_size", "max_tokens_per_micro_batch"), ("gradient_clip_val",)),
-    WorkerGroupStrategy: (FSDP2Strategy, ("devices", "num_nodes", "rollout_replicas", "bucket_bytes",
-                                          "threads_per_worker"),
-                          ("cpus_per_worker", "gpus_per_worker", "weight_sync_timeout_s")),
+    WorkerGroupStrategy: (FSDP2Strategy, ("devices", "num_nodes", "threads_per_worker"),
+                          ("cpus_per_worker", "gpus_per_worker")),
+    Rollout: (Rollout, ("replicas", "bucket_bytes"), ("sync_timeout_s",)),
     MegatronStrategy: (MegatronStrategy, ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                           "expert_model_parallel_size", "ddp_bucket_size"), ()),
     DeltaSync: (DeltaSync, ("checksum_every",), ("max_share",)),

@@ -1,6 +1,6 @@
 """When rollouts are made relative to policy updates: ``sync``, ``one_step_off`` and ``async``,
 as objects (``Trainer(pipeline=AsyncPipeline(max_staleness=2, staleness_policy="drop"))``,
-``SyncPipeline(weight_sync="async")``, ``OneStepOffPipeline()``) or by name (``"sync"``,
+``SyncPipeline(push_mode="background")``, ``OneStepOffPipeline()``) or by name (``"sync"``,
 ``"one_step_off"``, ``"async"``: each with its defaults). Each checks its settings when it is
 built; :mod:`rltrainer.pipelines.modes` holds them and :mod:`rltrainer.pipelines.runs` the
 running state of a fit.
@@ -50,7 +50,7 @@ resumed run ends with the uninterrupted run's weights, bit for bit, on any numbe
 (Timing-driven, ``deterministic=False`` or ``"drop"``: only the prompts trained are the same.)
 
 Generation overlaps training only when the engines have processes of their own (split
-placement); :meth:`Pipeline.check_strategy` refuses the other modes otherwise. ``sync`` puts an engine to
+placement); :meth:`Pipeline.check_rollout` refuses the other modes otherwise. ``sync`` puts an engine to
 sleep after each rollout only where it shares the trainer's memory (:func:`engine_shares_memory`).
 """
 

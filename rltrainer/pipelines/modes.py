@@ -1,6 +1,6 @@
 """The pipeline objects a Trainer takes (``Trainer(pipeline=AsyncPipeline(max_staleness=2))``, or
 a name as shorthand): each holds and checks its own settings at construction, names the push mode
-its steps use (:class:`~rltrainer.strategies.weight_sync.WeightSync`) and makes the running state of
+its steps use (:class:`~rltrainer.weights.sync.WeightSync`) and makes the running state of
 one ``fit`` (:meth:`SyncPipeline.start`), so a Trainer can fit more than once."""
 
 from __future__ import annotations
@@ -15,26 +15,27 @@ if TYPE_CHECKING:
     from rltrainer.loop import FitContext
 
 STALENESS_POLICIES = ("wait", "drop")
-WEIGHT_SYNCS = ("sync", "async")
+#: A sync pipeline's push: wait for it at the end of the step, or run it in the background.
+SYNC_PUSH_MODES = ("wait", "background")
 
 
 class Pipeline:
     """What every pipeline object answers: its ``mode`` (the name a checkpoint's ``pipeline.mode``
-    records), the weight-push mode of its steps, whether it runs on a strategy, and the running
+    records), the weight-push mode of its steps, whether it runs with a rollout's placement, and the running
     state of one ``fit``."""
 
     mode = ""
-    push_mode = "wait"  #: :data:`~rltrainer.strategies.weight_sync.PUSH_MODES`
+    push_mode = "wait"  #: :data:`~rltrainer.weights.sync.PUSH_MODES`
 
-    def check_strategy(self, strategy: Any) -> None:
-        """Raise if this pipeline cannot run on ``strategy``'s rollout placement: generating while
-        the policy trains needs the engines in processes of their own."""
-        if self.mode != "sync" and getattr(strategy, "rollout_placement", None) != "split":
+    def check_rollout(self, rollout: Any) -> None:
+        """Raise if this pipeline cannot run with ``rollout``'s placement (a
+        :class:`~rltrainer.rollout.rollout.Rollout`): generating while the policy trains needs the
+        engines in processes of their own."""
+        if self.mode != "sync" and rollout.placement != "split":
             raise ValueError(
                 f"pipeline={self.mode!r} generates while the policy trains, so the rollout engines need processes "
-                f"of their own; strategy {getattr(strategy, 'name', type(strategy).__name__)!r} runs them "
-                f"{getattr(strategy, 'rollout_placement', 'in the training process')}. Use e.g. "
-                "Trainer(strategy=FSDP2Strategy(rollout_placement='split'), ...), or pipeline='sync'."
+                f"of their own; the rollout runs them {rollout.placement}. Use e.g. "
+                "Trainer(strategy=FSDP2Strategy(), rollout=Rollout(engine=..., placement='split')), or pipeline='sync'."
             )
 
     def start(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]]) -> SyncRun:
@@ -57,29 +58,29 @@ class SyncPipeline(Pipeline):
     """``"sync"``: generate a batch with the current weights, then train on it.
 
     Args:
-        weight_sync: ``"sync"`` (push new weights at the end of each step and wait) or ``"async"``
+        push_mode: ``"wait"`` (push new weights at the end of each step and wait) or ``"background"``
             (push in a background thread; logging, callbacks and loading the next prompts overlap
-            with it, and the next rollout, validation or checkpoint waits for it).
+            with it, and the next rollout, validation or checkpoint waits for it): the
+            :data:`~rltrainer.weights.sync.PUSH_MODES` a sync step may use.
     """
 
     mode = "sync"
 
-    def __init__(self, weight_sync: str = "sync") -> None:
-        if weight_sync not in WEIGHT_SYNCS:
-            raise ValueError(f"weight_sync must be 'sync' or 'async', got {weight_sync!r}")
-        self.weight_sync = weight_sync
-        self.push_mode = "background" if weight_sync == "async" else "wait"
+    def __init__(self, push_mode: str = "wait") -> None:
+        if push_mode not in SYNC_PUSH_MODES:
+            raise ValueError(f"push_mode must be 'wait' or 'background', got {push_mode!r}")
+        self.push_mode = push_mode
 
     def start(self, fit: FitContext, prompt_batches: Iterable[tuple[int, int, Any]]) -> SyncRun:
         return SyncRun(fit, prompt_batches)
 
     def __repr__(self) -> str:
-        return f"SyncPipeline(weight_sync={self.weight_sync!r})"
+        return f"SyncPipeline(push_mode={self.push_mode!r})"
 
 
 class OneStepOffPipeline(Pipeline):
     """``"one_step_off"``: generate batch ``t + 1`` with the previous weights while training on batch
-    ``t``. Needs the engines in processes of their own (``rollout_placement="split"``)."""
+    ``t``. Needs the engines in processes of their own (``Rollout(placement="split")``)."""
 
     mode = "one_step_off"
     push_mode = "overlap"
@@ -90,7 +91,7 @@ class OneStepOffPipeline(Pipeline):
 
 class AsyncPipeline(Pipeline):
     """``"async"``: engines stream finished groups into a buffer; the trainer takes rows at most
-    ``max_staleness`` policy versions old. Needs ``rollout_placement="split"``.
+    ``max_staleness`` policy versions old. Needs ``Rollout(placement="split")``.
 
     Args:
         max_staleness: how many policy versions a trained row may lag.

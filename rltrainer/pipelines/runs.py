@@ -24,10 +24,11 @@ if TYPE_CHECKING:
 Position = tuple[int, int, int]  # one prompt: (epoch, batch index in the epoch, row in that batch)
 
 
-def engine_shares_memory(strategy: Any) -> bool:
-    """Whether the strategy's engines share memory with training (colocated, or in the trainer's
-    process), so that they sleep while it trains; split engines have devices of their own."""
-    return getattr(strategy, "rollout_placement", "colocated") != "split"
+def engine_shares_memory(engine: Any) -> bool:
+    """Whether the connected ``engine`` shares memory with training (colocated, or in the trainer's
+    process), so that it sleeps while the policy trains; split engines (``placement == "split"``,
+    set by :meth:`Rollout.connect <rltrainer.rollout.rollout.Rollout.connect>`) have devices of their own."""
+    return getattr(engine, "placement", "colocated") != "split"
 
 
 @dataclass
@@ -87,13 +88,13 @@ class SyncRun:
         self._drew = False  # whether the rollout_step running now drew prompts of its own
         self._executors: dict[int | None, ThreadPoolExecutor] = {}  # None: shared; a lane: one replica's, in order
         self._in_flight: list[Future] = []
-        self._sleeps = engine_shares_memory(fit.strategy)  # inline rollouts: wake, generate, sleep
+        self._sleeps = engine_shares_memory(fit.engine)  # inline rollouts: wake, generate, sleep
         self._window = time.perf_counter()
         self._waited = self._engine_busy = 0.0
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         for prompts in self._prompts:
-            self.fit.metrics.add(self.fit.sync.wait())  # weight_sync="async"
+            self.fit.metrics.add(self.fit.sync.wait())  # SyncPipeline(push_mode="background")
             self.fit.call_hooks("on_step_start", with_positions(prompts))  # before their rollout_step
             batch = self._wait(self._submit(prompts, inline=True))
             if len(batch) == 0 and self._exhausted:  # rollout_step drew to the data's end and kept nothing

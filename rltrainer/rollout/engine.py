@@ -214,7 +214,7 @@ class RolloutEngine(abc.ABC):
 
     def check_split_transport(self, transport: str, adapter: bool) -> None:
         """Split placement, before any replica starts: raise if this engine cannot receive syncs by
-        ``transport`` (the resolved ``weight_transport``); ``adapter``: they carry a LoRA adapter
+        ``transport`` (the resolved ``Rollout(transport=...)``); ``adapter``: they carry a LoRA adapter
         (:attr:`loads_adapters`). Default: every transport."""
 
     # -- split placement, broadcast transport: an engine's own receiving path (optional) --------

@@ -60,6 +60,7 @@ class RemoteEngine(RolloutEngine):
         self.dtype = dtype
         self.ranks_per_replica_ = ranks_per_replica
         self.trainer_log_probs = trainer_log_probs
+        self.placement = "colocated"  # "split": replicas in processes of their own (Rollout.connect sets it)
         self.replica_ids = list(range(group.world_size // ranks_per_replica))
         self._state = _Shared()
         self._version: int | None = None  # a view's fixed version (at_version), else the last push started
@@ -130,7 +131,7 @@ class RemoteEngine(RolloutEngine):
         return len(self.replica_ids)
 
     def setup(self, model_config: Any, tokenizer: Any, device: torch.device | str | None = None) -> None:
-        raise RuntimeError("RemoteEngine replicas are set up by their strategy (Strategy.connect_engine)")
+        raise RuntimeError("RemoteEngine replicas are set up by their rollout (Rollout.connect)")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
         return self.generate_async(prompts, sampling).result()

@@ -31,7 +31,7 @@ Tensor parallelism: a ``tp_size > 1`` engine starts its schedulers on GPUs ``bas
 base_gpu_id + tp_size - 1`` of the GPUs its process sees. A Ray worker sees one GPU, so setup
 refuses there; use ``tp_size=1`` replicas, or an engine in a process that sees its GPUs.
 
-Split placement (SGLang on GPUs of its own; ``weight_transport="broadcast"``, which ``"auto"``
+Split placement (SGLang on GPUs of its own; ``Rollout(transport="broadcast")``, which ``"auto"``
 picks there): SGLang's own TP scheduler processes join trainer rank 0's weight-broadcast group
 through ``Engine.init_weights_update_group`` (ranks ``rank_offset + tp_rank``), and each bucket is one
 ``Engine.update_weights_from_distributed(..., load_format="flattened_bucket")``: trainer rank 0
@@ -197,7 +197,7 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
                 f"{index + self.tp_size - 1} of this process, which sees {visible} "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). "
                 "A Ray worker (colocated or split rollout) is given one GPU. Use tp_size=1 with more replicas "
-                "(rollout_replicas=... for split placement), or run the engine in one process that sees "
+                "(Rollout(replicas=...) for split placement), or run the engine in one process that sees "
                 f"{self.tp_size} GPUs (an in-process strategy on a machine with them).")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
@@ -279,7 +279,7 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
     def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
                           backend: str, device: torch.device | str, timeout_s: float) -> None:
         """SGLang's schedulers join as ranks ``rank_offset + tp_rank`` (SGLang's own timeout applies).
-        A LoRA engine is refused (the strategy asks :meth:`check_split_transport` before any replica starts)."""
+        A LoRA engine is refused (the rollout asks :meth:`check_split_transport` before any replica starts)."""
         self.check_split_transport("broadcast", adapter=self._adapter is not None)
         self.close_weight_group()
         _checked(self.engine.init_weights_update_group(master_address=address, master_port=port,
@@ -307,9 +307,9 @@ class SGLangEngine(LoadsAdaptersFromDisk, RolloutEngine):
         if transport == "broadcast" and adapter:
             raise ValueError(
                 "SGLangEngine(enable_lora=True) loads the LoRA adapter through update_weights, and the broadcast "
-                "weight transport of split placement (weight_transport='broadcast', which 'auto' picks on GPUs) "
-                "receives into SGLang's base weights only. Use rollout_placement='colocated', "
-                "weight_transport='shared_memory' or 'object_store', or enable_lora=False (the merged weights are "
+                "weight transport of split placement (Rollout(transport='broadcast'), which 'auto' picks on GPUs) "
+                "receives into SGLang's base weights only. Use Rollout(placement='colocated'), "
+                "transport='shared_memory' or 'object_store', or enable_lora=False (the merged weights are "
                 "broadcast).")
 
     def close_weight_group(self) -> None:

@@ -51,7 +51,7 @@ interpreter (``python=``, ``$RLTRAINER_VLLM_PYTHON``, or the environment ``pytho
 rltrainer.rollout.vllm_env`` builds; see :mod:`rltrainer.rollout.vllm_env`), so vLLM's pins never
 meet the trainer's. The engine's model config and tokenizer then travel as files.
 
-Split placement on GPUs (``weight_transport="broadcast"``, which ``"auto"`` picks there) needs
+Split placement on GPUs (``Rollout(transport="broadcast")``, which ``"auto"`` picks there) needs
 nothing of the engine: :mod:`rltrainer.weights` joins the rollout worker to trainer rank 0's NCCL
 group, receives each bucket into one CUDA buffer and loads views of it. vLLM's NCCL weight-transfer
 backend is not used: it drives whole-model rounds from a trainer-side vLLM, where ours sends only
@@ -333,7 +333,7 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
                 f"VLLMEngine(tensor_parallel_size={self.tensor_parallel_size}) outside a torch.distributed group would "
                 "start vLLM's multiprocess executor, whose model is in processes the weight sync cannot reach. Run "
                 "it colocated with a distributed strategy (its ranks become vLLM's tensor-parallel ranks), or use "
-                "tensor_parallel_size=1 replicas (rollout_replicas=N with split placement).")
+                "tensor_parallel_size=1 replicas (Rollout(replicas=N) with split placement).")
         device_type = torch.device(device).type if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
         self.check_model(model_config, device_type)  # before vLLM is imported and started
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per request and per sync

@@ -181,7 +181,7 @@ def nccl_mismatch(trainer: dict[str, str], engine: dict[str, str]) -> str | None
             "one NCCL group, which NCCL refuses to form across versions ('Mismatched NCCL version'), so the first "
             "sync would fail. Install the engine's torch in the trainer's environment (for vllm 0.33.0: "
             "pip install -c .ci/gpu-constraints.txt ..., torch 2.14.0 with NCCL 2.30.7), or keep this environment "
-            "for weight_transport='object_store' or 'shared_memory', which need no NCCL.")
+            "for Rollout(transport='object_store') or 'shared_memory', which need no NCCL.")
 
 
 def build(directory: Path, package: str = CPU_PACKAGE, quiet: bool = False, constraints: Path | None = None,

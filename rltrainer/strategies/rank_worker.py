@@ -221,9 +221,12 @@ class TrainingWorker(Worker):
         self.sender.join_group(address, port, world_size, group_name, backend, timeout_s)
 
     @sends
-    def configure_weight_delta(self, settings: DeltaSync | None) -> None:
-        """Delta sync on (``settings``) or off; the next sync sends every weight in full."""
-        self.sender.configure_delta(settings)
+    def configure_weight_sync(self, bucket_bytes: int, delta: DeltaSync | None) -> None:
+        """A new engine's syncs (``Rollout(bucket_bytes=..., delta=...)``): buckets of at most
+        ``bucket_bytes`` (a checkpoint's files too), delta sync on (``delta``) or off; the next sync
+        sends every weight in full."""
+        self.bucket_bytes = self.sender.bucket_bytes = bucket_bytes
+        self.sender.configure_delta(delta)
 
     @sends
     def encode_bucket(self, index: int) -> Encoding | None:

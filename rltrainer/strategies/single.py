@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrainer.checkpoints import safe_load, save_file
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lora import LoraView
 from rltrainer.models import state_tensors
 from rltrainer.models.support import check_causal_lm, check_fast_paths
-from rltrainer.strategies.strategy import (STRATEGIES, Strategy, autocast_context, load_local_training_state, local_training_state, normalize_optimizers,
+from rltrainer.strategies.strategy import (STRATEGIES, Strategy, autocast_context, form_micro_batches,
+                                          load_local_training_state, local_training_state, normalize_optimizers,
                                           param_dtype, run_compute, run_train_step)
+from rltrainer.weights.versions import ParamVersions
 
 if TYPE_CHECKING:
     from rltrainer.module import RLModule
@@ -30,11 +34,17 @@ class SingleDeviceStrategy(Strategy):
     Args:
         device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         devices: must be 1 (accepted so ``Trainer(devices=1)`` resolves here).
-        **kwargs: micro-batching, clipping and precision, see :class:`Strategy`.
+        micro_batch_size / max_tokens_per_micro_batch / gradient_clip_val / precision / padding_free:
+            micro-batching, clipping and precision, see :class:`~rltrainer.strategies.strategy.Strategy`.
+
+    The rollout engine runs in this process, on its device (:class:`~rltrainer.rollout.rollout.Rollout`).
     """
 
-    def __init__(self, device: str | torch.device = "auto", devices: int | str = 1, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, device: str | torch.device = "auto", devices: int | str = 1, micro_batch_size: int = 8,
+                 max_tokens_per_micro_batch: int | None = None, gradient_clip_val: float | None = 1.0,
+                 precision: str = "32-true", padding_free: bool = False) -> None:
+        super().__init__(micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                         gradient_clip_val=gradient_clip_val, precision=precision, padding_free=padding_free)
         if devices not in (1, "1", "auto"):
             raise ValueError(
                 f"The 'single' strategy runs on one device, got devices={devices!r}. "
@@ -47,10 +57,16 @@ class SingleDeviceStrategy(Strategy):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
         self._view: Any = None  # a LoRA policy's rltrainer.lora.LoraView
+        self.versions = ParamVersions()  # per parameter: what an export with only_changed still has to send
 
     @property
     def device(self) -> torch.device:
+        """Where the models train (and where an engine connected to it runs)."""
         return self._device
+
+    def micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """:func:`~rltrainer.strategies.strategy.form_micro_batches` with this strategy's settings."""
+        return form_micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro_batch, self.padding_free)
 
     def setup(self, module: RLModule, seed: int) -> None:
         torch.manual_seed(seed)
@@ -128,9 +144,22 @@ class SingleDeviceStrategy(Strategy):
     def model_config(self) -> Any:
         return self.module.policy.config
 
+    def forget_synced(self, groups: list[list[str]] | None = None) -> None:
+        if groups is not None:
+            self.versions.set_groups(groups)
+        self.versions.forget_synced()
+
     def state_dict(self) -> dict[str, Any]:
         return local_training_state(self.module, self.optimizers, self.schedulers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_local_training_state(self.module, self.optimizers, self.schedulers, state)
         self.versions.forget_synced()
+
+    def save_checkpoint(self, directory: Path, async_save: bool = False) -> dict[str, Any]:
+        """:meth:`state_dict` as one file, written at once (``async_save`` changes nothing here)."""
+        save_file(self.state_dict(), directory / "state.pt", "the models, optimizers and schedulers")
+        return {}
+
+    def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
+        self.load_state_dict(safe_load(directory / "state.pt", "the models, optimizers and schedulers"))

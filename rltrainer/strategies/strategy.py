@@ -18,21 +18,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrainer.allocator import release_free_heap
-from rltrainer.checkpoints import CheckpointError, check_files, check_state_matches, safe_load, save_file, shapes
+from rltrainer.checkpoints import CheckpointError, check_files, check_state_matches, shapes
 from rltrainer.contracts import check_hook_result
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.lm_head import gradients_into_parameters
-from rltrainer.lora import engine_view
 from rltrainer.registry import Registry
-from rltrainer.strategies.weight_sync import WeightSync
-from rltrainer.weights.transports import InProcessTransport, SyncHandle, WeightTransport
-from rltrainer.weights.versions import ParamVersions, stepped_parameter_names
+from rltrainer.weights.versions import stepped_parameter_names
 from rltrainer.values import check_float, check_int
 
 if TYPE_CHECKING:
     from rltrainer.controller.watchdog import Watchdog
     from rltrainer.module import RLModule
-    from rltrainer.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +54,6 @@ class Strategy(abc.ABC):
             :func:`~rltrainer.models.response_log_probs` reads it.
     """
 
-    #: the controller's :class:`~rltrainer.controller.watchdog.Watchdog` over the waits on worker
-    #: processes and, with ``stage_timeout_s``, on in-process stages (``single.train_step``); the
-    #: Trainer sets it from ``stage_timeout_s``; ``None``: waits have no limit.
-    watchdog: Watchdog | None = None
-
     def __init__(self, micro_batch_size: int = 8, max_tokens_per_micro_batch: int | None = None,
                  gradient_clip_val: float | None = 1.0, precision: str = "32-true", padding_free: bool = False) -> None:
         micro_batch_size = check_int("micro_batch_size", micro_batch_size, at_least=1,
@@ -81,25 +72,16 @@ class Strategy(abc.ABC):
         self.gradient_clip_val = gradient_clip_val
         self.precision = precision
         self.padding_free = padding_free
-        self.versions = ParamVersions()  # per parameter: what an in-process export still has to send
-        self.weight_sync: WeightSync | None = None  # the owner of the connected engine's sync (connect)
+        #: the controller's :class:`~rltrainer.controller.watchdog.Watchdog` over the waits on worker
+        #: processes and, with ``stage_timeout_s``, on in-process stages (``single.train_step``); the
+        #: Trainer sets it from ``stage_timeout_s``; ``None``: waits have no limit.
+        self.watchdog: Watchdog | None = None
         self.lora_config: Any = None  # the module's peft.LoraConfig, if its policy is a LoRA one (set up)
         self.weight_view: str | None = None  # a LoRA policy's export names (rltrainer.lora.LORA_VIEWS)
 
     @property
-    def policy_version(self) -> int:
-        """The version of the policy it trains: the Trainer's ``global_step`` (one per training
-        step, however many optimizer steps that took), as the connected engine's
-        :class:`WeightSync` last pushed it. A sync's default version."""
-        return self.weight_sync.versions.policy if self.weight_sync is not None else 0
-
-    @property
     def world_size(self) -> int:
         return 1
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
 
     @abc.abstractmethod
     def setup(self, module: RLModule, seed: int) -> None:
@@ -128,79 +110,31 @@ class Strategy(abc.ABC):
     def weight_names(self) -> list[str]:
         """The policy's parameter names, as :meth:`export_weights` yields them."""
 
-    def connect(self, engine: RolloutEngine, tokenizer: Any, *, watchdog: Watchdog | None = None,
-                mode: str = "wait") -> WeightSync:
-        """Set up ``engine`` (:meth:`connect_engine`) and return the one owner of its weight sync,
-        :class:`~rltrainer.strategies.weight_sync.WeightSync` (``.engine``: the engine the
-        controller calls), with ``watchdog`` (default: this strategy's) and push ``mode``."""
-        connected = self.connect_engine(engine, tokenizer)
-        self.weight_sync = WeightSync(self, connected, watchdog if watchdog is not None else self.watchdog, mode)
-        return self.weight_sync
-
-    def connect_engine(self, engine: RolloutEngine, tokenizer: Any) -> RolloutEngine:
-        """Set up ``engine`` where this strategy places rollout (here: this process, this device)
-        and return the engine the controller calls (:meth:`connect` also returns its sync owner).
-        The next sync sends every weight."""
-        refuse_other_environment(engine, engine.runtime_env, f"in the controller's process (strategy {type(self).__name__})")
-        engine.check_model(self.model_config(), self.device.type)
-        engine.setup(self.model_config(), tokenizer, device=self.device)
-        self.set_weight_view(enable_engine_adapters(engine, self.lora_config))
-        self.versions.set_groups(engine.weight_groups(self.weight_names()))
-        self.versions.forget_synced()
-        return engine
-
     def set_weight_view(self, mode: str | None) -> None:
         """Export a LoRA policy as ``mode`` (:data:`rltrainer.lora.LORA_VIEWS`: ``"merged"``,
-        ``"adapter"``, ``"adapter_only"``; ``None`` without LoRA). A strategy that trains LoRA
-        overrides it; this one refuses a view it cannot give."""
+        ``"adapter"``, ``"adapter_only"``; ``None`` without LoRA); the engine's
+        :class:`~rltrainer.weights.sync.WeightSync` holds the view it loads. A strategy that trains
+        LoRA overrides it; this one refuses a view it cannot give."""
         if mode is not None:
             raise NotImplementedError(f"{type(self).__name__} does not train LoRA policies")
         self.weight_view = mode
 
-    def forget_synced(self) -> None:
-        """The engine lost its weights: the next sync sends every weight, not only the changed ones."""
-        self.versions.forget_synced()
-
-    def start_weight_sync(self, engine: RolloutEngine, version: int) -> SyncHandle:
-        """Start a sync of ``version`` into ``engine`` through its owner
-        (:meth:`WeightSync.start_weight_sync <rltrainer.strategies.weight_sync.WeightSync.start_weight_sync>`,
-        which says what the handle gives)."""
-        return self._sync_of(engine).start_weight_sync(version)
-
-    def sync_weights(self, engine: RolloutEngine, version: int | None = None) -> dict[str, float]:
-        """:meth:`start_weight_sync` and wait; ``version`` defaults to :attr:`policy_version`."""
-        return self.start_weight_sync(engine, self.policy_version if version is None else version).wait()
-
-    def _sync_of(self, engine: RolloutEngine) -> WeightSync:
-        """The owner of ``engine``'s sync: :meth:`connect`'s, or, for an engine connected with
-        :meth:`connect_engine` alone, a new one (which then owns it)."""
-        if self.weight_sync is None or self.weight_sync.engine is not engine:
-            self.weight_sync = WeightSync(self, engine, self.watchdog)
-        return self.weight_sync
-
-    def transport_for(self, engine: RolloutEngine) -> WeightTransport:
-        """How weights reach ``engine`` (here: it lives in this process; pull :meth:`export_weights`)."""
-        return InProcessTransport(self, engine)
+    @abc.abstractmethod
+    def forget_synced(self, groups: list[list[str]] | None = None) -> None:
+        """The engine lost its weights, or is new: the next export with ``only_changed`` sends every
+        weight. ``groups``: a new engine's names that travel together
+        (``RolloutEngine.weight_groups``): when one changed, every name of its group is sent."""
 
     @abc.abstractmethod
     def model_config(self) -> Any:
         """The policy's transformers config (the engine builds its own model from it)."""
 
     @abc.abstractmethod
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: model(s), optimizer(s), scheduler(s)."""
-
-    @abc.abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
     def save_checkpoint(self, directory: Path, async_save: bool = False) -> dict[str, Any]:
         """Write models, optimizers and schedulers into ``directory`` (new and empty; part of a
         checkpoint still under its temporary name, see :mod:`rltrainer.checkpoints`). Returns the
         small state the controller keeps in ``trainer.pt``. With ``async_save`` a strategy may
-        return before the files are written (:meth:`wait_checkpoint` waits). Here: :meth:`state_dict`
-        as one file, written at once."""
-        save_file(self.state_dict(), directory / "state.pt", "the models, optimizers and schedulers")
-        return {}
+        return before the files are written (:meth:`wait_checkpoint` waits)."""
 
     def wait_checkpoint(self) -> None:
         """Wait until the files of the last :meth:`save_checkpoint` are written."""
@@ -217,18 +151,13 @@ class Strategy(abc.ABC):
         checked in this process."""
         return check_files(directory, expected)
 
+    @abc.abstractmethod
     def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
         """The inverse of :meth:`save_checkpoint` (``state``: what it returned); raises
         :class:`~rltrainer.checkpoints.CheckpointError` for a part missing, unreadable or of another model."""
-        self.load_state_dict(safe_load(directory / "state.pt", "the models, optimizers and schedulers"))
 
     def teardown(self) -> None:
         """Release processes and memory."""
-
-    # -- helpers shared by implementations ------------------------------------------------------
-    def micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """:func:`form_micro_batches` with this strategy's settings."""
-        return form_micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro_batch, self.padding_free)
 
 
 def form_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None,
@@ -244,27 +173,6 @@ def form_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_tokens: i
     for part in parts:
         part.padding_free = padding_free
     return parts
-
-
-def refuse_other_environment(engine: RolloutEngine, runtime_env: dict[str, Any] | None, where: str) -> None:
-    """Raise if ``engine`` runs in another Python environment (its ``runtime_env``) but would be
-    placed ``where`` the trainer's environment is: only processes of its own can have another."""
-    if runtime_env is None:
-        return
-    raise ValueError(
-        f"{type(engine).__name__} runs under another Python environment ({runtime_env.get('py_executable')}), "
-        f"so it needs processes of its own, but it would run {where}. Use split placement, e.g. "
-        "Trainer(strategy=FSDP2Strategy(devices=1, rollout_placement='split'), rollout=...), or install the engine "
-        "in this environment (for vLLM: pip install -e '.[vllm]' on a GPU machine) and leave python= unset.")
-
-
-def enable_engine_adapters(engine: RolloutEngine, lora_config: Any) -> str | None:
-    """For a LoRA policy: give ``engine`` the adapter's config if it loads adapters; returns the
-    view a sync to it uses (``"adapter"`` or ``"merged"``; ``None`` without LoRA)."""
-    mode = engine_view(lora_config, engine)
-    if mode == "adapter":
-        engine.enable_adapters(lora_config)
-    return mode
 
 
 def run_micro_batches(hook: Callable[[RolloutBatch], Any], micro_batches: list[RolloutBatch],

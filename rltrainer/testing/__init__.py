@@ -12,6 +12,7 @@ import torch
 from rltrainer.models.moe import routing_shape
 from rltrainer.modules.grpo import GRPO
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.rollout.rollout import Rollout
 
 #: Where the offline data is looked for, in order: ``RLTRAINER_DATA`` alone when it is set; else
 #: ``recipes/data`` of the source tree this package was imported from (a clone, or an editable
@@ -108,8 +109,9 @@ def prepared_batch(module: Any, strategy: Any, prompts: Any) -> Any:
     advantages, and set the global token/row counts. For tests that compare strategies on one batch."""
     engine = HFEngine()
     engine.return_routed_experts = module.records_routes() and routing_shape(strategy.model_config()) is not None
-    engine = strategy.connect_engine(engine, module.tokenizer)
-    strategy.sync_weights(engine)
+    sync = Rollout(engine).connect(strategy, module.tokenizer)
+    sync.push(0, mode="wait")
+    engine = sync.engine
     batch = module.reward_step(module.rollout_step(prompts, engine))
     for stage in module.compute_stages():
         batch = batch.union(strategy.compute(batch, stage))

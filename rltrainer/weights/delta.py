@@ -1,7 +1,7 @@
 """Delta weight sync: send only the words of a bucket that changed since the engines' last copy.
 
 Between two RL steps at a realistic learning rate most engine-dtype weights do not change: the
-fp32 master weights move by less than one bf16 ulp. With ``weight_sync_delta`` on (a
+fp32 master weights move by less than one bf16 ulp. With ``Rollout(delta=...)`` on (a
 :class:`DeltaSync`), trainer rank 0 keeps a copy of what the engines hold, one tensor per weight
 name in the engine's dtype (:class:`DeltaEncoder`, "the base"), and codes each bucket as:
 
@@ -55,7 +55,7 @@ COPIES = ("host", "device")
 
 @dataclass(frozen=True)
 class DeltaSync:
-    """``weight_sync_delta=DeltaSync(...)`` (``True``: these defaults).
+    """``Rollout(delta=DeltaSync(...))`` (``True``: these defaults).
 
     Args:
         max_share: a bucket travels as a delta when its payload (steps and offsets) is at most this
@@ -98,14 +98,14 @@ class DeltaSync:
 
     @classmethod
     def resolve(cls, value: bool | DeltaSync | None) -> DeltaSync | None:
-        """``weight_sync_delta`` as settings (``None``: off)."""
+        """``Rollout(delta=...)`` as settings (``None``: off)."""
         if value is None or value is False:
             return None
         if value is True:
             return cls()
         if isinstance(value, cls):
             return value
-        raise TypeError(f"weight_sync_delta={value!r}; pass True, False or DeltaSync(max_share=..., checksum_every=...)")
+        raise TypeError(f"delta={value!r}; pass True, False or DeltaSync(max_share=..., checksum_every=...)")
 
 
 def checksum(tensor: torch.Tensor) -> int:

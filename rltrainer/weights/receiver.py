@@ -69,7 +69,7 @@ class WeightReceiver:
         match (the controller sends them again, :meth:`repair`)."""
         if encoding is not None and encoding.kind == "delta" and engine.native_weight_broadcast:
             raise RuntimeError(f"{type(engine).__name__} receives broadcast buckets itself and cannot apply a delta; "
-                               "use weight_sync_delta=False with it")
+                               "use Rollout(delta=False) with it")
         staged = self.gate.stage(version, index, count, buffer, entries, encoding)
         stats: dict[str, Any] = {"tensors": len(entries), "bytes": bucket_nbytes(entries)}
         if encoding is not None:

@@ -160,7 +160,7 @@ class WeightSender:
         engine = self.source.engine
         if engine is None:
             raise RuntimeError(f"Training rank {self.source.rank} holds no rollout engine (colocated sync before "
-                               "connect_engine)")
+                               "Rollout.connect)")
         buckets, skipped = self.plan(dtype, only_changed=True)
         self._coding = False  # a colocated engine copies in place: a diff scan reads as much as the copy writes
         count = nbytes = 0

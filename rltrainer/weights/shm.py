@@ -65,7 +65,7 @@ class SharedSlots:
         if room < SLOTS * nbytes:
             raise RuntimeError(f"Shared-memory weight transport needs {SLOTS} x {nbytes / 2**20:.0f} MiB in "
                                f"{directory}, which has {room / 2**20:.0f} MiB free. Lower bucket_bytes, grow "
-                               f"{directory}, or use weight_transport='object_store'.")
+                               f"{directory}, or use Rollout(transport='object_store').")
         paths = [os.path.join(directory, f"rltrainer-weights-{tag}-{slot}") for slot in range(SLOTS)]
         try:
             for path in paths:
@@ -83,7 +83,7 @@ class SharedSlots:
         missing = [p for p in paths if not os.path.exists(p)]
         if missing:
             raise RuntimeError(f"Shared-memory weight slots {missing} do not exist in this process's view: is it on "
-                               "trainer rank 0's node? (weight_transport='shared_memory' needs one node)")
+                               "trainer rank 0's node? (Rollout(transport='shared_memory') needs one node)")
         slots = [map_file(path, nbytes) for path in paths]
         for slot in slots:
             prefault(slot, write=False)

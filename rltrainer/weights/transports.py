@@ -68,14 +68,14 @@ Stats = dict[str, float]
 
 
 def resolve_transport(requested: str, devices: set[str], same_node: bool) -> str:
-    """``weight_transport`` for split placement, ``"auto"`` resolved: broadcast when trainer rank 0
+    """``Rollout(transport=...)`` for split placement, ``"auto"`` resolved: broadcast when trainer rank 0
     and every rollout process are on GPUs (NCCL), shared memory when they are all on trainer rank
     0's node, else Ray's object store."""
     if requested not in WEIGHT_TRANSPORTS:
-        raise ValueError(f"weight_transport={requested!r}; choose from {', '.join(WEIGHT_TRANSPORTS)} "
+        raise ValueError(f"transport={requested!r}; choose from {', '.join(WEIGHT_TRANSPORTS)} "
                          "(how split placement moves weights to the rollout replicas)")
     if requested == "shared_memory" and not same_node:
-        raise ValueError("weight_transport='shared_memory' needs every rollout process on trainer rank 0's node; "
+        raise ValueError("Rollout(transport='shared_memory') needs every rollout process on trainer rank 0's node; "
                          "use 'object_store' (any node) or 'broadcast' (GPUs) across nodes")
     if requested != "auto":
         return requested
@@ -229,7 +229,7 @@ class _Split(WeightTransport):
                  delta: bool = False) -> None:
         super().__init__()
         self.trainer, self.rollout, self.dtype, self.wait_all = trainer, rollout, dtype, wait_all
-        self.delta = delta  # the training ranks code buckets (weight_sync_delta, rltrainer.weights.delta)
+        self.delta = delta  # the training ranks code buckets (Rollout(delta=...), rltrainer.weights.delta)
 
     def _start(self, version: int) -> Callable[[], Stats]:
         trainer, rollout = self.trainer, self.rollout
@@ -305,7 +305,7 @@ class BroadcastTransport(_Split):
     """Trainer rank 0 and every replica's receiving processes form a group of their own
     (:class:`~rltrainer.weights.group.WeightGroup`, NCCL when all are on GPUs, else gloo); each
     bucket is one broadcast straight into the receivers' buffers (or SGLang's schedulers).
-    ``timeout_s`` (the strategy's ``weight_sync_timeout_s``) bounds the group's forming and each
+    ``timeout_s`` (the rollout's ``sync_timeout_s``) bounds the group's forming and each
     broadcast, on every member."""
 
     name = "broadcast"

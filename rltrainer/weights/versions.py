@@ -3,14 +3,13 @@
 A version is a count of training steps: the weights after ``k`` updates of the policy are
 version ``k`` (the Trainer's ``global_step``; version 0 is the initial weights).
 
-- :class:`WeightVersions` (the controller's, owned by the engine's sync owner,
-  ``rltrainer.strategies.weight_sync.WeightSync``, and written by it only): ``policy`` (the version
-  last pushed or synced: the weights the strategy trains), ``started`` (the last sync started) and
-  ``loaded`` (the last sync every replica loaded).
+- ``WeightSync.version`` (the controller's, kept by the engine's sync owner,
+  :class:`rltrainer.weights.sync.WeightSync`): the version last pushed, the weights the strategy
+  trains (the Trainer's ``global_step``); a push's default version.
 - ``RolloutEngine.weight_version``: the version the engine holds, written where the engine lives by
-  :func:`mark_loaded` only (a rollout process once a sync's last bucket has loaded; an engine in the
+  :func:`mark_loaded` (a rollout process once a sync's last bucket has loaded; an engine in the
   controller's process by the in-process transport). The controller's handle on remote replicas
-  (``RemoteEngine``) holds the version its requests ask for: the owner writes it when a push starts
+  (``RemoteEngine``) holds the version its requests ask for: the sync owner sets it when a push starts
   and when it has loaded (a replica generates with that version or a later one).
 - The batch column ``policy_version [N]``: the engine's version when a row was generated (what
   asynchronous rollout tags its rows with; how stale the weights that sampled a row were:
@@ -23,7 +22,6 @@ version ``k`` (the Trainer's ``global_step``; version 0 is the initial weights).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,23 +70,6 @@ class ParamVersions:
 def stepped_parameter_names(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
     """Parameters an optimizer step may change: trainable and holding a gradient."""
     return [n for n, p in named_params if p.requires_grad and p.grad is not None]
-
-
-@dataclass
-class WeightVersions:
-    """The controller's counters, owned by one sync owner (``WeightSync``) and written by it only.
-
-    Attributes:
-        policy: the version of the weights the strategy trains: the version last pushed or synced
-            through the owner (the Trainer's ``global_step``; one per update of the policy, whatever
-            its optimizer steps). A sync's default version.
-        started: the version of the last sync started (its bytes are handed off).
-        loaded: the version of the last sync waited for (every replica has loaded it).
-    """
-
-    policy: int = 0
-    started: int = -1
-    loaded: int = -1
 
 
 def mark_loaded(engine: Any, version: int) -> None:

@@ -28,7 +28,7 @@ import torch
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, float]:
-    from rltrainer import GRPO, AsyncPipeline, Trainer, prompt_dataloader
+    from rltrainer import GRPO, AsyncPipeline, Rollout, Trainer, prompt_dataloader
     from rltrainer.callbacks import Callback
     from rltrainer.data import load_rows, prepare_gsm8k
     from rltrainer.strategies import FSDP2Strategy
@@ -51,11 +51,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, float]:
             self.history.append(metrics)
 
     clock = Clock()
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=args.micro_batch_size,
-                             threads_per_worker=1)
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=args.micro_batch_size, threads_per_worker=1)
     pipeline = {"async": AsyncPipeline(max_staleness=args.max_staleness),
                 "async_timing": AsyncPipeline(max_staleness=args.max_staleness, deterministic=False)}.get(mode, mode)
-    with Trainer(strategy=strategy, rollout="hf", pipeline=pipeline, max_steps=args.steps, logger=False,
+    with Trainer(strategy=strategy, rollout=Rollout("hf", placement="split"), pipeline=pipeline, max_steps=args.steps, logger=False,
                  enable_progress_bar=False, callbacks=[clock], seed=0) as trainer:
         trainer.fit(module, prompt_dataloader(prompts, args.batch_size))
     measured = clock.history[args.warmup:]

@@ -128,7 +128,7 @@ def main() -> None:
         strategy = FSDP2Strategy(devices=args.devices, threads_per_worker=1, ray_init_kwargs=ray_init_kwargs)
     with Trainer(strategy=strategy, max_steps=1, logger=False, enable_progress_bar=False) as trainer:
         trainer.fit(module, prompt_dataloader(rows, batch_size=2))
-        specs = trainer.strategy._require_group().execute_rank_zero("weight_specs")
+        specs = trainer.strategy.require_group().execute_rank_zero("weight_specs")
         params = sum(math.prod(shape) for shape, _ in specs.values())
         root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
         try:

@@ -22,12 +22,12 @@ step's weights: the diff scan (``torch.ne`` of the casts viewed as int16, ``nonz
 the values) and a checksum pass (``rltrainer.weights.delta.checksum``) over every tensor, against
 ``dst.copy_(src)`` of the same bytes, same process and threads.
 
-``sync``: ``FSDP2Strategy(devices=1, rollout_placement="split")`` with one ``hf`` replica in bf16,
+``sync``: ``FSDP2Strategy(devices=1)`` and ``Rollout(placement="split")`` with one ``hf`` replica in bf16,
 for each transport (``shared_memory``, ``object_store``) and learning rate with
-``weight_sync_delta=True``, and at the ``--full-lrs`` (default: the first) with ``False`` too (a
+``Rollout(delta=True)``, and at the ``--full-lrs`` (default: the first) with ``False`` too (a
 full sync sends every trained tensor whatever the lr: one full run per transport is the
 reference): a full first sync, the warm-up step and its sync, then per step ``train_step`` on the
-same batches and a sync timed from the controller (``Strategy.connect(...).sync(version)``). Its stats: ``bytes`` (a full sync's), ``wire_bytes`` (sent), ``changed_share``,
+same batches and a sync timed from the controller (the transport's ``start(version).wait()``, seconds included). Its stats: ``bytes`` (a full sync's), ``wire_bytes`` (sent), ``changed_share``,
 ``delta_buckets`` / ``full_buckets``, ``checksum_mismatches``, ``encode_s``, ``checksum_s``, ``seconds``.
 
 ``codec``: the delta codec alone, in one process (no transport): the sender's encode and
@@ -265,6 +265,7 @@ def sync_run(args: argparse.Namespace, transport: str, lr: float, delta: bool, k
     import ray
 
     from rltrainer.rollout.hf import HFEngine
+    from rltrainer.rollout.rollout import Rollout
     from rltrainer.strategies import FSDP2Strategy
     from rltrainer.testing import load_tokenizer
 
@@ -273,24 +274,25 @@ def sync_run(args: argparse.Namespace, transport: str, lr: float, delta: bool, k
     tokenizer = load_tokenizer("qwen2.5-instruct")
     batches = gsm8k_batches(tokenizer, 1 + args.sync_steps, args.rows, args.max_prompt, args.max_response, seed=0)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    strategy = FSDP2Strategy(devices=1, micro_batch_size=args.rows, rollout_placement="split",
-                             weight_transport=transport, weight_sync_delta=delta, threads_per_worker=args.threads,
-                             bucket_bytes=args.bucket_mb << 20)
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=args.rows, threads_per_worker=args.threads)
+    rollout = Rollout(HFEngine(dtype=torch.bfloat16), placement="split", transport=transport, delta=delta,
+                      bucket_bytes=args.bucket_mb << 20)
     try:
         strategy.setup(grpo_module(tokenizer, lr, args.max_response), seed=0)
-        sync = strategy.connect(HFEngine(dtype=torch.bfloat16), tokenizer)
-        first = sync.sync(0)  # in full: the engine has nothing yet
+        sync = rollout.connect(strategy, tokenizer)
+        first = sync.transport.start(0).wait()  # in full: the engine has nothing yet
         steps = []
         for i, batch in enumerate(batches):
             start = time.perf_counter()
             strategy.train_step(batch)
             train_s = time.perf_counter() - start
-            stats = sync.sync(i + 1)
+            stats = sync.transport.start(i + 1).wait()
             steps.append({"step": i, "warmup": i == 0, "train_s": train_s, "load": os.getloadavg()[0], **stats})
             print(f"{key} step {i}: sync {stats['seconds']:.2f} s, wire {stats.get('wire_bytes', stats['bytes']) / 1e6:.0f} "
                   f"of {stats['bytes'] / 1e6:.0f} MB, changed {stats.get('changed_share', float('nan')):.2%}, "
                   f"mismatches {stats.get('checksum_mismatches', '-')}", flush=True)
     finally:
+        rollout.teardown()
         strategy.teardown()
         ray.shutdown()
     Path(path).write_text(json.dumps({"first": first, "steps": steps}))
@@ -490,7 +492,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="trials of each scan / copy / checksum pass")
     p.add_argument("--full-lrs", type=float, nargs="+", default=None,
-                   help="sync: the lrs that also run weight_sync_delta=False (default: the first): a full sync sends "
+                   help="sync: the lrs that also run delta=False (default: the first): a full sync sends "
                         "every trained tensor whatever the lr, so one full run per transport is the reference")
     p.add_argument("--codecs", nargs="+", choices=["compiled", "reference"], default=["compiled", "reference"],
                    help="codec: the compiled one-pass kernels (numba, the CPU default) and the reference passes")

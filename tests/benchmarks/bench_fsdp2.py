@@ -67,6 +67,7 @@ def bench_sync(args: argparse.Namespace) -> dict:
 
     from rltrainer import GRPO
     from rltrainer.rollout.hf import HFEngine
+    from rltrainer.rollout.rollout import Rollout
     from rltrainer.strategies import FSDP2Strategy
     from rltrainer.testing import load_tokenizer
 
@@ -76,18 +77,20 @@ def bench_sync(args: argparse.Namespace) -> dict:
     config = qwen25_05b_config(151936)
     module = GRPO(config, tokenizer, reward_funcs="gsm8k", kl_coef=0.0)
     placement, _, transport = args.placement.partition("-")
-    strategy = FSDP2Strategy(devices=2, bucket_bytes=args.bucket_mb << 20, rollout_placement=placement,
-                             weight_transport=(transport or "broadcast").replace("-", "_"))
+    strategy = FSDP2Strategy(devices=2)
+    rollout = Rollout(HFEngine(), placement=placement, transport=(transport or "broadcast").replace("-", "_"),
+                      bucket_bytes=args.bucket_mb << 20)
     start = time.perf_counter()
     strategy.setup(module, seed=0)
-    engine = strategy.connect_engine(HFEngine(), tokenizer)
+    sync = rollout.connect(strategy, tokenizer)
     setup_s = time.perf_counter() - start
     rates, stats = [], {}
     for _ in range(args.trials):
         strategy.group.execute_all("forget_synced")
-        stats = strategy.sync_weights(engine)
+        stats = sync.transport.start(0).wait()  # the transport's own stats, seconds included
         rates.append(stats["bytes"] / stats["seconds"] / 1e9)
     nbytes = int(stats["bytes"])
+    rollout.teardown()
     strategy.teardown()
     ray.shutdown()
     copy = copy_baseline(nbytes, args.trials)

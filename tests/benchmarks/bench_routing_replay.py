@@ -33,7 +33,7 @@ METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/log_ppl_diff",
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> list[dict[str, float]]:
-    from rltrainer import GRPO, Trainer, VLLMEngine, prompt_dataloader
+    from rltrainer import GRPO, Rollout, Trainer, VLLMEngine, prompt_dataloader
     from rltrainer.callbacks import Callback
     from rltrainer.data import load_rows, prepare_gsm8k
     from rltrainer.strategies import FSDP2Strategy
@@ -55,9 +55,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> list[dict[str, float]]:
             self.steps.append({k: float(v) for k, v in metrics.items() if k in METRICS})
 
     history = History()
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=args.micro_batch_size,
-                             threads_per_worker=1)
-    with Trainer(strategy=strategy, rollout=VLLMEngine(dtype=torch.bfloat16), max_steps=args.steps, logger=False,
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=args.micro_batch_size, threads_per_worker=1)
+    with Trainer(strategy=strategy, rollout=Rollout(VLLMEngine(dtype=torch.bfloat16), placement="split"), max_steps=args.steps, logger=False,
                  enable_progress_bar=False, callbacks=[history], seed=args.seed) as trainer:
         trainer.fit(module, prompt_dataloader(prompts, args.batch_size))
     return history.steps

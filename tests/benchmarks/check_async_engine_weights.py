@@ -1,6 +1,6 @@
 """Does the engine hold the trainer's weights after a lagging-mode fit? The addition recipe's task
 (``recipes/grpo_addition.py``, same warm-up): fit in ``--pipeline`` mode, validate on the engine,
-send every weight again (``strategy.forget_synced()`` + ``trainer.sync.sync(trainer.global_step)``), validate again.
+send every weight again (``strategy.forget_synced()`` + ``trainer.sync.push(trainer.global_step, mode="wait")``), validate again.
 Equal accuracies mean the engine generated with the trained weights.
 
     python tests/benchmarks/check_async_engine_weights.py --pipeline async --steps 120 --seed 1
@@ -42,9 +42,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         model.save_pretrained(model_dir)
         module = ga.build_module(cfg, model_dir, tokenizer)
-        strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=cfg.micro_batch_size,
-                                 threads_per_worker=1)
-        trainer = rltrainer.Trainer(strategy=strategy, rollout="hf", pipeline=rltrainer.AsyncPipeline(
+        strategy = FSDP2Strategy(devices=1, micro_batch_size=cfg.micro_batch_size, threads_per_worker=1)
+        trainer = rltrainer.Trainer(strategy=strategy, rollout=rltrainer.Rollout("hf", placement="split"), pipeline=rltrainer.AsyncPipeline(
                                         max_staleness=cfg.max_staleness) if cfg.pipeline == "async" else cfg.pipeline,
                                     max_steps=cfg.steps, seed=cfg.seed,
                                     logger=False, enable_progress_bar=False)
@@ -52,10 +51,10 @@ def main() -> None:
         trainer.fit(module, train)
         after_fit = trainer.validate(module, val)["val/accuracy"]
         trainer.strategy.forget_synced()
-        resend = trainer.sync.sync(trainer.global_step)
+        resend = trainer.sync.push(trainer.global_step, mode="wait")
         after_resend = trainer.validate(module, val)["val/accuracy"]
         print(f"{cfg.pipeline}: held-out {after_fit:.3f} after fit, {after_resend:.3f} after sending every weight "
-              f"again ({resend['tensors']} tensors)", flush=True)
+              f"again ({resend['sync/tensors']:.0f} tensors)", flush=True)
         trainer.teardown()
 
 

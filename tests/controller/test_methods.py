@@ -112,7 +112,7 @@ def test_the_weight_protocol_waits_as_send_weights_and_receive_weights():
     assert set(sending) == {
         "plan_weights", "weight_entries", "export_bucket", "finish_weights", "load_local_weights", "host_weight_group",
         "broadcast_bucket", "leave_weight_group", "weight_slot_bytes", "create_weight_slots", "share_weight_slots",
-        "unlink_weight_slots", "write_slot", "close_weight_slots", "configure_weight_delta", "encode_bucket",
+        "unlink_weight_slots", "write_slot", "close_weight_slots", "configure_weight_sync", "encode_bucket",
         "base_buckets"}
     assert {n for n, s in sending.items() if s.dispatch == RANK_ZERO} == {
         "weight_entries", "host_weight_group", "leave_weight_group", "weight_slot_bytes", "create_weight_slots",

@@ -13,6 +13,7 @@ import pytest
 from rltrainer import GRPO, AsyncPipeline, Trainer, prompt_dataloader
 from rltrainer.controller.watchdog import StageTimeout, Watchdog, doing
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.testing import length_reward
 from rltrainer.weights.transports import InProcessTransport
 
@@ -186,7 +187,7 @@ def test_a_hung_engine_call_in_validation(tiny_config, bpe_tokenizer, gsm8k_prom
 def test_a_hung_weight_push(tiny_config, bpe_tokenizer, gsm8k_prompts, monkeypatch):
     monkeypatch.setattr(InProcessTransport, "_start", hang_on_call(2, InProcessTransport._start))  # 1: setup's
     error, after_s = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, stage_timeout_s={"weights": TIMEOUT_S})
-    check(error, "weights.push", "in start_weight_sync", after_s)
+    check(error, "weights.push", "in _start_push", after_s)
 
 
 @pytest.mark.usefixtures("warm_ranks")  # the split replica reuses a warm process (tests/conftest.py)
@@ -197,9 +198,10 @@ def test_a_hung_rollout_thread_under_the_buffer_wait(pipeline, policy, tiny_conf
     from rltrainer.strategies import FSDP2Strategy
 
     monkeypatch.setattr(SyncRun, "_run", hang_on_call(2, SyncRun._run))  # outside rollout_step's own watch
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4)
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=4)
     start = time.monotonic()
     error, after_s = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, strategy=strategy,
+                         rollout=Rollout(placement="split"),
                          pipeline=AsyncPipeline(staleness_policy=policy) if pipeline == "async" else pipeline,
                          stage_timeout_s={"pipeline.wait": TIMEOUT_S})
     check(error, "pipeline.wait", "in stand_in", None)
@@ -223,9 +225,10 @@ class HangingReplicaEngine(HFEngine):
 def test_a_hung_engine_replica_names_its_rank(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
     from rltrainer.strategies import FSDP2Strategy
 
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4)
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=4)
     start = time.monotonic()
-    error, _ = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, strategy=strategy, rollout=HangingReplicaEngine(),
+    error, _ = fit(grpo(tiny_config, bpe_tokenizer), gsm8k_prompts, strategy=strategy,
+                   rollout=Rollout(HangingReplicaEngine(), placement="split"),
                    stage_timeout_s={"generate": TIMEOUT_S})
     headline = check(error, "rollout.generate", "generate", None)
     assert "rank 0 of 'rollout' did not answer" in headline and error.ranks == [0]

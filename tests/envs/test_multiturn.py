@@ -336,9 +336,10 @@ def test_episodes_on_split_engines_and_pipelines(pipeline, ray_session):
         def on_step_end(self, trainer, module, metrics):
             seen.append(metrics)
 
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=1, micro_batch_size=4)
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=4)
     rows = [{"prompt_ids": [1], "k": i} for i in range(6)]
-    with rltrainer.Trainer(strategy=strategy, rollout="hf", pipeline=pipeline, max_steps=3, logger=False,
+    with rltrainer.Trainer(strategy=strategy, rollout=rltrainer.Rollout("hf", placement="split", replicas=1),
+                           pipeline=pipeline, max_steps=3, logger=False,
                            enable_progress_bar=False, callbacks=[Record()]) as trainer:
         trainer.fit(module, rltrainer.prompt_dataloader(rows, batch_size=2))
     assert len(seen) == 3

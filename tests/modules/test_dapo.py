@@ -15,6 +15,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.module import Attachment
 from rltrainer.pipelines import check_module_pipeline
 from rltrainer.rollout.engine import Generation
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies.fsdp2 import FSDP2Strategy
 from rltrainer.testing import tiny_qwen2_config
 
@@ -97,7 +98,7 @@ def test_bad_arguments_are_refused(kwargs, message) -> None:
 def test_dynamic_sampling_refuses_pipelines_that_queue_prompts_ahead(pipeline, tiny_config, bpe_tokenizer,
                                                                      gsm8k_prompts) -> None:
     module = DAPO(tiny_config, bpe_tokenizer, zero_reward, num_generations=2, max_new_tokens=4)
-    trainer = Trainer(strategy=FSDP2Strategy(devices=1, rollout_placement="split"), pipeline=pipeline,
+    trainer = Trainer(strategy=FSDP2Strategy(devices=1), rollout=Rollout(placement="split"), pipeline=pipeline,
                       logger=False, enable_progress_bar=False)
     with pytest.raises(ValueError, match=rf"DAPO runs with pipeline in 'sync', got Trainer\(pipeline='{pipeline}'\)"
                                          r".*dynamic_sampling=False"):

@@ -24,6 +24,7 @@ import torch
 
 from rltrainer import GRPO, AsyncPipeline, Trainer, prompt_dataloader
 from rltrainer.callbacks import Callback, ModelCheckpoint
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy
 from rltrainer.testing import length_reward, load_tokenizer, tiny_qwen2_config
 
@@ -108,8 +109,9 @@ def main() -> None:
     elif args.kill == "mid_step":
         module.kill_in_step = args.kill_step + 1
     pipeline = AsyncPipeline(args.max_staleness, args.policy) if args.pipeline == "async" else args.pipeline
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=args.replicas, micro_batch_size=4)
-    with Trainer(strategy=strategy, pipeline=pipeline, max_epochs=EPOCHS, logger=False,
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=4)
+    rollout = Rollout(placement="split", replicas=args.replicas)
+    with Trainer(strategy=strategy, rollout=rollout, pipeline=pipeline, max_epochs=EPOCHS, logger=False,
                  enable_progress_bar=False, seed=5, default_root_dir=args.out, callbacks=callbacks) as t:
         t.fit(module, prompt_dataloader(prompts(tokenizer, args.prompts), batch_size=B, drop_last=False), ckpt_path="last" if args.resume else None)
         torch.save(dict(t.strategy.export_weights()), args.out / "weights.pt")

@@ -121,7 +121,7 @@ def prompt(position: tuple[int, int, int]) -> RolloutBatch:
 
 def pipeline_over(batches: list[tuple[int, int, RolloutBatch]]) -> AsyncRun:
     fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=2)), step=3,
-                          strategy=SimpleNamespace(rollout_placement="split"), engine=SimpleNamespace(),
+                          engine=SimpleNamespace(placement="split"),
                           watchdog=Watchdog())
     return AsyncPipeline(max_staleness=1, staleness_policy="wait").start(fit, batches)
 

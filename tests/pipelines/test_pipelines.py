@@ -19,6 +19,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.module import generate_rollouts
 from rltrainer.pipelines import concat_rollouts
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 from rltrainer.testing import SlowHFEngine, length_reward
 
@@ -77,13 +78,16 @@ def module(cls, config, tokenizer, seed=None, **kwargs):
     return m
 
 
-def split(replicas=1, **kwargs):
-    return FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=replicas, micro_batch_size=4, **kwargs)
+def split(replicas=1):
+    """Where :func:`trainer` places its engine: ``replicas`` processes of their own."""
+    return {"placement": "split", "replicas": replicas}
 
 
-def trainer(strategy, **kwargs):
+def trainer(where, rollout="hf", **kwargs):
+    """A Trainer on one FSDP2 rank whose ``rollout`` engine is placed ``where`` (``split(...)``)."""
     defaults = dict(logger=False, enable_progress_bar=False, seed=5)
-    return Trainer(strategy=strategy, **{**defaults, **kwargs})
+    return Trainer(strategy=FSDP2Strategy(devices=1, micro_batch_size=4), rollout=Rollout(rollout, **where),
+                   **{**defaults, **kwargs})
 
 
 def test_modes_that_cannot_work_refuse_at_construction():
@@ -94,10 +98,11 @@ def test_modes_that_cannot_work_refuse_at_construction():
     with pytest.raises(ValueError, match="sync, one_step_off, async"):
         Trainer(pipeline="overlap")
     with pytest.raises(ValueError, match="max_staleness"):
-        Trainer(strategy=split(), pipeline=AsyncPipeline(max_staleness=-1))
+        Trainer(strategy=FSDP2Strategy(devices=1), rollout=Rollout(**split()), pipeline=AsyncPipeline(max_staleness=-1))
     with pytest.raises(ValueError, match="wait, drop"):
-        Trainer(strategy=split(), pipeline=AsyncPipeline(staleness_policy="skip"))
-    assert Trainer(strategy=split(), pipeline="async").off_policy
+        Trainer(strategy=FSDP2Strategy(devices=1), rollout=Rollout(**split()),
+                pipeline=AsyncPipeline(staleness_policy="skip"))
+    assert Trainer(strategy=FSDP2Strategy(devices=1), rollout=Rollout(**split()), pipeline="async").off_policy
     assert not Trainer(strategy=SingleDeviceStrategy()).off_policy  # hf in fp32: the trainer's log-probs
 
 
@@ -299,7 +304,7 @@ def test_a_dead_rollout_process_raises_in_the_controller(pipeline, tiny_config, 
     class Kill(Callback):
         def on_step_end(self, trainer, module, metrics):
             if trainer.global_step == 2:
-                killed["pid"], killed["at"] = trainer.strategy.rollout_group.pids[0], time.perf_counter()
+                killed["pid"], killed["at"] = trainer.rollout.group.pids[0], time.perf_counter()
                 os.kill(killed["pid"], signal.SIGKILL)
 
     m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
@@ -317,7 +322,7 @@ def test_shutdown_with_requests_in_flight_leaves_no_process_behind(tiny_config, 
 
     class Interrupt(Callback):
         def on_step_end(self, trainer, module, metrics):
-            seen["pids"] = list(trainer.strategy.rollout_group.pids)
+            seen["pids"] = list(trainer.rollout.group.pids)
             seen["in_flight"] = len(trainer._run._in_flight)
             seen["at"] = time.perf_counter()
             raise KeyboardInterrupt  # e.g. Ctrl-C while the replicas generate
@@ -372,9 +377,8 @@ def test_sync_puts_only_engines_that_share_the_trainers_memory_to_sleep(placemen
                                                                         gsm8k_prompts, tmp_path, ray_session):
     """A split engine has a device of its own: sleeping it after each rollout would only copy its
     weights out and back (vLLM's level 1). A colocated one sleeps while the policy trains."""
-    strategy = FSDP2Strategy(devices=1, rollout_placement=placement, micro_batch_size=4)
     m = module(RecordingGRPO, tiny_config, bpe_tokenizer)
-    with trainer(strategy, rollout=SleepCountingEngine(str(tmp_path)), max_steps=2) as t:
+    with trainer({"placement": placement}, rollout=SleepCountingEngine(str(tmp_path)), max_steps=2) as t:
         t.fit(m, prompt_dataloader(gsm8k_prompts.select(range(2 * B)), batch_size=B))
     calls = [line for path in sorted(tmp_path.glob("*.log")) for line in path.read_text().split()]
     assert calls == ([] if placement == "split" else ["wake_up", "sleep"] * 2)
@@ -615,8 +619,9 @@ def test_before_a_push_rollouts_of_older_versions_are_held_or_done(holds):
     from rltrainer.pipelines import AsyncRun, Prompts
 
     engine = Replica(holds)
+    engine.placement = "split"  # as Rollout.connect marks split replicas
     fit = SimpleNamespace(module=SimpleNamespace(sampling=SimpleNamespace(n=G)), step=0, metrics=StepMetrics(),
-                          engine=engine, strategy=SimpleNamespace(rollout_placement="split"), watchdog=Watchdog(),
+                          engine=engine, watchdog=Watchdog(),
                           call_module=engine.rollout_step)
     run = AsyncRun(fit, [], max_staleness=1, staleness_policy="wait", deterministic=True)
     prompts = Prompts(RolloutBatch.from_rows([{"prompt_ids": [1, 2]}]), [(0, 0, 0)])

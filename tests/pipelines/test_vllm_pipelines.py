@@ -6,7 +6,7 @@ The engine is exact here (fp32 on both sides), so the trainer can tell whether t
 weights: under ``sync`` every step's rows come from the weights being trained, and the trainer's
 log-probs of them equal the engine's (``rollout_corr/kl`` ~ 0, the k1 estimate over the step's
 tokens); after ``fit`` the engine's greedy tokens and log-probs are the final policy's, whatever the
-pipeline. With ``weight_sync_delta`` (a bf16 engine) vLLM's own parameters are the policy's, bit for
+pipeline. With ``Rollout(delta=...)`` (a bf16 engine) vLLM's own parameters are the policy's, bit for
 bit, after every step's sync. A mixture-of-experts policy trains on the routes the engine recorded
 (routing replay).
 """
@@ -21,6 +21,7 @@ from rltrainer.callbacks import Callback
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import build_causal_lm, response_log_probs
 from rltrainer.rollout import SamplingParams
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy
 from rltrainer.testing import length_reward, tiny_qwen2_config
 from rltrainer.testing.vllm_probe import holds_exactly
@@ -77,9 +78,11 @@ def test_pipeline_runs_with_real_vllm(pipeline, devices, bpe_tokenizer, gsm8k_pr
     config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
     module = RecordingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6,
                            lr=1e-3)
-    strategy = FSDP2Strategy(devices=devices, rollout_placement="split", micro_batch_size=4)
+    strategy = FSDP2Strategy(devices=devices, micro_batch_size=4)
     seen = Versions()
-    trainer = Trainer(strategy=strategy, rollout=VLLMEngine(dtype=torch.float32, python=vllm_python), logger=False,
+    trainer = Trainer(strategy=strategy,
+                      rollout=Rollout(VLLMEngine(dtype=torch.float32, python=vllm_python), placement="split"),
+                      logger=False,
                       enable_progress_bar=False, max_steps=STEPS, pipeline=pipeline, callbacks=[seen], seed=3)
     try:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=B))
@@ -109,7 +112,7 @@ def test_a_lora_policy_syncs_its_adapter_into_vllm(bpe_tokenizer, gsm8k_prompts,
     module = RecordingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6,
                            lr=5e-2, lora=lora)
     engine = VLLMEngine(dtype=torch.float32, python=vllm_python, enable_lora=True, max_lora_rank=8)
-    trainer = Trainer(strategy=FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4), rollout=engine,
+    trainer = Trainer(strategy=FSDP2Strategy(devices=1, micro_batch_size=4), rollout=Rollout(engine, placement="split"),
                       logger=False, enable_progress_bar=False, max_steps=2, seed=3)
     try:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=B))
@@ -148,7 +151,7 @@ class VLLMHoldsThePolicy(Callback):
     def on_step_end(self, trainer, module, metrics):
         self.metrics.append(dict(metrics))
         policy = {name: tensor.to(self.dtype) for name, tensor in trainer.strategy.export_weights()}
-        for held in trainer.strategy.rollout_group.remote.engine_weights():
+        for held in trainer.rollout.group.remote.engine_weights():
             assert held, "the engine lent no parameters"
             bad = []
             for name, tensor in held.items():
@@ -158,7 +161,7 @@ class VLLMHoldsThePolicy(Callback):
 
 
 def test_delta_sync_into_real_vllm(bpe_tokenizer, gsm8k_prompts, vllm_python, ray_session):
-    """``weight_sync_delta=True`` with a bf16 vLLM replica (split placement): vLLM keeps no HF-named
+    """``Rollout(delta=True)`` with a bf16 vLLM replica (split placement): vLLM keeps no HF-named
     tensors, so the receiver keeps a mirror, applies each delta to it and loads the touched buckets
     through ``update_weights``; after every step vLLM holds exactly what a full sync would load."""
     from rltrainer.testing.vllm_probe import InspectableVLLMEngine
@@ -166,10 +169,11 @@ def test_delta_sync_into_real_vllm(bpe_tokenizer, gsm8k_prompts, vllm_python, ra
     dtype = torch.bfloat16
     config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
     module = GRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6, lr=2e-6)
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4, bucket_bytes=64 << 10,
-                             weight_sync_delta=DeltaSync(max_share=0.5))  # tiny model: 4-8% changed
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=4)
     check = VLLMHoldsThePolicy(dtype)
-    trainer = Trainer(strategy=strategy, rollout=InspectableVLLMEngine(dtype=dtype, python=vllm_python), logger=False,
+    rollout = Rollout(InspectableVLLMEngine(dtype=dtype, python=vllm_python), placement="split", bucket_bytes=64 << 10,
+                      delta=DeltaSync(max_share=0.5))  # tiny model: 4-8% changed
+    trainer = Trainer(strategy=strategy, rollout=rollout, logger=False,
                       enable_progress_bar=False, max_steps=STEPS, callbacks=[check], seed=3)
     try:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=B))
@@ -178,12 +182,12 @@ def test_delta_sync_into_real_vllm(bpe_tokenizer, gsm8k_prompts, vllm_python, ra
         assert sum(m["sync/delta_buckets"] for m in check.metrics) > 0  # most bf16 words kept their bytes
         assert min(m["sync/wire_share"] for m in check.metrics) < 1
         # vLLM's own weight checker: what the deltas left equals, parameter by parameter, what a full sync loads
-        rollout = trainer.strategy.rollout_group.remote
-        after_deltas = rollout.engine_weight_digests()
+        replicas = trainer.rollout.group.remote
+        after_deltas = replicas.engine_weight_digests()
         trainer.strategy.group.remote.forget_synced()  # the next sync sends every weight in full
-        stats = trainer.strategy.sync_weights(trainer.engine, STEPS + 1)
-        assert stats["delta_buckets"] == 0 and stats["full_buckets"] == stats["buckets"] > 0
-        assert rollout.engine_weight_digests() == after_deltas and after_deltas[0]
+        stats = trainer.sync.push(STEPS + 1, mode="wait")
+        assert stats["sync/delta_buckets"] == 0 and stats["sync/full_buckets"] == stats["sync/buckets"] > 0
+        assert replicas.engine_weight_digests() == after_deltas and after_deltas[0]
     finally:
         trainer.teardown()
 
@@ -215,9 +219,11 @@ def test_a_moe_policy_trains_on_vllms_routes(bpe_tokenizer, gsm8k_prompts, vllm_
     config = tiny_moe_config(len(bpe_tokenizer), num_attention_heads=2, num_key_value_heads=1)  # heads of 32
     module = RoutedGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=G, max_new_tokens=6,
                         lr=1e-4, routing_replay="rollout")
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4)
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=4)
     seen = RoutesSeen()
-    trainer = Trainer(strategy=strategy, rollout=VLLMEngine(dtype=torch.float32, python=vllm_python), logger=False,
+    trainer = Trainer(strategy=strategy,
+                      rollout=Rollout(VLLMEngine(dtype=torch.float32, python=vllm_python), placement="split"),
+                      logger=False,
                       enable_progress_bar=False, max_steps=2, callbacks=[seen], seed=3)
     try:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=B))

@@ -427,8 +427,8 @@ def test_sglang_lora_refuses_the_broadcast_transport():
     from rltrainer.rollout.sglang import SGLangEngine
 
     engine = SGLangEngine(enable_lora=True)
-    with pytest.raises(ValueError, match=r"enable_lora=True\) .* broadcast .* Use rollout_placement='colocated', "
-                                         r"weight_transport='shared_memory' or 'object_store', or enable_lora=False"):
+    with pytest.raises(ValueError, match=r"enable_lora=True\) .* broadcast .* Use Rollout\(placement='colocated'\), "
+                                         r"transport='shared_memory' or 'object_store', or enable_lora=False"):
         engine.check_split_transport("broadcast", adapter=True)
     engine.check_split_transport("shared_memory", adapter=True)  # these call update_weights, which splits the adapter
     engine.check_split_transport("object_store", adapter=True)

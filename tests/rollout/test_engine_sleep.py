@@ -8,11 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rltrainer.controller.watchdog import Watchdog
 from rltrainer.rollout import SamplingParams
-from rltrainer.rollout.hf import HFEngine
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.rollout.sglang import SGLangEngine
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 from rltrainer.testing import DiscardingHFEngine, FrozenEmbeddingGRPO, length_reward
+from rltrainer.weights.sync import WeightSync
+from rltrainer.weights.transports import InProcessTransport
 
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]  # sglang/srt/constants.py:6-10
 
@@ -149,24 +152,25 @@ def test_after_a_sleep_that_discards_weights_the_next_sync_sends_every_weight(sg
     strategy = SingleDeviceStrategy(device="cpu")
     strategy.setup(module, seed=0)
     engine = sglang()
+    sync = WeightSync(engine, InProcessTransport(strategy, engine), strategy, Watchdog())  # set up already
     names = strategy.weight_names()
-    assert strategy.sync_weights(engine, 0)["tensors"] == len(names)
+    assert sync.push(0, mode="wait")["sync/tensors"] == len(names)
     trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
     assert 0 < len(trainable) < len(names)  # the embedding is frozen
 
     strategy.versions.bump(trainable)  # as an optimizer step would
     engine.sleep(1)
-    assert strategy.sync_weights(engine, 1)["tensors"] == len(trainable)  # level 1 kept the rest
+    assert sync.push(1, mode="wait")["sync/tensors"] == len(trainable)  # level 1 kept the rest
     engine.generate([[1]], GREEDY)
 
     strategy.versions.bump(trainable)
     engine.sleep(2)
-    stats = strategy.sync_weights(engine, 2)
-    assert stats["tensors"] == len(names) and stats["skipped"] == 0 and not engine.weights_discarded
+    stats = sync.push(2, mode="wait")
+    assert stats["sync/tensors"] == len(names) and stats["sync/skipped"] == 0 and not engine.weights_discarded
     engine.generate([[1]], GREEDY)  # no garbage left
     for name, p in module.policy.named_parameters():
         torch.testing.assert_close(engine.engine.weights[name], p.detach().to(torch.bfloat16), rtol=0, atol=0)
-    assert strategy.sync_weights(engine, 3)["tensors"] == 0  # and back to sending what changed
+    assert sync.push(3, mode="wait")["sync/tensors"] == 0  # and back to sending what changed
 
 
 def test_colocated_replicas_that_discarded_weights_get_every_weight(tiny_config, bpe_tokenizer):
@@ -176,18 +180,19 @@ def test_colocated_replicas_that_discarded_weights_get_every_weight(tiny_config,
     strategy = FSDP2Strategy(devices=1)
     strategy.setup(module, seed=0)
     try:
-        engine = strategy.connect_engine(DiscardingHFEngine(), bpe_tokenizer)
+        sync = Rollout(DiscardingHFEngine()).connect(strategy, bpe_tokenizer)
+        engine = sync.engine
         names = strategy.weight_names()
-        assert strategy.sync_weights(engine, 0)["tensors"] == len(names)
+        assert sync.push(0, mode="wait")["sync/tensors"] == len(names)
         engine.sleep(1)
-        assert not engine.weights_discarded and strategy.sync_weights(engine, 1)["tensors"] == 0
+        assert not engine.weights_discarded and sync.push(1, mode="wait")["sync/tensors"] == 0
         engine.sleep(2)
         assert engine.weights_discarded
         engine.wake_up()
-        assert strategy.sync_weights(engine, 2)["tensors"] == len(names) and not engine.weights_discarded
+        assert sync.push(2, mode="wait")["sync/tensors"] == len(names) and not engine.weights_discarded
         loaded = strategy.group.execute_all("engine_weights")[0]
         assert not any(torch.isnan(t).any() for t in loaded.values())
-        assert strategy.sync_weights(engine, 3)["tensors"] == 0
+        assert sync.push(3, mode="wait")["sync/tensors"] == 0
     finally:
         strategy.teardown()
 

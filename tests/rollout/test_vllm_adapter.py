@@ -131,14 +131,15 @@ def test_the_engines_python_environment(monkeypatch, tmp_path):
 
 def test_an_engine_of_another_environment_needs_processes_of_its_own(tiny_config, bpe_tokenizer, monkeypatch):
     from rltrainer.rollout.hf import HFEngine
+    from rltrainer.rollout.rollout import Rollout
     from rltrainer.strategies import SingleDeviceStrategy
 
     class Elsewhere(HFEngine):
         runtime_env = {"py_executable": "/opt/vllm/bin/python"}
 
     strategy = SingleDeviceStrategy()
-    with pytest.raises(ValueError, match="needs processes of its own.*rollout_placement='split'"):
-        strategy.connect_engine(Elsewhere(), bpe_tokenizer)
+    with pytest.raises(ValueError, match="needs processes of its own.*placement='split'"):
+        Rollout(Elsewhere()).connect(strategy, bpe_tokenizer)
 
 
 def test_model_files_carry_config_and_tokenizer(tiny_config, bpe_tokenizer):

@@ -6,7 +6,7 @@ engine started from dummy weights and given ours by sync.
 For every family that works (``tests/rollout/vllm_families.json`` says which; a family recorded as
 failing must fail with the message recorded there, so the file cannot go stale):
 
-- a full sync, then a delta sync (``weight_sync_delta``'s encoder and the receiver's mirror, a few
+- a full sync, then a delta sync (``Rollout(delta=...)``'s encoder and the receiver's mirror, a few
   tensors changed, their groups sent whole) leave vLLM's own parameters equal to the policy cast
   to bf16, bit for bit (read back by :class:`~rltrainer.testing.vllm_probe.InspectableVLLMEngine`);
 - vLLM's sampled log-probs are the trainer's (``response_log_probs`` of the bf16 policy) within

@@ -17,6 +17,7 @@ from rltrainer import GRPO, SyncPipeline, Trainer, prompt_dataloader
 from rltrainer.checkpoints import CheckpointError
 from rltrainer.controller import WorkerError
 from rltrainer.data.batch import RolloutBatch
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy, SingleDeviceStrategy
 from rltrainer.strategies.dispatch import partition_for_ranks
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch, scribble, tiny_qwen3_config
@@ -114,14 +115,14 @@ def test_sync_is_bit_exact_and_skips_frozen(placement, tiny_config, bpe_tokenize
     module = make_module(FrozenEmbeddingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
     # split: the object store here (broadcast: test_split_broadcast.py; shared memory, which "auto" picks on
     # one CPU node: test_shared_memory_sync.py)
-    strategy = FSDP2Strategy(devices=2, rollout_placement=placement, micro_batch_size=4, bucket_bytes=64 << 10,
-                             weight_transport="object_store")
-    trainer = Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=3)
+    strategy = FSDP2Strategy(devices=2, micro_batch_size=4)
+    rollout = Rollout(placement=placement, bucket_bytes=64 << 10, transport="object_store")
+    trainer = Trainer(strategy=strategy, rollout=rollout, max_steps=2, logger=False, enable_progress_bar=False, seed=3)
     with trainer:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         m = trainer.callback_metrics
         names = strategy.weight_names()
-        assert strategy.transport.name == ("colocated" if placement == "colocated" else "object_store")
+        assert trainer.sync.transport.name == ("colocated" if placement == "colocated" else "object_store")
         frozen = ["model.embed_tokens.weight"]
         assert m["sync/skipped"] == len(frozen) and m["sync/tensors"] == len(names) - len(frozen)
         assert m["sync/buckets"] > 1  # 64 KiB buckets: the transfer really is bucketed
@@ -129,14 +130,14 @@ def test_sync_is_bit_exact_and_skips_frozen(placement, tiny_config, bpe_tokenize
         frozen_bytes = sum(full[n].numel() * full[n].element_size() for n in frozen)
         total_bytes = sum(t.numel() * t.element_size() for t in full.values())
         assert m["sync/bytes"] == total_bytes - frozen_bytes
-        group = strategy.rollout_group if placement == "split" else strategy.group
+        group = rollout.group if placement == "split" else strategy.group
         replicas = group.execute_all("engine_weights")
         assert len(replicas) == (1 if placement == "split" else 2)
         for replica in replicas:
             for name, tensor in full.items():
                 assert torch.equal(replica[name], tensor), name
-        assert set(group.execute_all("engine_weight_version")) == {strategy.weight_sync.versions.loaded}
-        assert strategy.weight_sync.versions.loaded >= 1  # the last sync carried a trained version
+        assert set(group.execute_all("engine_weight_version")) == {trainer.sync.version}
+        assert trainer.sync.version >= 1  # the last sync carried a trained version
         # the controller can also push tensors of its own to every replica
         norm = torch.full_like(full["model.norm.weight"], 0.5)
         assert trainer.engine.update_weights([("model.norm.weight", norm)])["tensors"] == 1
@@ -168,32 +169,32 @@ def test_one_rank_runs_in_process_like_single(tiny_config, bpe_tokenizer, gsm8k_
         torch.testing.assert_close(results["fsdp2"][name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-def test_async_weight_sync_gives_the_same_run(tiny_config, bpe_tokenizer, gsm8k_prompts):
+def test_a_background_push_gives_the_same_run(tiny_config, bpe_tokenizer, gsm8k_prompts):
     results = {}
-    for mode in ("sync", "async"):
+    for mode in ("wait", "background"):
         module = make_module(FrozenEmbeddingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
         trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, seed=2,
-                          pipeline=SyncPipeline(weight_sync=mode))
+                          pipeline=SyncPipeline(push_mode=mode))
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         results[mode] = ({n: p.detach().clone() for n, p in module.policy.named_parameters()},
                          trainer.callback_metrics)
         engine = {n: p for n, p in trainer.engine.model.named_parameters()}
         for n, p in module.policy.named_parameters():
             assert torch.equal(engine[n], p), n  # fit returns with the last push done
-    for name, tensor in results["sync"][0].items():
-        assert torch.equal(results["async"][0][name], tensor), name
-    assert "timing_s/wait_weights" in results["async"][1] and results["async"][1]["sync/skipped"] == 1
-    with pytest.raises(ValueError, match="weight_sync"):
-        Trainer(pipeline=SyncPipeline(weight_sync="later"))
+    for name, tensor in results["wait"][0].items():
+        assert torch.equal(results["background"][0][name], tensor), name
+    assert "timing_s/wait_weights" in results["background"][1] and results["background"][1]["sync/skipped"] == 1
+    with pytest.raises(ValueError, match="push_mode"):
+        Trainer(pipeline=SyncPipeline(push_mode="later"))
 
 
-def test_bad_fsdp2_arguments():
-    with pytest.raises(ValueError, match="rollout_placement"):
-        FSDP2Strategy(rollout_placement="elsewhere")
+def test_bad_fsdp2_and_rollout_arguments():
+    with pytest.raises(ValueError, match="placement"):
+        Rollout(placement="elsewhere")
     with pytest.raises(ValueError, match="devices"):
         FSDP2Strategy(devices=0)
-    with pytest.raises(ValueError, match="rollout_replicas"):
-        FSDP2Strategy(rollout_replicas=0)
+    with pytest.raises(ValueError, match="replicas"):
+        Rollout(replicas=0)
 
 
 @pytest.mark.parametrize("preset", ["fsdp2_offload", "fsdp2_checkpointing"])

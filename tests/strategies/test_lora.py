@@ -11,6 +11,7 @@ import torch
 from rltrainer import GRPO, RolloutBatch, Trainer, prompt_dataloader
 from rltrainer.models import build_causal_lm, response_log_probs
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy
 from rltrainer.testing import length_reward
 
@@ -108,11 +109,11 @@ def test_fsdp2_two_ranks_match_single(tiny_config, bpe_tokenizer, gsm8k_prompts,
     single.setup(single_module, seed=7)
     torch.manual_seed(0)
     batch = prepared_batch(single_module, single, prompts)
-    fsdp = FSDP2Strategy(devices=2, micro_batch_size=5, bucket_bytes=16 << 10)
+    fsdp = FSDP2Strategy(devices=2, micro_batch_size=5)
     try:
         fsdp.setup(make_module(tiny_config, bpe_tokenizer, lr=1e-6), seed=7)
-        engine = fsdp.connect_engine(HFEngine(), bpe_tokenizer)
-        assert fsdp.sync_weights(engine)["tensors"] == len(fsdp.weight_names())  # base once, then adapters
+        sync = Rollout(HFEngine(), bucket_bytes=16 << 10).connect(fsdp, bpe_tokenizer)
+        assert sync.push(0, mode="wait")["sync/tensors"] == len(fsdp.weight_names())  # base once, then adapters
         before = dict(fsdp.export_weights())
         want = dict(single.export_weights())
         assert before.keys() == want.keys()
@@ -124,8 +125,8 @@ def test_fsdp2_two_ranks_match_single(tiny_config, bpe_tokenizer, gsm8k_prompts,
             m_single, m_fsdp = single.train_step(batch), fsdp.train_step(batch)
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert m_fsdp[key] == pytest.approx(m_single[key], rel=1e-4, abs=1e-6), key
-        stats = fsdp.sync_weights(engine)
-        assert stats["tensors"] == adapter_count(tiny_config) and stats["buckets"] >= 1
+        stats = sync.push(1, mode="wait")
+        assert stats["sync/tensors"] == adapter_count(tiny_config) and stats["sync/buckets"] >= 1
         after, want = dict(fsdp.export_weights()), dict(single.export_weights())
         for name, tensor in want.items():
             torch.testing.assert_close(after[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -25,6 +25,7 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.models import build_causal_lm
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
 from rltrainer.testing import length_reward, prepared_batch
 
@@ -99,7 +100,7 @@ def compare_steps(family, devices, ep, bpe_tokenizer, gsm8k_prompts, micro_batch
         ref = strategy.compute(batch, "ref")["ref_log_probs"]
         metrics = [(single.train_step(batch), strategy.train_step(batch)) for _ in range(2)]
         after = dict(strategy.export_weights())
-        layout = strategy._require_group().execute_all("training_layout") if devices > 1 else None
+        layout = strategy.require_group().execute_all("training_layout") if devices > 1 else None
     finally:
         strategy.teardown()
     return dict(single=single_module.policy, batch=batch, before=before, ref=ref, metrics=metrics, after=after,
@@ -172,8 +173,9 @@ def test_moe_fit_syncs_hf_engine_exactly(devices, ep, family, bpe_tokenizer, gsm
     config = CONFIGS[family](len(bpe_tokenizer))
     module = GRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8, lr=1e-3,
                   kl_coef=0.05)
-    strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep, bucket_bytes=32 << 10)
-    with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=5) as trainer:
+    strategy = MegatronStrategy(devices=devices, expert_model_parallel_size=ep)
+    with Trainer(strategy=strategy, rollout=Rollout(bucket_bytes=32 << 10), max_steps=2, logger=False,
+                 enable_progress_bar=False, seed=5) as trainer:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         m = trainer.callback_metrics
         assert m["sync/buckets"] > 1

@@ -12,6 +12,7 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import MegatronStrategy, SingleDeviceStrategy
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward, prepared_batch
 from rltrainer.weights.delta import DeltaSync
@@ -117,7 +118,7 @@ def test_dp2_lr_schedule_and_clipping_match_one_device(distributed, overlap, con
         strategy.setup(make_module(config, bpe_tokenizer, warmup_steps=3), seed=7)
         optimizer = ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer" if distributed
                      else "megatron.core.optimizer.optimizer.FP32Optimizer")
-        for layout in strategy._require_group().execute_all("training_layout"):
+        for layout in strategy.require_group().execute_all("training_layout"):
             assert layout == {"ddp": {"policy": DDP}, "optimizers": [optimizer]}
         lrs = []
         for _ in range(3):
@@ -146,7 +147,7 @@ def test_dp2_bf16_steps_with_the_distributed_optimizer(config, bpe_tokenizer, gs
     strategy = MegatronStrategy(devices=2, micro_batch_size=5, precision="bf16-true")
     try:
         strategy.setup(make_module(config, bpe_tokenizer), seed=7)
-        assert strategy._require_group().execute_all("training_layout")[0]["optimizers"] == [
+        assert strategy.require_group().execute_all("training_layout")[0]["optimizers"] == [
             "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"]
         before = dict(strategy.export_weights())
         for _ in range(2):
@@ -174,18 +175,18 @@ def llama_config(vocab_size):
 def test_fit_syncs_engines_exactly(tp, pp, arch, placement, config, bpe_tokenizer, gsm8k_prompts, ray_session):
     """A frozen embedding is skipped exactly; everything else reaches every engine bit-exactly in
     several buckets, from whichever pipeline stage holds it (split: broadcast from trainer rank 0;
-    split-delta: with ``weight_sync_delta``, whose bf16 engine gets deltas after the first steps)."""
+    split-delta: with ``Rollout(delta=...)``, whose bf16 engine gets deltas after the first steps)."""
     delta = placement == "split-delta"
     placement = placement.removesuffix("-delta")
     if arch == "llama":
         config = llama_config(len(bpe_tokenizer))
     module = FrozenEmbeddingGRPO(config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8,
                                  lr=1e-5 if delta else 1e-3, kl_coef=0.05)  # delta: small steps leave most bf16 words
-    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                bucket_bytes=32 << 10, rollout_placement=placement, weight_transport="broadcast",
-                                weight_sync_delta=DeltaSync(max_share=0.5) if delta else False)
+    strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     engine = HFEngine(dtype=torch.bfloat16) if delta else None
-    with Trainer(strategy=strategy, rollout=engine or "hf", max_steps=4 if delta else 2, logger=False,
+    rollout = Rollout(engine or "hf", placement=placement, transport="broadcast", bucket_bytes=32 << 10,
+                      delta=DeltaSync(max_share=0.5) if delta else False)
+    with Trainer(strategy=strategy, rollout=rollout, max_steps=4 if delta else 2, logger=False,
                  enable_progress_bar=False, seed=1) as trainer:
         trainer.fit(module, prompt_dataloader(gsm8k_prompts, batch_size=2))
         m = trainer.callback_metrics
@@ -195,7 +196,7 @@ def test_fit_syncs_engines_exactly(tp, pp, arch, placement, config, bpe_tokenize
         if delta:
             assert m["sync/delta_buckets"] > 0 and m["sync/wire_share"] < 1 and m["sync/checksum_mismatches"] == 0
         full = {n: t.to(torch.bfloat16) if delta else t for n, t in strategy.export_weights()}
-        engines = strategy.rollout_group if placement == "split" else strategy.group
+        engines = rollout.group if placement == "split" else strategy.group
         for replica in engines.execute_all("engine_weights"):
             for name, tensor in full.items():
                 assert torch.equal(replica[name], tensor), name
@@ -281,7 +282,7 @@ def test_ppo_critic_on_tensor_parallel_matches_one_device(config, bpe_tokenizer,
     strategy = MegatronStrategy(devices=2, tensor_model_parallel_size=2, micro_batch_size=4)
     try:
         strategy.setup(ppo(), seed=3)
-        for layout in strategy._require_group().execute_all("training_layout"):  # both models, one optimizer
+        for layout in strategy.require_group().execute_all("training_layout"):  # both models, one optimizer
             assert layout == {"ddp": {"policy": DDP, "critic": DDP},
                               "optimizers": ["megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"]}
         torch.testing.assert_close(strategy.compute(batch, "values")["values"], batch["values"], rtol=0, atol=1e-5)

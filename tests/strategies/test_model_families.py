@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rltrainer import GRPO, Trainer, prompt_dataloader
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy, MegatronStrategy, SingleDeviceStrategy
 from rltrainer.testing import length_reward, load_tokenizer, tiny_qwen3_config
 
@@ -32,7 +33,7 @@ def engine_weights(trainer, strategy):
     """What the engine(s) hold: the in-process ``hf`` engine's model, or every replica's."""
     if isinstance(strategy, SingleDeviceStrategy):
         return [dict(trainer.engine.model.named_parameters())]
-    return (strategy.rollout_group or strategy.group).execute_all("engine_weights")
+    return (trainer.rollout.group or strategy.group).execute_all("engine_weights")
 
 
 def test_tiny_qwen3_config_is_qwen3():
@@ -88,13 +89,14 @@ def test_family_trains_on_every_strategy_and_syncs_exactly(family, bpe_tokenizer
 def test_qwen3_split_hf_engine_gets_exact_weights(bpe_tokenizer, gsm8k_prompts, ray_session):
     """``fsdp2`` with the ``hf`` engine in a Ray process of its own: after each step the replica holds
     the trained Qwen3 weights exactly."""
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", micro_batch_size=4)
+    strategy = FSDP2Strategy(devices=1, micro_batch_size=4)
     config = CONFIGS["qwen3"](len(bpe_tokenizer))
-    with Trainer(strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False, seed=3) as trainer:
+    with Trainer(strategy=strategy, rollout=Rollout(placement="split"), max_steps=2, logger=False,
+                 enable_progress_bar=False, seed=3) as trainer:
         trainer.fit(make_module(config, bpe_tokenizer), prompt_dataloader(gsm8k_prompts, batch_size=2))
-        assert strategy.weight_sync.versions.loaded >= 1
+        assert trainer.sync.version >= 1
         full = dict(strategy.export_weights())
-        (replica,) = strategy.rollout_group.execute_all("engine_weights")
+        (replica,) = trainer.rollout.group.execute_all("engine_weights")
         for n, tensor in full.items():
             assert torch.equal(replica[n], tensor), n
 

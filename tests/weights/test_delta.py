@@ -450,7 +450,7 @@ def test_an_engine_that_receives_broadcasts_itself_refuses_a_delta():
     payload, encoding = encoder.encode(tensors, entries)
     assert encoding.kind == "delta"
     receiver = WeightReceiver(torch.device("cpu"), EngineGate())
-    with pytest.raises(RuntimeError, match="Native receives broadcast buckets itself.*weight_sync_delta=False"):
+    with pytest.raises(RuntimeError, match=r"Native receives broadcast buckets itself.*Rollout\(delta=False\)"):
         receiver.load(Native(), Bucket(entries, payload.numpy(), encoding), 1, 0, 1)
 
 
@@ -465,21 +465,21 @@ def test_delta_sync_settings_are_checked(kwargs, match):
         DeltaSync(**kwargs)
 
 
-def test_weight_sync_delta_values():
+def test_delta_values():
     assert DeltaSync.resolve(True) == DeltaSync() and DeltaSync.resolve(False) is None
     assert DeltaSync.resolve(None) is None
     settings = DeltaSync(max_share=0.25, checksum_every=4)
     assert DeltaSync.resolve(settings) is settings
-    with pytest.raises(TypeError, match=r"weight_sync_delta='yes'; pass True, False or DeltaSync"):
+    with pytest.raises(TypeError, match=r"delta='yes'; pass True, False or DeltaSync"):
         DeltaSync.resolve("yes")
 
 
-def test_a_strategy_checks_weight_sync_delta():
-    from rltrainer.strategies import FSDP2Strategy
+def test_a_rollout_checks_delta():
+    from rltrainer.rollout.rollout import Rollout
 
-    assert FSDP2Strategy(devices=1, weight_sync_delta=True).weight_sync_delta == DeltaSync()
-    with pytest.raises(TypeError, match="weight_sync_delta='yes'"):
-        FSDP2Strategy(devices=1, weight_sync_delta="yes")
+    assert Rollout(placement="split", delta=True).delta == DeltaSync()
+    with pytest.raises(TypeError, match="delta='yes'"):
+        Rollout(placement="split", delta="yes")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])

@@ -1,4 +1,4 @@
-"""Delta weight sync end to end (``weight_sync_delta``, split placement, FSDP2 -> ``hf`` replicas on CPU):
+"""Delta weight sync end to end (``Rollout(delta=...)``, split placement, FSDP2 -> ``hf`` replicas on CPU):
 after every step's sync the replica holds exactly what a full sync delivers (the policy cast to the
 engine's dtype), on 1 and 2 training ranks, bf16 and fp32 engines, over shared memory, the object
 store and a broadcast; a replica whose weights drifted is caught by the checksums and repaired; a
@@ -14,6 +14,7 @@ import torch
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.callbacks import Callback
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy
 from rltrainer.testing import DiscardingHFEngine, length_reward
 from rltrainer.weights import transports
@@ -61,12 +62,12 @@ class MatchesFullSync(Callback):
     def on_step_end(self, trainer, module, metrics):
         self.metrics.append(dict(metrics))
         if trainer.global_step not in self.unchecked:
-            assert_replicas_hold_the_policy(trainer.strategy, self.dtype, f"after step {trainer.global_step}")
+            assert_replicas_hold_the_policy(trainer, self.dtype, f"after step {trainer.global_step}")
 
 
-def assert_replicas_hold_the_policy(strategy, dtype: torch.dtype, when: str) -> None:
-    full = {name: tensor.to(dtype) for name, tensor in strategy.export_weights()}
-    for replica in strategy.rollout_group.remote.engine_weights():
+def assert_replicas_hold_the_policy(trainer, dtype: torch.dtype, when: str) -> None:
+    full = {name: tensor.to(dtype) for name, tensor in trainer.strategy.export_weights()}
+    for replica in trainer.rollout.group.remote.engine_weights():
         assert replica.keys() <= full.keys()
         bad = [name for name, tensor in replica.items() if not torch.equal(tensor, full[name])]
         assert not bad, f"{when}: the replica differs from a full sync in {bad}"
@@ -79,9 +80,10 @@ def make_module(config, tokenizer, lr: float):
 
 def make_trainer(devices: int, transport: str, engine, steps: int, callbacks=(), delta=SHARE_HALF, replicas: int = 1,
                  **kwargs) -> Trainer:
-    strategy = FSDP2Strategy(devices=devices, rollout_placement="split", micro_batch_size=4, bucket_bytes=16 << 10,
-                             weight_transport=transport, weight_sync_delta=delta, rollout_replicas=replicas)
-    return Trainer(strategy=strategy, rollout=engine, max_steps=steps, logger=False, enable_progress_bar=False, seed=3,
+    strategy = FSDP2Strategy(devices=devices, micro_batch_size=4)
+    rollout = Rollout(engine, placement="split", replicas=replicas, transport=transport, delta=delta,
+                      bucket_bytes=16 << 10)
+    return Trainer(strategy=strategy, rollout=rollout, max_steps=steps, logger=False, enable_progress_bar=False, seed=3,
                    callbacks=list(callbacks), **kwargs)
 
 
@@ -99,7 +101,7 @@ def test_every_step_the_replica_equals_a_full_sync(devices, dtype, transport, ti
     trainer = make_trainer(devices, transport, HFEngine(dtype=dtype), 3, [check])
     with trainer:
         trainer.fit(make_module(tiny_config, bpe_tokenizer, lr), prompt_dataloader(gsm8k_prompts, batch_size=2))
-        assert trainer.strategy.transport.name == transport
+        assert trainer.sync.transport.name == transport
     assert len(check.metrics) == 3
     for metrics in check.metrics:
         assert set(DELTA_METRICS) <= metrics.keys()
@@ -147,7 +149,7 @@ def test_a_checksum_mismatch_is_counted_and_repaired(devices, transport, replica
     trainer = make_trainer(devices, transport, engine, 3, [check], delta=delta, replicas=replicas)
     with trainer:
         trainer.fit(make_module(tiny_config, bpe_tokenizer, 2e-6), prompt_dataloader(gsm8k_prompts, batch_size=2))
-        assert trainer.strategy.rollout_group.remote.engine_weight_version() == [3] * replicas
+        assert trainer.rollout.group.remote.engine_weight_version() == [3] * replicas
     assert [m["sync/checksum_mismatches"] for m in check.metrics] == [0, 1, 0]
 
 
@@ -157,19 +159,20 @@ def test_a_woken_engine_and_a_new_engine_get_full_buckets_first(tiny_config, bpe
     trainer = make_trainer(1, "shared_memory", DiscardingHFEngine(dtype=dtype), 2, [MatchesFullSync(dtype)])
     with trainer:
         trainer.fit(make_module(tiny_config, bpe_tokenizer, 2e-6), prompt_dataloader(gsm8k_prompts, batch_size=2))
-        strategy, engine = trainer.strategy, trainer.engine
+        engine = trainer.engine
         engine.sleep(2)
         engine.wake_up()
         assert engine.weights_discarded
-        stats = strategy.sync_weights(engine, 10)  # nothing changed since the last sync, but it is gone
-        assert stats["buckets"] == syncs[0][1]["buckets"] and stats["delta_buckets"] == 0
-        assert_replicas_hold_the_policy(strategy, dtype, "after the woken engine's sync")
+        stats = trainer.sync.push(10, mode="wait")  # nothing changed since the last sync, but it is gone
+        assert stats["sync/buckets"] == syncs[0][1]["buckets"] and stats["sync/delta_buckets"] == 0
+        assert_replicas_hold_the_policy(trainer, dtype, "after the woken engine's sync")
 
-        fresh = strategy.connect_engine(HFEngine(dtype=dtype), bpe_tokenizer)
-        stats = strategy.sync_weights(fresh, 11)
-        assert stats["buckets"] == syncs[0][1]["buckets"] and stats["delta_buckets"] == 0
-        assert_replicas_hold_the_policy(strategy, dtype, "after the new engine's sync")
-        assert strategy.rollout_group.remote.engine_weight_version() == [11]
+        trainer.rollout.engine = HFEngine(dtype=dtype)
+        fresh = trainer.rollout.connect(trainer.strategy, bpe_tokenizer)  # replaces the replicas
+        stats = fresh.push(11, mode="wait")
+        assert stats["sync/buckets"] == syncs[0][1]["buckets"] and stats["sync/delta_buckets"] == 0
+        assert_replicas_hold_the_policy(trainer, dtype, "after the new engine's sync")
+        assert trainer.rollout.group.remote.engine_weight_version() == [11]
 
 
 def test_a_resumed_run_syncs_in_full_first(tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session, syncs, tmp_path):
@@ -195,6 +198,6 @@ class NativeBroadcastEngine(HFEngine):
 
 
 def test_an_engine_that_receives_broadcasts_itself_is_refused_with_delta(bpe_tokenizer):
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", weight_sync_delta=True)
-    with pytest.raises(ValueError, match=r"NativeBroadcastEngine receives .*weight_sync_delta=False"):
-        strategy.connect_engine(NativeBroadcastEngine(), bpe_tokenizer)
+    rollout = Rollout(NativeBroadcastEngine(), placement="split", delta=True)
+    with pytest.raises(ValueError, match=r"NativeBroadcastEngine receives .*delta=False"):
+        rollout.connect(FSDP2Strategy(devices=1), bpe_tokenizer)

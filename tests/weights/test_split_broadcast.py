@@ -22,6 +22,7 @@ import torch
 
 from rltrainer import GRPO, Trainer, prompt_dataloader
 from rltrainer.controller import WorkerError
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.rollout.sglang import SGLangEngine
 from rltrainer.strategies import FSDP2Strategy
 from rltrainer.weights.group import WeightGroup
@@ -190,41 +191,40 @@ def test_split_fit_syncs_changed_weights_bit_exactly_then_a_dead_replica_raises(
     """FSDP2 on 2 ranks, ``hf`` replicas: after a step only the changed tensors (not the frozen
     embedding) were broadcast, in several buckets, and every replica equals the policy bit for bit.
     Then a replica dies: the next sync raises in the controller, naming it, instead of hanging."""
-    strategy = FSDP2Strategy(devices=2, rollout_placement="split", rollout_replicas=replicas, micro_batch_size=4,
-                             weight_transport="broadcast",
-                             bucket_bytes=64 << 10)
-    trainer = Trainer(strategy=strategy, max_steps=1, logger=False, enable_progress_bar=False, seed=3)
+    strategy = FSDP2Strategy(devices=2, micro_batch_size=4)
+    rollout = Rollout(placement="split", replicas=replicas, transport="broadcast", bucket_bytes=64 << 10)
+    trainer = Trainer(strategy=strategy, rollout=rollout, max_steps=1, logger=False, enable_progress_bar=False, seed=3)
     with trainer:
         trainer.fit(make_module(tiny_config, bpe_tokenizer), prompt_dataloader(gsm8k_prompts, batch_size=2))
-        assert strategy.transport is not None and strategy.transport.backend == "gloo"
-        assert strategy.transport.world_size == 1 + replicas
+        assert trainer.sync.transport is not None and trainer.sync.transport.backend == "gloo"
+        assert trainer.sync.transport.world_size == 1 + replicas
         m = trainer.callback_metrics
         names = strategy.weight_names()
         assert m["sync/skipped"] == len(FROZEN) and m["sync/tensors"] == len(names) - len(FROZEN)
         assert m["sync/buckets"] > 1  # 64 KiB buckets: more than one broadcast
         full = dict(strategy.export_weights())
         assert m["sync/bytes"] == sum(t.numel() * t.element_size() for n, t in full.items() if n not in FROZEN)
-        replicas_weights = strategy.rollout_group.execute_all("engine_weights")
+        replicas_weights = rollout.group.execute_all("engine_weights")
         assert len(replicas_weights) == replicas
         for weights in replicas_weights:
             for name, tensor in full.items():
                 assert torch.equal(weights[name], tensor), name
-        again = strategy.sync_weights(trainer.engine)  # nothing changed since: nothing sent
-        assert again["tensors"] == 0 and again["buckets"] == 0 and again["skipped"] == len(names)
+        again = trainer.sync.push(mode="wait")  # nothing changed since: nothing sent
+        assert again["sync/tensors"] == 0 and again["sync/buckets"] == 0 and again["sync/skipped"] == len(names)
 
-        os.kill(strategy.rollout_group.pids[0], signal.SIGKILL)
+        os.kill(rollout.group.pids[0], signal.SIGKILL)
         strategy.group.execute_all("forget_synced")  # the next sync sends everything
         start = time.perf_counter()
         with pytest.raises(WorkerError) as info:
-            strategy.sync_weights(trainer.engine)
+            trainer.sync.push(mode="wait")
         assert time.perf_counter() - start < 20
         assert "rollout[rank 0]" in str(info.value) and "died" in str(info.value)
         assert any("'actor'" in note for note in info.value.__notes__)  # trainer rank 0 was blocked: shut down
 
 
-def test_bad_weight_transport_lists_the_choices():
-    with pytest.raises(ValueError, match="weight_transport='pigeon'; choose from auto, broadcast, object_store"):
-        FSDP2Strategy(rollout_placement="split", weight_transport="pigeon")
+def test_bad_transport_lists_the_choices():
+    with pytest.raises(ValueError, match="transport='pigeon'; choose from auto, broadcast, object_store"):
+        Rollout(placement="split", transport="pigeon")
 
 
 # -- SGLang's side, against a recording fake ------------------------------------------------------
@@ -307,19 +307,21 @@ def test_sglang_split_protocol_against_a_recording_engine(tiny_config, bpe_token
     3-4, one ``update_weights_from_distributed`` per bucket inside one begin/end session, bf16
     dtype names, the cache flushed with the last bucket only. One training rank, so the sender
     is this process (the receivers' calls must be issued first). The real SGLang needs a GPU."""
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=2, bucket_bytes=64 << 10,
-                             weight_transport="broadcast")
+    strategy = FSDP2Strategy(devices=1)
+    rollout = Rollout(RecordingSGLangEngine(str(tmp_path), tp_size=2), placement="split", replicas=2,
+                      transport="broadcast", bucket_bytes=64 << 10)
     try:
         strategy.setup(make_module(tiny_config, bpe_tokenizer), seed=0)  # one rank: this process sends
-        engine = strategy.connect_engine(RecordingSGLangEngine(str(tmp_path), tp_size=2), bpe_tokenizer)
-        stats = strategy.sync_weights(engine)
-        assert strategy.sync_weights(engine)["buckets"] == 0  # nothing changed: no session at all
+        sync = rollout.connect(strategy, bpe_tokenizer)
+        stats = sync.push(0, mode="wait")
+        assert sync.push(mode="wait")["sync/buckets"] == 0  # nothing changed: no session at all
         expected = dict(strategy.export_weights(dtype=torch.bfloat16))
-        for weights in strategy.rollout_group.execute_all("engine_weights"):
+        for weights in rollout.group.execute_all("engine_weights"):
             for name, tensor in expected.items():
                 assert torch.equal(weights[name], tensor), name
-        engine.teardown()  # the replicas leave the group
+        sync.engine.teardown()  # the replicas leave the group
     finally:
+        rollout.teardown()
         strategy.teardown()
     logs = [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(tmp_path.iterdir())]
     assert len(logs) == 2
@@ -331,14 +333,14 @@ def test_sglang_split_protocol_against_a_recording_engine(tiny_config, bpe_token
         kinds = [c["call"] for c in calls]
         updates = [c for c in calls if c["call"] == "update_weights_from_distributed"]
         assert kinds == (["init_weights_update_group", "begin_weight_update"] + ["update_weights_from_distributed"]
-                         * stats["buckets"] + ["end_weight_update", "destroy_weights_update_group"])
+                         * int(stats["sync/buckets"]) + ["end_weight_update", "destroy_weights_update_group"])
         assert [c["flush_cache"] for c in updates] == [False] * (len(updates) - 1) + [True]
         assert {c["load_format"] for c in updates} == {"flattened_bucket"}
         assert {c["group_name"] for c in updates} == {group_name}
         assert {d for c in updates for d in c["dtypes"]} == {"bfloat16"}
         sent = {n: s for c in updates for n, s in zip(c["names"], c["shapes"])}
         assert sent == {n: list(t.shape) for n, t in expected.items()}
-    assert stats["tensors"] == len(expected) and stats["skipped"] == 0
+    assert stats["sync/tensors"] == len(expected) and stats["sync/skipped"] == 0
 
 
 @pytest.mark.usefixtures("warm_ranks")
@@ -347,7 +349,7 @@ def test_sglang_lora_over_the_broadcast_is_refused_before_a_replica_starts(tiny_
     """Issue 30.13b: SGLang's broadcast receive loads base weights only, so a LoRA policy's adapter
     cannot travel by it. That used to be refused at the first sync, after every replica had started
     SGLang and joined the group (with one training rank, this process waits in the group's rendezvous
-    for the refusing replica until the timeout); now ``connect_engine`` refuses as soon as the
+    for the refusing replica until the timeout); now ``Rollout.connect`` refuses as soon as the
     transport is resolved, before any replica sets its engine up."""
     import peft
 
@@ -358,11 +360,14 @@ def test_sglang_lora_over_the_broadcast_is_refused_before_a_replica_starts(tiny_
 
     module = GRPO(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2, max_new_tokens=8,
                   lora=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", rollout_replicas=1, weight_transport="broadcast")
+    strategy = FSDP2Strategy(devices=1)
+    rollout = Rollout(MarkingEngine(str(tmp_path), enable_lora=True), placement="split", replicas=1,
+                      transport="broadcast")
     try:
         strategy.setup(module, seed=0)
-        with pytest.raises(ValueError, match=r"SGLangEngine\(enable_lora=True\) .*\(weight_transport='broadcast'"):
-            strategy.connect_engine(MarkingEngine(str(tmp_path), enable_lora=True), bpe_tokenizer)
+        with pytest.raises(ValueError, match=r"SGLangEngine\(enable_lora=True\) .*\(Rollout\(transport='broadcast'\)"):
+            rollout.connect(strategy, bpe_tokenizer)
         assert not list(tmp_path.iterdir())  # no replica started its engine
     finally:
+        rollout.teardown()
         strategy.teardown()

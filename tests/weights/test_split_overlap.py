@@ -1,7 +1,7 @@
 """Split placement pushes beside generation (issue 30, item 10): with many buckets and a replica
 busy in a slow request, the trainer's push hands every bucket off and returns while the request
 is still generating; that request reports the old version, the next one the new; the broadcast
-group's timeout is the strategy's ``weight_sync_timeout_s``. A replica spanning two processes
+group's timeout is the rollout's ``sync_timeout_s``. A replica spanning two processes
 (vLLM's tensor-parallel ranks) takes a request and a push sent from two controller threads in one
 order on both ranks (issue 43, item 2)."""
 
@@ -16,6 +16,7 @@ import torch
 from rltrainer.controller import WorkerError
 from rltrainer.rollout import SamplingParams
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import FSDP2Strategy
 from rltrainer.testing import FrozenEmbeddingGRPO, SlowHFEngine, length_reward
 from rltrainer.weights.wire import bucket_entries
@@ -52,12 +53,14 @@ def wait_for_lines(path, count: int, within_s: float = 60.0) -> None:
 @pytest.mark.parametrize("transport", ["shared_memory", "object_store", "broadcast"])
 def test_a_push_is_handed_off_while_the_replica_generates(transport, tiny_config, bpe_tokenizer, ray_session,
                                                           tmp_path):
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", weight_transport=transport, bucket_bytes=4 << 10)
     marker = tmp_path / "generate.log"
+    strategy = FSDP2Strategy(devices=1)
+    rollout = Rollout(SlowEngine(str(marker), GENERATE_S), placement="split", transport=transport, bucket_bytes=4 << 10)
     try:
         strategy.setup(make_module(tiny_config, bpe_tokenizer), seed=0)
-        engine = strategy.connect_engine(SlowEngine(str(marker), GENERATE_S), bpe_tokenizer)
-        strategy.sync_weights(engine, 0)
+        sync = rollout.connect(strategy, bpe_tokenizer)
+        engine = sync.engine
+        sync.push(0, mode="wait")
         engine.weight_version = 0
         sampling = SamplingParams(max_new_tokens=2)
         running = engine.generate_async([[1, 2, 3]], sampling)  # asks for version 0
@@ -65,49 +68,51 @@ def test_a_push_is_handed_off_while_the_replica_generates(transport, tiny_config
 
         strategy.forget_synced()  # every weight again: a sync of many buckets
         start = time.perf_counter()
-        handle = strategy.start_weight_sync(engine, 1)
+        sync.push(1, mode="overlap")
         handed_off = time.perf_counter() - start
         assert not running.done(), f"the push waited for the request ({handed_off:.1f} s)"
         engine.weight_version = 1  # as the Trainer does once the push has started
         following = engine.generate_async([[4, 5]], sampling)  # asks for version 1
 
         assert running.result(timeout=60).weight_version == 0  # the whole request on the old weights
-        stats = handle.wait()
-        assert stats["buckets"] > 10 and stats["tensors"] == len(strategy.weight_names())
+        stats = sync.wait()
+        assert stats["sync/buckets"] > 10 and stats["sync/tensors"] == len(strategy.weight_names())
         assert following.result(timeout=60).weight_version == 1
-        assert strategy.rollout_group.execute_all("engine_weight_version") == [1]
-        loaded = strategy.rollout_group.execute_all("engine_weights")[0]
+        assert rollout.group.execute_all("engine_weight_version") == [1]
+        loaded = rollout.group.execute_all("engine_weights")[0]
         for name, tensor in dict(strategy.export_weights()).items():
             assert torch.equal(loaded[name], tensor), name
-        print(f"{transport}: {stats['buckets']:.0f} buckets handed off in {handed_off:.2f} s while generating")
+        print(f"{transport}: {stats['sync/buckets']:.0f} buckets handed off in {handed_off:.2f} s while generating")
     finally:
+        rollout.teardown()
         strategy.teardown()
 
 
 @pytest.mark.usefixtures("warm_ranks")  # ranks reuse warm processes (tests/conftest.py)
-def test_the_broadcast_group_takes_weight_sync_timeout_s(tiny_config, bpe_tokenizer, ray_session):
+def test_the_broadcast_group_takes_sync_timeout_s(tiny_config, bpe_tokenizer, ray_session):
     """Both ends build their group with the setting: trainer rank 0's group has it, and a replica
     waiting for a broadcast that never comes gives up after it, not after the default 600 s."""
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", weight_transport="broadcast",
-                             weight_sync_timeout_s=3.0)
+    strategy = FSDP2Strategy(devices=1)
+    rollout = Rollout(SlowHFEngine(delay_s=(0.0, 0.0)), placement="split", transport="broadcast", sync_timeout_s=3.0)
     try:
         strategy.setup(make_module(tiny_config, bpe_tokenizer), seed=0)
-        strategy.connect_engine(SlowHFEngine(delay_s=(0.0, 0.0)), bpe_tokenizer)
-        assert strategy.transport.timeout_s == 3.0
+        sync = rollout.connect(strategy, bpe_tokenizer)
+        assert sync.transport.timeout_s == 3.0
         assert strategy.group.worker.sender._group.timeout_s == 3.0  # rank 0 is this process (devices=1)
         entries = bucket_entries([("w", (4,), torch.float32)])
         start = time.perf_counter()
         with pytest.raises(WorkerError, match="rollout"):
-            strategy.rollout_group.remote.receive_bucket(entries, 1, 0, 1)  # no sender
+            rollout.group.remote.receive_bucket(entries, 1, 0, 1)  # no sender
         assert 2.0 < time.perf_counter() - start < 30
     finally:
+        rollout.teardown()
         strategy.teardown()
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), "60", True])
-def test_weight_sync_timeout_s_must_be_a_positive_number_of_seconds(value):
-    with pytest.raises(ValueError, match=r"weight_sync_timeout_s must be a number > 0 \(seconds .* got"):
-        FSDP2Strategy(rollout_placement="split", weight_sync_timeout_s=value)
+def test_sync_timeout_s_must_be_a_positive_number_of_seconds(value):
+    with pytest.raises(ValueError, match=r"sync_timeout_s must be a number > 0 \(seconds .* got"):
+        Rollout(placement="split", sync_timeout_s=value)
 
 
 class TensorParallelEngine(HFEngine):
@@ -165,15 +170,16 @@ class SubmitsSlowly:
         return Slow()
 
 
-def request_beside_a_push(strategy, engine):
+def request_beside_a_push(strategy, rollout, sync):
     """Sync version 0; then send a request from a thread that pauses between submitting it to rank 0
     and to rank 1, and, meanwhile, start pushing version 1 from this thread (one_step_off's push
     beside async rollout, or a multi-turn episode's next turn); then one more request. Returns both
     results and, per request, the version each rank of the replica generated with."""
-    strategy.sync_weights(engine, 0)
+    engine = sync.engine
+    sync.push(0, mode="wait")
     engine.weight_version = 0
     sampling = SamplingParams(max_new_tokens=2, seed=0)
-    group, submitted, per_rank = strategy.rollout_group, threading.Event(), []
+    group, submitted, per_rank = rollout.group, threading.Event(), []
     get = group.get
 
     def recording_get(futures, method):
@@ -189,11 +195,11 @@ def request_beside_a_push(strategy, engine):
     request.start()
     assert submitted.wait(60), "the request was not submitted"
     strategy.forget_synced()  # a sync that changes the weights on every rank
-    handle = strategy.start_weight_sync(engine, 1)  # while the request is half sent
+    sync.push(1, mode="overlap")  # while the request is half sent
     engine.weight_version = 1
     request.join(60)
     running = sent[0].result(timeout=120)
-    handle.wait()
+    sync.wait()
     return running, engine.generate([[4, 5]], sampling), per_rank
 
 
@@ -206,19 +212,20 @@ def test_a_tensor_parallel_replica_takes_a_request_and_a_push_in_one_order_on_ev
     both ranks run the request on the same weights, and it is tagged with them. Before, rank 1
     took the push first: the request ran on version 1 there and version 0 on rank 0, tagged 0
     (with NCCL's broadcast, rank 0 waits in the request's all-reduce, rank 1 in the broadcast: a hang)."""
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", weight_transport=transport,
-                             weight_sync_timeout_s=30.0)
+    strategy = FSDP2Strategy(devices=1)
+    rollout = Rollout(TensorParallelEngine(str(tmp_path)), placement="split", transport=transport, sync_timeout_s=30.0)
     try:
         strategy.setup(make_module(tiny_config, bpe_tokenizer), seed=0)
-        engine = strategy.connect_engine(TensorParallelEngine(str(tmp_path)), bpe_tokenizer)
-        assert strategy.rollout_group.world_size == 2 and engine.replicas == 1
-        running, following, per_rank = request_beside_a_push(strategy, engine)
+        sync = rollout.connect(strategy, bpe_tokenizer)
+        assert rollout.group.world_size == 2 and sync.engine.replicas == 1
+        running, following, per_rank = request_beside_a_push(strategy, rollout, sync)
         logs = [(tmp_path / f"rank{r}.log").read_text().split("\n")[:-1] for r in range(2)]
         assert logs[0] == logs[1], f"the replica's ranks took the calls in different orders: {logs}"
         assert logs[0] == ["load", "generate v0", "load", "generate v1"]
         assert per_rank == [[0, 0], [1, 1]]
         assert running.weight_version == 0 and following.weight_version == 1
     finally:
+        rollout.teardown()
         strategy.teardown()
 
 
@@ -234,15 +241,16 @@ def test_a_real_vllm_tensor_parallel_replica_takes_a_request_and_a_push_in_one_o
     from rltrainer.testing import tiny_qwen2_config
 
     config = tiny_qwen2_config(len(bpe_tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
-    strategy = FSDP2Strategy(devices=1, rollout_placement="split", weight_transport=transport,
-                             weight_sync_timeout_s=60.0)
+    strategy = FSDP2Strategy(devices=1)
+    vllm = VLLMEngine(dtype=torch.float32, tensor_parallel_size=2, python=vllm_python)
+    rollout = Rollout(vllm, placement="split", transport=transport, sync_timeout_s=60.0)
     try:
         strategy.setup(make_module(config, bpe_tokenizer), seed=0)
-        vllm = VLLMEngine(dtype=torch.float32, tensor_parallel_size=2, python=vllm_python)
-        engine = strategy.connect_engine(vllm, bpe_tokenizer)
-        running, following, per_rank = request_beside_a_push(strategy, engine)
+        sync = rollout.connect(strategy, bpe_tokenizer)
+        running, following, per_rank = request_beside_a_push(strategy, rollout, sync)
         assert per_rank == [[0, 0], [1, 1]], f"the replica's ranks generated on versions {per_rank}"
         assert running.weight_version == 0 and following.weight_version == 1
-        assert strategy.rollout_group.remote.engine_weight_version() == [1, 1]
+        assert rollout.group.remote.engine_weight_version() == [1, 1]
     finally:
+        rollout.teardown()
         strategy.teardown()

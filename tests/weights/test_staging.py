@@ -141,7 +141,7 @@ def test_a_second_sync_of_the_same_version_is_applied_too():
     gate, engine = EngineGate(), Engine()
     receiver = WeightReceiver(torch.device("cpu"), gate)
     receiver.load(engine, bucket("a", value=1.0), 0, 0, 1)
-    receiver.load(engine, bucket("a", value=2.0), 0, 0, 1)  # e.g. Trainer.sync_weights() twice in a step
+    receiver.load(engine, bucket("a", value=2.0), 0, 0, 1)  # e.g. two pushes of one version
     assert torch.equal(engine.weights["a"], torch.full((2,), 2.0)) and engine.weight_version == 0
 
 

@@ -1,5 +1,5 @@
-"""``WeightSync``: the one owner of an engine's weight sync, returned by ``Strategy.connect``; the
-one writer of the versions on the controller's side."""
+"""``WeightSync``: the one owner of an engine's weight sync, returned by ``Rollout.connect``; the
+one writer of the versions on the controller's side. Its verbs: ``push`` and ``wait``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from rltrainer.rollout.hf import HFEngine
+from rltrainer.rollout.rollout import Rollout
 from rltrainer.strategies import SingleDeviceStrategy
-from rltrainer.strategies.weight_sync import WeightSync
 from rltrainer.testing import FrozenEmbeddingGRPO, length_reward
+from rltrainer.weights.sync import WeightSync
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rltrainer"
 
@@ -20,23 +21,21 @@ def connected(tiny_config, bpe_tokenizer, **kwargs):
     module = FrozenEmbeddingGRPO(tiny_config, bpe_tokenizer, reward_funcs=length_reward, num_generations=2)
     strategy = SingleDeviceStrategy(device="cpu")
     strategy.setup(module, seed=0)
-    return strategy, strategy.connect(HFEngine(), bpe_tokenizer, **kwargs)
+    return strategy, Rollout(HFEngine()).connect(strategy, bpe_tokenizer, **kwargs)
 
 
 def test_connect_returns_the_owner_and_it_holds_the_versions(tiny_config, bpe_tokenizer):
     strategy, sync = connected(tiny_config, bpe_tokenizer)
-    assert isinstance(sync, WeightSync) and strategy.weight_sync is sync and isinstance(sync.engine, HFEngine)
-    assert (sync.versions.policy, sync.versions.started, sync.versions.loaded) == (0, -1, -1)
-    assert sync.engine.weight_version == -1
-    stats = sync.sync(3)
-    assert stats["tensors"] == len(strategy.weight_names())
-    assert (sync.versions.policy, sync.versions.started, sync.versions.loaded) == (3, 3, 3)
-    assert sync.engine.weight_version == 3 and strategy.policy_version == 3
-    handle = strategy.start_weight_sync(sync.engine, 4)  # the strategy's calls go through the owner
-    assert sync.versions.started == 4 and sync.versions.loaded == 3 and sync.versions.policy == 3
-    handle.wait()
-    assert sync.versions.loaded == 4 and sync.engine.weight_version == 4
-    assert strategy.sync_weights(sync.engine)["tensors"] == 0 and sync.engine.weight_version == 3  # policy's
+    assert isinstance(sync, WeightSync) and isinstance(sync.engine, HFEngine)
+    assert sync.version == 0 and sync.engine.weight_version == -1
+    stats = sync.push(3, mode="wait")
+    assert stats["sync/tensors"] == len(strategy.weight_names())
+    assert sync.version == 3 and sync.engine.weight_version == 3
+    assert sync.push(4, mode="overlap") == {}  # started, not waited for
+    assert sync.version == 4 and sync.engine.weight_version == 4  # requests ask for it from the start
+    assert "sync/tensors" in sync.wait()
+    assert sync.engine.weight_version == 4
+    assert sync.push(mode="wait")["sync/tensors"] == 0 and sync.engine.weight_version == 4  # the policy's
 
 
 def test_push_records_the_policy_version_and_the_metrics(tiny_config, bpe_tokenizer):
@@ -44,7 +43,7 @@ def test_push_records_the_policy_version_and_the_metrics(tiny_config, bpe_tokeni
     assert sync.push(1) == {}  # nothing was in flight
     metrics = sync.wait()
     assert "sync/tensors" in metrics and "timing_s/wait_weights" in metrics
-    assert sync.versions.policy == sync.versions.loaded == sync.engine.weight_version == 1
+    assert sync.version == sync.engine.weight_version == 1
     sync.close()
 
 
@@ -69,5 +68,5 @@ def weight_version_writes() -> list[str]:
 
 def test_an_engines_version_is_written_in_one_place_on_each_side():
     """The controller's side: the owner (``WeightSync._hold``); where the engine lives: ``mark_loaded``."""
-    assert weight_version_writes() == ["strategies/weight_sync.py:self.engine.weight_version",
+    assert weight_version_writes() == ["weights/sync.py:self.engine.weight_version",
                                        "weights/versions.py:engine.weight_version"]

@@ -44,7 +44,13 @@ class MegatronStrategy(WorkerGroupStrategy):
         grad_reduce_in_fp32: keep and reduce gradients in fp32 (matters for ``bf16-true``).
         ddp_bucket_size: elements per gradient bucket with ``overlap_grad_reduce`` (``None``:
             megatron's default, ``max(40M, 1M x data-parallel size)``).
-        devices / num_nodes / rollout_placement / ...: as for :class:`FSDP2Strategy`.
+        devices / num_nodes / cpus_per_worker / gpus_per_worker / threads_per_worker / ray_init_kwargs:
+            as for :class:`~rltrainer.strategies.fsdp2.FSDP2Strategy`.
+        micro_batch_size / max_tokens_per_micro_batch / gradient_clip_val / precision / padding_free:
+            micro-batching, clipping and precision, see :class:`~rltrainer.strategies.strategy.Strategy`
+            (``padding_free=False`` and ``precision`` ``"32-true"`` or ``"bf16-true"`` here).
+
+    The rollout engine's placement and weight sync are the :class:`~rltrainer.rollout.rollout.Rollout`'s.
     """
 
     name = "megatron"
@@ -54,8 +60,12 @@ class MegatronStrategy(WorkerGroupStrategy):
                  pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                  moe_grouped_gemm: bool = False, use_distributed_optimizer: bool = True,
                  overlap_grad_reduce: bool = False, grad_reduce_in_fp32: bool = True,
-                 ddp_bucket_size: int | None = None, **kwargs: Any) -> None:
-        super().__init__(devices=devices, num_nodes=num_nodes, **kwargs)
+                 ddp_bucket_size: int | None = None, cpus_per_worker: float = 1.0, gpus_per_worker: float | None = None,
+                 threads_per_worker: int | None = None, ray_init_kwargs: dict[str, Any] | None = None,
+                 micro_batch_size: int = 8, max_tokens_per_micro_batch: int | None = None,
+                 gradient_clip_val: float | None = 1.0, precision: str = "32-true", padding_free: bool = False) -> None:
+        super().__init__(devices, num_nodes, cpus_per_worker, gpus_per_worker, threads_per_worker, ray_init_kwargs,
+                         micro_batch_size, max_tokens_per_micro_batch, gradient_clip_val, precision, padding_free)
         tp = check_int("tensor_model_parallel_size", tensor_model_parallel_size, at_least=1, owner="MegatronStrategy")
         pp = check_int("pipeline_model_parallel_size", pipeline_model_parallel_size, at_least=1,
                        owner="MegatronStrategy")
@@ -94,7 +104,7 @@ class MegatronStrategy(WorkerGroupStrategy):
         return rank // (self.tp * self.data_parallel_size) == self.pp - 1  # the last pipeline stage
 
     def _training_state(self) -> Any:
-        return {"ranks": self._require_group().execute_all("state_dict"), "tensor_model_parallel_size": self.tp,
+        return {"ranks": self.require_group().execute_all("state_dict"), "tensor_model_parallel_size": self.tp,
                 "pipeline_model_parallel_size": self.pp}
 
     def _load_training_state(self, state: Any) -> None:
@@ -104,7 +114,7 @@ class MegatronStrategy(WorkerGroupStrategy):
             raise ValueError(f"This checkpoint has {have[0]} ranks with tensor_model_parallel_size={have[1]}, "
                              f"pipeline_model_parallel_size={have[2]}; this run has {self.world_size} with {self.tp}, "
                              f"{self.pp}")
-        self._require_group().dispatch("load_state_dict", [((s,), {}) for s in state["ranks"]])
+        self.require_group().dispatch("load_state_dict", [((s,), {}) for s in state["ranks"]])
 
     def checkpoint_layout(self) -> dict[str, int]:
         return {"world_size": self.world_size, "tensor_model_parallel_size": self.tp,
