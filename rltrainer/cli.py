@@ -43,6 +43,7 @@ from typing import Any
 from rltrainer.callbacks import LearningSignal, ModelCheckpoint
 from rltrainer.data.datamodule import DataModule
 from rltrainer.module import RLModule
+from rltrainer.own_loop.server import main as serve
 from rltrainer.testing import data_path
 from rltrainer.trainer import Trainer
 
@@ -286,8 +287,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoint), 2 for a command line or config that is refused (one message, no traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # the local Tinker server has plain options of its own
-        from rltrainer.own_loop.server import main as serve
-
         return serve(argv[1:], prog="rltrainer serve")
     sys.path += [p for p in import_paths(argv) if p not in sys.path]  # after the installed packages
     parsers = {name: fit_parser(name) for name in COMMANDS}

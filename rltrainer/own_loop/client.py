@@ -34,6 +34,7 @@ from rltrainer.own_loop.data import as_datums, datums_batch, per_datum, tokens_o
 from rltrainer.own_loop.losses import LOSS_INPUTS, loss_settings
 from rltrainer.own_loop.module import LOGPROBS_STAGE, PrimitivesModule, summed_loss
 from rltrainer.rollout.engine import SamplingParams as EngineSampling
+from rltrainer.rollout.hf import HFEngine
 
 CustomLoss = Callable[[list[Any], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -237,8 +238,6 @@ class TrainingClient:
             raise ValueError("Sampling needs the model's tokenizer: TrainingClient(model, tokenizer, ...)")
         with self.engine_lock:
             if self._sync is None:
-                from rltrainer.rollout.hf import HFEngine
-
                 engine = self._engine if self._engine is not None else HFEngine(share_weights=False)
                 self._sync = wiring.connect(self.strategy, engine, self.tokenizer)
             wiring.push(self._sync, self.step)

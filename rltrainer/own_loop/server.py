@@ -403,16 +403,8 @@ def serve(state: LocalTinker, port: int = 0, host: str = "127.0.0.1") -> Threadi
     return server
 
 
-def tiny_model(tokenizer: Any) -> Any:
-    """``--model tiny``: a 2-layer Qwen2 config over ``tokenizer``'s vocabulary (random weights)."""
-    from rltrainer.testing import tiny_qwen2_config
-
-    return tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=2)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="hub id or local folder of a causal LM, or 'tiny' (random, "
-                                                        "2 layers, over --tokenizer's vocabulary)")
+    parser.add_argument("--model", required=True, help="hub id or local folder of a causal LM")
     parser.add_argument("--tokenizer", help="the tokenizer's folder (default: the model's)")
     parser.add_argument("--name", default="rltrainer/local", help="the base_model name clients ask for")
     parser.add_argument("--port", type=int, default=8000)
@@ -425,13 +417,11 @@ def run(args: argparse.Namespace) -> None:
     """``rltrainer serve``: serve until interrupted."""
     from transformers import AutoTokenizer
 
-    tokenizer_id = str(Path(args.tokenizer or args.model).resolve()) if (args.tokenizer or args.model != "tiny") \
-        else None
-    if tokenizer_id is None:
-        raise SystemExit("--model tiny needs --tokenizer DIR")
+    tokenizer_id = args.tokenizer or args.model
+    if Path(tokenizer_id).is_dir():  # the SDK's get_tokenizer loads it by this path, offline
+        tokenizer_id = str(Path(tokenizer_id).resolve())
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_id)
-    model = tiny_model(tokenizer) if args.model == "tiny" else args.model
-    state = LocalTinker(model, tokenizer, name=args.name, tokenizer_id=tokenizer_id, root=args.root, full=args.full,
+    state = LocalTinker(args.model, tokenizer, name=args.name, tokenizer_id=tokenizer_id, root=args.root, full=args.full,
                         strategy="single", device=args.device)
     server = serve(state, args.port)
     print(f"Serving {args.name} on http://127.0.0.1:{server.server_address[1]} "

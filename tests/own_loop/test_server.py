@@ -95,3 +95,33 @@ def test_a_failed_call_reaches_the_sdk_as_an_error(server):
                                loss_fn_inputs={"target_tokens": [2, 3]})  # ppo needs logprobs and advantages
     with pytest.raises(Exception, match="lacks \\['logprobs', 'advantages'\\]"):
         training.forward_backward([datum], "ppo").result()
+
+
+def test_rltrainer_serve_starts_a_server_the_sdk_trains_through(bpe_tokenizer, tiny_config, tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(tiny_config).save_pretrained(tmp_path / "tiny")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rltrainer", "serve", "--model", str(tmp_path / "tiny"),
+                             "--tokenizer", str(data_path("tokenizers", "gsm8k-bpe4k")), "--name", "rltrainer/tiny", "--port", "0"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("Serving rltrainer/tiny on http://127.0.0.1:"), line
+        url = line.split(" on ")[1].split(" ")[0]
+        monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+        monkeypatch.setenv("TINKER_TELEMETRY", "0")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        training = tinker.ServiceClient(base_url=url).create_lora_training_client(base_model="rltrainer/tiny",
+                                                                                  rank=4).result()
+        datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(SEQ[:-1]),
+                                   loss_fn_inputs={"target_tokens": SEQ[1:]})
+        out = training.forward([datum], "cross_entropy").result()
+        assert out.metrics["loss:sum"] > 0 and len(out.loss_fn_outputs[0]["logprobs"].tolist()) == len(SEQ) - 1
+        assert training.get_tokenizer().encode("12 + 3") == bpe_tokenizer.encode("12 + 3")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
