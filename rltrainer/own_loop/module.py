@@ -15,6 +15,7 @@ from rltrainer.data.batch import RolloutBatch
 from rltrainer.lora import apply_lora, check_lora_config
 from rltrainer.models import ModelSpec, build_causal_lm, response_log_probs
 from rltrainer.module import RLModule
+from rltrainer.optim import adamw
 from rltrainer.own_loop.data import batch_inputs
 from rltrainer.own_loop.losses import token_losses
 
@@ -41,7 +42,7 @@ class PrimitivesModule(RLModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        return adamw(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)  # fused where torch has it, as the modules
 
     def compute_step(self, micro_batch: RolloutBatch, stage: str) -> dict[str, torch.Tensor]:
         """``logprobs [n, T]``: the log-probs of each row's ``target_tokens`` (0 past its length)."""
