@@ -122,9 +122,7 @@ class LocalTinker:
                                           f"base_model={j.get('base_model')!r}"))
         rank = None if self.full else (j.get("lora_config") or {}).get("rank")
         seed = (j.get("lora_config") or {}).get("seed") or 0
-        root = self.root / model_id.replace(":", "_") if self.root is not None else None
-        client = self._builder.submit(TrainingClient, self.model, self.tokenizer, rank=rank, seed=seed, root=root,
-                                      **self.strategy_kwargs)
+        client = self._builder.submit(self._new_client, model_id, rank, seed)
         with self.lock:
             self.models[model_id] = Model(client, self.name, rank)
         return self.future(client, lambda _: {"model_id": model_id, "type": "create_model"}, model_id=model_id)
@@ -187,17 +185,32 @@ class LocalTinker:
         return self.in_turn(model_id, j.get("seq_id"), call)
 
     def load_weights(self, j: dict[str, Any]) -> dict[str, Any]:
-        if "model_id" not in j:
-            return self.failed(NotImplementedError("creating a training client from a state is not served yet: "
-                                                   "create_lora_training_client, then load_state"))
+        """Into a training client (``model_id``: ``load_state``), or into a new one (``session_id`` and
+        ``model_seq_id``: ``create_training_client_from_state``, with the source run's LoRA rank)."""
         run, _, checkpoint = j["path"][len("tinker://"):].partition("/")
         source = self.models.get(run)
-        if source is None or checkpoint not in source.checkpoints:
-            return self.failed(FileNotFoundError(f"no checkpoint {j['path']!r} on this server"))
+        if source is None or source.checkpoints.get(checkpoint, ("",))[0] != "training":
+            return self.failed(FileNotFoundError(f"no state {j['path']!r} on this server (save_state writes them)"))
         path = source.checkpoints[checkpoint][1]
-        return self.in_turn(j["model_id"], j.get("seq_id"), lambda c, m: (
-            (c.load_state_with_optimizer if j.get("optimizer") else c.load_state)(path),
-            lambda _: {"path": j["path"], "type": "load_weights"}))
+        if "model_id" in j:
+            return self.in_turn(j["model_id"], j.get("seq_id"), lambda c, m: (
+                (c.load_state_with_optimizer if j.get("optimizer") else c.load_state)(path),
+                lambda _: {"path": j["path"], "type": "load_weights"}))
+        model_id = f"{j['session_id']}:train:{j['model_seq_id']}"
+
+        def build() -> TrainingClient:
+            client = self._new_client(model_id, source.rank, 0)
+            (client.load_state_with_optimizer if j.get("optimizer") else client.load_state)(path).result()
+            return client
+        client = self._builder.submit(build)
+        with self.lock:
+            self.models[model_id] = Model(client, self.name, source.rank)
+        return self.future(client, lambda _: {"path": j["path"], "model_id": model_id, "type": "load_weights"},
+                           model_id=model_id)
+
+    def _new_client(self, model_id: str, rank: int | None, seed: int) -> TrainingClient:
+        root = self.root / model_id.replace(":", "_") if self.root is not None else None
+        return TrainingClient(self.model, self.tokenizer, rank=rank, seed=seed, root=root, **self.strategy_kwargs)
 
     def save_weights_for_sampler(self, j: dict[str, Any]) -> dict[str, Any]:
         model_id = j["model_id"]
@@ -296,16 +309,28 @@ class LocalTinker:
         return msg.SerializeToString()
 
     # -- REST -----------------------------------------------------------------------------------
-    def checkpoints(self, run: str) -> dict[str, Any]:
-        m = self.models[run]
-        return {"checkpoints": [{"checkpoint_id": cid, "checkpoint_type": kind, "time": "1970-01-01T00:00:00Z",
-                                 "tinker_path": f"tinker://{run}/{cid}", "public": False}
-                                for cid, (kind, _) in m.checkpoints.items()]}
+    def checkpoints(self, run: str | None = None) -> dict[str, Any]:
+        """``run``'s checkpoints (``None``: every run's)."""
+        runs = [run] if run is not None else list(self.models)
+        listed = [{"checkpoint_id": cid, "checkpoint_type": kind, "time": "1970-01-01T00:00:00Z",
+                   "tinker_path": f"tinker://{r}/{cid}", "public": False}
+                  for r in runs for cid, (kind, _) in self.models[r].checkpoints.items()]
+        return {"checkpoints": listed, "cursor": {"offset": 0, "limit": len(listed), "total_count": len(listed)}}
 
     def training_run(self, run: str) -> dict[str, Any]:
         m = self.models[run]
         return {"training_run_id": run, "base_model": m.base_model, "model_owner": "local", "is_lora": m.rank is not None,
                 "lora_rank": m.rank, "corrupted": False, "last_request_time": "1970-01-01T00:00:00Z"}
+
+    def training_runs(self) -> dict[str, Any]:
+        runs = [self.training_run(r) for r in self.models]
+        return {"training_runs": runs, "cursor": {"offset": 0, "limit": len(runs), "total_count": len(runs)}}
+
+    def weights_info(self, tinker_path: str) -> dict[str, Any]:
+        run = tinker_path[len("tinker://"):].partition("/")[0]
+        m = self.models[run]
+        return {"base_model": m.base_model, "is_lora": m.rank is not None, "lora_rank": m.rank,
+                "optimizer_config": {"type": "adamw"}}
 
     def capabilities(self) -> dict[str, Any]:
         return {"supported_models": [{"model_name": self.name, "trainable": True, "sampleable": True}]}
@@ -373,6 +398,9 @@ class Handler(BaseHTTPRequestHandler):
             "/create_sampling_session": lambda: s.create_sampling_session(j),
             "/asample": lambda: s.asample(j),
             "/retrieve_future": lambda: s.retrieve(j["request_id"]),
+            "/weights_info": lambda: s.weights_info(j["tinker_path"]),
+            "/training_runs": s.training_runs,
+            "/checkpoints": s.checkpoints,
         }
         if path in simple:
             return simple[path]()

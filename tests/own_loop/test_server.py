@@ -77,7 +77,15 @@ def test_the_sdk_trains_samples_and_saves_through_the_server(server, bpe_tokeniz
 
     saved = training.save_state("ckpt-1").result()
     assert saved.path == f"tinker://{training.model_id}/weights/ckpt-1"
+    resumed = service.create_training_client_from_state_with_optimizer(saved.path).result()
+    assert resumed.get_info().lora_rank == 8
+    for p, q in zip(state.models[resumed.model_id].client.result().strategy.module.policy.parameters(),
+                    served.strategy.module.policy.parameters()):
+        assert torch.equal(p, q)
     rest = tinker.RestClient(base_url=url)
+    assert rest.get_weights_info_by_tinker_path(saved.path).result().lora_rank == 8
+    assert {r.training_run_id for r in rest.list_training_runs().result().training_runs} == \
+        {training.model_id, resumed.model_id}
     listed = rest.list_checkpoints(training.model_id).result().checkpoints
     assert [c.tinker_path for c in listed] == [saved.path]
     rest.delete_checkpoint_from_tinker_path(saved.path).result()
