@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 
 PREFIX = "/api/v1"
 LONG_POLL_S = 30.0  # under the SDK's 45 s timeout on retrieve_future
+#: How long a call waits for the ones numbered before it. The SDK sends a client's calls one after
+#: another (each once the previous one was accepted), so only the chunks of one large
+#: ``forward_backward`` arrive out of order, within milliseconds; a number that never comes (a call
+#: the SDK failed before sending, or one this server does not serve) must not stall the next ones.
+SEQ_WAIT_S = 2.0
 
 
 def proto() -> Any:
@@ -140,8 +145,8 @@ class LocalTinker:
             return self.failed(KeyError(f"no training client {model_id!r} on this server"))
         client: TrainingClient = m.client.result()
         with m.turn:
-            if seq_id is not None and not m.turn.wait_for(lambda: m.next_seq >= seq_id, timeout=120):
-                return self.failed(TimeoutError(f"{model_id}: call {seq_id} waited 120 s for call {m.next_seq}"))
+            if seq_id is not None and not m.turn.wait_for(lambda: m.next_seq >= seq_id, timeout=SEQ_WAIT_S):
+                log.debug("%s: call %s runs without call %s (not sent to this server)", model_id, seq_id, m.next_seq)
             try:
                 fut, encode = call(client, m)
             except Exception as e:  # noqa: BLE001 - bad input: the future carries it
@@ -150,6 +155,14 @@ class LocalTinker:
                 m.next_seq = max(m.next_seq, seq_id + 1)
                 m.turn.notify_all()
         return self.failed(encode) if fut is None else self.future(fut, encode, model_id=model_id)
+
+    def skip_turn(self, j: dict[str, Any]) -> None:
+        """A call with a turn that this server does not serve: the next may go."""
+        m = self.models.get(j.get("model_id", "")) if isinstance(j, dict) else None
+        if m is not None and isinstance(j.get("seq_id"), int):
+            with m.turn:
+                m.next_seq = max(m.next_seq, j["seq_id"] + 1)
+                m.turn.notify_all()
 
     def forward_backward(self, body: bytes) -> dict[str, Any]:
         req = self.pb.ForwardBackwardRequest()
@@ -366,13 +379,17 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         if not path.startswith(PREFIX):
             return self._send(404, {"detail": f"no route {path}"})
+        j: dict[str, Any] = {}
         try:
             is_json = body and "json" in (self.headers.get("Content-Type") or "")
-            out = self._route(self.command, path[len(PREFIX):], body, json.loads(body) if is_json else {})
+            j = json.loads(body) if is_json else {}
+            out = self._route(self.command, path[len(PREFIX):], body, j)
         except Exception as e:  # noqa: BLE001 - a bad request: 400 with a body (a bare 400 is retried)
             log.warning("%s %s failed: %s", self.command, path, e, exc_info=e)
+            self.state.skip_turn(j)
             return self._send(400, {"detail": f"{type(e).__name__}: {e}"})
         if out is None:
+            self.state.skip_turn(j)
             return self._send(404, {"detail": f"not served: {self.command} {path}"})
         self._send(*out) if isinstance(out, tuple) else self._send(200, out)
 
@@ -416,7 +433,7 @@ class Handler(BaseHTTPRequestHandler):
                 return s.training_run(run)
             if verb == "GET" and rest == "":
                 return s.checkpoints(run)
-            if verb == "DELETE" and rest.startswith("/"):
+            if verb == "DELETE" and rest.startswith("/") and rest.count("/") == 2:  # /weights/<name>
                 s.models[run].checkpoints.pop(rest[1:], None)
                 return {}
         return None

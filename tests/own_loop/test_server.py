@@ -14,20 +14,6 @@ tinker = pytest.importorskip("tinker", reason="the server's tests drive the tink
 SEQ = [5, 9, 13, 22, 31, 7]
 
 
-@pytest.fixture
-def server(bpe_tokenizer, tiny_config, tmp_path, monkeypatch):
-    from rltrainer.own_loop.server import LocalTinker, serve
-
-    monkeypatch.setenv("TINKER_API_KEY", "tml-local")
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    state = LocalTinker(tiny_config, bpe_tokenizer, name="rltrainer/tiny", root=tmp_path,
-                        tokenizer_id=str(data_path("tokenizers", "gsm8k-bpe4k")))
-    http = serve(state)
-    yield state, f"http://127.0.0.1:{http.server_address[1]}"
-    http.shutdown()
-
-
 def rl_datum(seq: list[int]) -> dict:
     n = len(seq) - 1
     return {"model_input": seq[:-1], "target_tokens": seq[1:], "logprobs": [-2.0] * n,
