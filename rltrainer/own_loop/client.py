@@ -120,6 +120,19 @@ class TrainingClient:
         self.step = 0  # optimizer steps taken
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltrainer-train")
 
+    def close(self) -> None:
+        """Finish the calls in flight, then release the strategy's processes and the engine."""
+        self._executor.shutdown(wait=True)
+        if self._sync is not None:
+            wiring.teardown_engine(self._sync)
+        wiring.teardown(self.strategy)
+
+    def __enter__(self) -> TrainingClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def is_lora(self) -> bool:
         return self.module.lora is not None

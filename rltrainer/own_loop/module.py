@@ -27,7 +27,9 @@ class PrimitivesModule(RLModule):
     """A causal LM (``model``: a hub id, path, ``PretrainedConfig`` or callable, as
     :func:`~rltrainer.models.build_causal_lm` takes) trained by Tinker-style calls; ``lora``: a
     ``peft.LoraConfig`` (only the adapter trains). The optimizer is AdamW with Tinker's
-    ``AdamParams`` defaults; each ``optim_step`` sets its hyperparameters first."""
+    ``AdamParams`` defaults; each ``optim_step`` sets its hyperparameters first: they travel in the
+    batch's ``meta["adam"]`` and :meth:`policy_step` sets them on the optimizer of the rank it runs
+    on, so every strategy takes them the same way."""
 
     def __init__(self, model: ModelSpec, lora: Any = None, seed: int | None = 0) -> None:
         super().__init__()
@@ -42,7 +44,8 @@ class PrimitivesModule(RLModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return adamw(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)  # fused where torch has it, as the modules
+        self._optimizer = adamw(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)  # fused where torch has it
+        return self._optimizer
 
     def compute_step(self, micro_batch: RolloutBatch, stage: str) -> dict[str, torch.Tensor]:
         """``logprobs [n, T]``: the log-probs of each row's ``target_tokens`` (0 past its length)."""
@@ -53,6 +56,10 @@ class PrimitivesModule(RLModule):
     def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         """The sum of each row's loss (its call's ``loss_fn`` and ``loss_fn_config``) over its tokens;
         metric ``loss:sum`` (a share that sums over micro-batches)."""
+        adam = micro_batch.meta.get("adam")  # this step's AdamParams, set on the rank's optimizer before it steps
+        if adam is not None:
+            for group in self._optimizer.param_groups:
+                group.update(adam)
         log_probs, _ = response_log_probs(self.policy, micro_batch)  # [n, T]
         loss = summed_loss(log_probs, micro_batch)
         return loss, {"loss:sum": loss.detach()}

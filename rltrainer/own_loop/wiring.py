@@ -24,6 +24,14 @@ def setup(strategy: Strategy, module: Any, seed: int) -> None:
     strategy.setup(module, seed)
 
 
+def teardown(strategy: Strategy) -> None:
+    strategy.teardown()
+
+
+def teardown_engine(sync: Any) -> None:
+    sync.engine.teardown()
+
+
 def compute(strategy: Strategy, batch: RolloutBatch, stage: str) -> RolloutBatch:
     """``module.compute_step`` over ``batch`` under no_grad, wherever the strategy's ranks are."""
     return strategy.compute(batch, stage)
@@ -31,26 +39,26 @@ def compute(strategy: Strategy, batch: RolloutBatch, stage: str) -> RolloutBatch
 
 def train_step(strategy: Strategy, batch: RolloutBatch, adam: Any) -> dict[str, Any]:
     """One optimizer step over ``batch`` (gradients of every row summed, clipped to
-    ``adam.grad_clip_norm`` unless 0) with AdamW set to ``adam``'s hyperparameters."""
-    optimizers = _local_optimizers(strategy)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
-    strategy.gradient_clip_val = adam.grad_clip_norm or None
+    ``adam.grad_clip_norm`` unless 0) with AdamW set to ``adam``'s hyperparameters (by the module,
+    on each rank: ``meta["adam"]``)."""
+    batch.meta["adam"] = {"lr": adam.learning_rate, "betas": (adam.beta1, adam.beta2), "eps": adam.eps,
+                          "weight_decay": adam.weight_decay}
+    clip = adam.grad_clip_norm or None
+    if hasattr(strategy, "optimizers"):  # in this process: the clip is read at each step
+        strategy.gradient_clip_val = clip
+    elif clip != strategy.gradient_clip_val:
+        raise ValueError(f"AdamParams(grad_clip_norm={adam.grad_clip_norm}) differs from the "
+                         f"{type(strategy).__name__}'s gradient_clip_val={strategy.gradient_clip_val}, which its ranks "
+                         "took at setup: build the strategy with gradient_clip_val equal to it (None for 0)")
     return strategy.train_step(batch)
 
 
 def _local_optimizers(strategy: Strategy) -> list[torch.optim.Optimizer]:
     if not hasattr(strategy, "optimizers"):  # the optimizers live in worker processes
-        raise NotImplementedError(f"{type(strategy).__name__}: the primitives set AdamW's hyperparameters on the "
-                                  "optimizers in this process, so only the 'single' strategy runs them yet")
+        raise NotImplementedError(f"{type(strategy).__name__}: loading weights without the optimizer state clears "
+                                  "the optimizers in this process, so only the 'single' strategy does it yet; "
+                                  "load_state_with_optimizer runs on every strategy")
     return strategy.optimizers
-
-
-def parameters(strategy: Strategy) -> dict[str, torch.Tensor]:
-    """The policy's trainable parameters by name (this process's; ``single``)."""
-    return {n: p for n, p in strategy.module.policy.named_parameters() if p.requires_grad}
 
 
 def save_state(strategy: Strategy, directory: Path) -> dict[str, Any]:
