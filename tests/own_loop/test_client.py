@@ -179,3 +179,24 @@ def test_bad_input_names_what_is_allowed(client):
                                                 "advantages": torch.ones(2)})], "ppo").result()
     with pytest.raises(RuntimeError, match="without a forward_backward"):
         client.optim_step().result()
+
+
+def test_sampling_overlaps_training(client):
+    """A sample submitted while forward_backward and optim_step are in flight runs on the sampling
+    client's own thread and comes back; the training calls still run in their order."""
+    import threading
+
+    sampler = client.save_weights_and_get_sampling_client().result()
+    threads = {}
+    original = sampler._sample
+
+    def sample(*args):
+        threads["sample"] = threading.current_thread().name
+        return original(*args)
+
+    sampler._sample = sample
+    fb = client.forward_backward(datums(), "cross_entropy")
+    step = client.optim_step(AdamParams(learning_rate=1e-2))
+    out = sampler.sample(SEQS[0][:3], 2, SamplingParams(max_tokens=3, seed=0)).result()
+    assert len(out.sequences) == 2 and step.result().metrics["optim/step:max"] == 1.0 and fb.done()
+    assert threads["sample"].startswith("rltrainer-sample")
