@@ -16,7 +16,10 @@ from rltrainer.strategies.strategy import Strategy, build_strategy
 
 
 def make_strategy(strategy: str | Strategy, **kwargs: Any) -> Strategy:
-    """A registered strategy name (``"single"``...) built with ``kwargs``, or the instance."""
+    """A registered strategy name (``"single"``...) built with ``kwargs``, or the instance (then no ``kwargs``)."""
+    if isinstance(strategy, Strategy) and kwargs:
+        raise ValueError(f"Strategy settings {sorted(kwargs)} go to a strategy built by name; the instance "
+                         f"{type(strategy).__name__} has its own: set them on it")
     return build_strategy(strategy, **kwargs)
 
 
