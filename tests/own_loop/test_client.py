@@ -200,3 +200,10 @@ def test_sampling_overlaps_training(client):
     out = sampler.sample(SEQS[0][:3], 2, SamplingParams(max_tokens=3, seed=0)).result()
     assert len(out.sequences) == 2 and step.result().metrics["optim/step:max"] == 1.0 and fb.done()
     assert threads["sample"].startswith("rltrainer-sample")
+
+
+def test_strategy_settings_with_a_strategy_instance_are_refused(tiny_config):
+    from rltrainer.strategies import SingleDeviceStrategy
+
+    with pytest.raises(ValueError, match=r"Strategy settings \['device'\] go to a strategy built by name"):
+        TrainingClient(tiny_config, strategy=SingleDeviceStrategy(), device="cpu")
