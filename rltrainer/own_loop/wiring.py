@@ -12,6 +12,7 @@ import torch
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
+from rltrainer.strategies import MegatronStrategy
 from rltrainer.strategies.strategy import Strategy, build_strategy
 
 
@@ -20,7 +21,11 @@ def make_strategy(strategy: str | Strategy, **kwargs: Any) -> Strategy:
     if isinstance(strategy, Strategy) and kwargs:
         raise ValueError(f"Strategy settings {sorted(kwargs)} go to a strategy built by name; the instance "
                          f"{type(strategy).__name__} has its own: set them on it")
-    return build_strategy(strategy, **kwargs)
+    built = build_strategy(strategy, **kwargs)
+    if isinstance(built, MegatronStrategy):  # it turns the module's optimizer into megatron-core's own
+        raise NotImplementedError("The primitives set each optim_step's AdamParams on the module's torch optimizer, "
+                                  "which the megatron strategy replaces by megatron-core's: use 'single' or 'fsdp2'")
+    return built
 
 
 def setup(strategy: Strategy, module: Any, seed: int) -> None:

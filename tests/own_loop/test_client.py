@@ -207,3 +207,10 @@ def test_strategy_settings_with_a_strategy_instance_are_refused(tiny_config):
 
     with pytest.raises(ValueError, match=r"Strategy settings \['device'\] go to a strategy built by name"):
         TrainingClient(tiny_config, strategy=SingleDeviceStrategy(), device="cpu")
+
+
+def test_megatron_is_refused_until_it_takes_the_adam_params(tiny_config):
+    from rltrainer.strategies import MegatronStrategy
+
+    with pytest.raises(NotImplementedError, match="use 'single' or 'fsdp2'"):
+        TrainingClient(tiny_config, strategy=MegatronStrategy(devices=1))
