@@ -12,6 +12,11 @@ mini-batches a batch. Held-out exact match (greedy) before and after.
     python recipes/tinker_addition.py --steps 200 --lora-rank 8 --lr 3e-3   # a real LoRA adapter instead
 
 Needs ``pip install tinker==0.38.0`` (the SDK; ``pip install -e '.[serve]'``).
+
+2026-12-05, 2 shared cores, 200 steps: seed 0 21.7% -> 56.0% (+34.3 points, 280 s), seed 1 12.3% ->
+28.0% (+15.7, 226 s); ``--lr 1e-3`` collapsed both to 0 %. ``grpo_addition.py --preset quick`` gains
+more on these seeds (sampling at temperature 0.7; here 1.0, since the sampler's log-probs must be
+those of the distribution the trainer's forward computes, and Tinker's losses take them as they are).
 """
 
 from __future__ import annotations
