@@ -22,6 +22,9 @@ one); ``--ckpt_path last`` resumes the newest, and Ctrl-C stops after the curren
 checkpoint and the command that resumes it. With ``trainer.val_check_interval`` the run validates
 before the first step too (logged as step 0), so one log holds the starting point and the end.
 Shipped configs: ``recipes/configs/``.
+
+``rltrainer serve --model ... --tokenizer ...`` starts the local server that the ``tinker`` SDK
+talks to (:mod:`rltrainer.own_loop.server`; its own options, ``rltrainer serve --help``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 from rltrainer.callbacks import LearningSignal, ModelCheckpoint
 from rltrainer.data.datamodule import DataModule
 from rltrainer.module import RLModule
+from rltrainer.own_loop.server import main as serve
 from rltrainer.testing import data_path
 from rltrainer.trainer import Trainer
 
@@ -282,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``rltrainer`` console script: 0 when the run is done, 130 when Ctrl-C stopped it (with a
     checkpoint), 2 for a command line or config that is refused (one message, no traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # the local Tinker server has plain options of its own
+        return serve(argv[1:], prog="rltrainer serve")
     sys.path += [p for p in import_paths(argv) if p not in sys.path]  # after the installed packages
     parsers = {name: fit_parser(name) for name in COMMANDS}
     parser = build_parser(**parsers)

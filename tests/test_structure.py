@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     # 4: the loop and what drives it
     ("rltrainer.callbacks", "rltrainer.generations", "rltrainer.loggers", "rltrainer.csv_logger",
      "rltrainer.tensorboard_logger", "rltrainer.loop",
-     "rltrainer.pipelines", "rltrainer.interrupt", "rltrainer.export", "rltrainer.trainer"),
+     "rltrainer.pipelines", "rltrainer.interrupt", "rltrainer.export", "rltrainer.trainer", "rltrainer.own_loop"),
     # 5: entry points and helpers for tests
     ("rltrainer.cli", "rltrainer.plot", "rltrainer.testing", "rltrainer.toy", "rltrainer.__main__", "rltrainer"),
 ]

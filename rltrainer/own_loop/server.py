@@ -1,0 +1,492 @@
+"""A local server that the unchanged ``tinker`` SDK (0.38) talks to, backed by the in-process
+primitives (:class:`~rltrainer.own_loop.TrainingClient`): ``rltrainer serve`` or
+``python -m rltrainer.own_loop.server``, on 127.0.0.1.
+
+Point the SDK at it with ``tinker.ServiceClient(base_url="http://127.0.0.1:PORT")`` and
+``TINKER_API_KEY=tml-local`` (the SDK needs a key that starts with ``tml-``; this server does not
+check it and exchanges no tokens: ``pjwt_auth_enabled`` is false). The wire protocol, read from the
+SDK's source, is mapped in ``/work/runs/tinker_protocol.md``; in short:
+
+- every training and sampling call answers ``{"request_id"}`` at once and is fetched by
+  ``retrieve_future``, which this server holds open (long poll) until the result is ready;
+- calls of one training client are run in ``seq_id`` order (the SDK submits the next before the
+  previous is done), by that client's one worker thread;
+- ``forward_backward``'s body and the ``ForwardBackwardOutput``/``SampleResponse`` results are the
+  SDK's protobuf messages (``tinker.proto.tinker_public_pb2``, imported from the installed SDK);
+  everything else is JSON; a failed call answers ``{"error", "category": "user"}`` in its future.
+
+The SDK only asks for LoRA training clients; ``full=True`` (``--full``) trains every parameter
+instead for each of them, and ``get_info`` says so (``is_lora`` false).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rltrainer.own_loop.client import AdamParams, SamplingClient, SamplingParams, TrainingClient
+from rltrainer.own_loop.data import Datum
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/api/v1"
+LONG_POLL_S = 30.0  # under the SDK's 45 s timeout on retrieve_future
+#: How long a call waits for the ones numbered before it. The SDK sends a client's calls one after
+#: another (each once the previous one was accepted), so only the chunks of one large
+#: ``forward_backward`` arrive out of order, within milliseconds; a number that never comes (a call
+#: the SDK failed before sending, or one this server does not serve) must not stall the next ones.
+SEQ_WAIT_S = 2.0
+
+
+def proto() -> Any:
+    """The SDK's protobuf module; a clear error without the SDK."""
+    try:
+        from tinker.proto import tinker_public_pb2
+    except ImportError as e:
+        raise ImportError("The local Tinker server speaks the tinker SDK's protobuf messages: "
+                          "pip install tinker==0.38.0 (Apache-2.0), or pip install -e '.[serve]'") from e
+    return tinker_public_pb2
+
+
+@dataclass
+class Model:
+    """One training client of a session, and the order its calls run in."""
+
+    client: Future  # of a TrainingClient
+    base_model: str
+    rank: int | None
+    next_seq: int = 1
+    turn: threading.Condition = field(default_factory=threading.Condition)
+    checkpoints: dict[str, tuple[str, str]] = field(default_factory=dict)  # checkpoint_id -> (type, local path)
+
+
+class LocalTinker:
+    """The server's state: models by id, sampling sessions, futures. ``model``/``tokenizer``: what
+    every ``base_model`` request trains (served under ``name``); ``tokenizer_id``: the local folder
+    the SDK's ``get_tokenizer`` loads; ``full``: train every parameter for a LoRA request;
+    ``strategy_kwargs``: the Strategy's (default ``single`` on CPU)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, name: str = "rltrainer/local", tokenizer_id: str | None = None,
+                 root: str | Path | None = None, full: bool = False, **strategy_kwargs: Any) -> None:
+        self.pb = proto()
+        self.model, self.tokenizer, self.name, self.tokenizer_id = model, tokenizer, name, tokenizer_id
+        self.full, self.strategy_kwargs = full, strategy_kwargs or {"strategy": "single", "device": "cpu"}
+        self.root = Path(root) if root is not None else None
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, Future] = {}  # sampling session id -> Future[SamplingClient]
+        self.futures: dict[str, tuple[Future, Any]] = {}  # request id -> (future, encode(result))
+        self.lock = threading.Lock()
+        self._builder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rltrainer-serve")
+
+    # -- futures --------------------------------------------------------------------------------
+    def future(self, fut: Future, encode: Any = None, **extra: Any) -> dict[str, Any]:
+        request_id = uuid.uuid4().hex
+        with self.lock:
+            self.futures[request_id] = (fut, encode)
+        return {"request_id": request_id, **extra}
+
+    def failed(self, error: Exception) -> dict[str, Any]:
+        fut: Future = Future()
+        fut.set_exception(error)
+        return self.future(fut)
+
+    def retrieve(self, request_id: str) -> tuple[int, bytes | dict[str, Any], str]:
+        """(status, body, content type) for one poll."""
+        with self.lock:
+            entry = self.futures.get(request_id)
+        if entry is None:
+            return 404, {"detail": f"unknown request_id {request_id!r}"}, "json"
+        fut, encode = entry
+        try:
+            result = fut.result(timeout=LONG_POLL_S)
+        except TimeoutError:
+            return 200, {"type": "try_again", "request_id": request_id, "queue_state": "active"}, "json"
+        except Exception as e:  # noqa: BLE001 - the SDK shows it as RequestFailedError
+            log.warning("request %s failed: %s", request_id, e, exc_info=e)
+            return 200, {"error": f"{type(e).__name__}: {e}", "category": "user"}, "json"
+        body = encode(result) if encode is not None else result
+        return 200, body, "proto" if isinstance(body, bytes) else "json"
+
+    # -- models ---------------------------------------------------------------------------------
+    def create_model(self, j: dict[str, Any]) -> dict[str, Any]:
+        model_id = f"{j['session_id']}:train:{j['model_seq_id']}"  # the SDK derives it so itself
+        if j.get("base_model") != self.name:
+            return self.failed(ValueError(f"This server trains {self.name!r} (rltrainer serve --name); got "
+                                          f"base_model={j.get('base_model')!r}"))
+        rank = None if self.full else (j.get("lora_config") or {}).get("rank")
+        seed = (j.get("lora_config") or {}).get("seed") or 0
+        client = self._builder.submit(self._new_client, model_id, rank, seed)
+        with self.lock:
+            self.models[model_id] = Model(client, self.name, rank)
+        return self.future(client, lambda _: {"model_id": model_id, "type": "create_model"}, model_id=model_id)
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        m = self.models[model_id]
+        return {"type": "get_info", "model_id": model_id, "model_name": m.base_model, "is_lora": m.rank is not None,
+                "lora_rank": m.rank, "optimizer_config": {"type": "adamw"},
+                "model_data": {"arch": "rltrainer", "model_name": m.base_model, "tokenizer_id": self.tokenizer_id}}
+
+    def in_turn(self, model_id: str, seq_id: int | None, call: Any) -> dict[str, Any]:
+        """Submit ``call(client) -> (future, encode)`` when the calls before ``seq_id`` are submitted."""
+        m = self.models.get(model_id)
+        if m is None:
+            return self.failed(KeyError(f"no training client {model_id!r} on this server"))
+        client: TrainingClient = m.client.result()
+        with m.turn:
+            if seq_id is not None and not m.turn.wait_for(lambda: m.next_seq >= seq_id, timeout=SEQ_WAIT_S):
+                log.debug("%s: call %s runs without call %s (not sent to this server)", model_id, seq_id, m.next_seq)
+            try:
+                fut, encode = call(client, m)
+            except Exception as e:  # noqa: BLE001 - bad input: the future carries it
+                fut, encode = None, e
+            if seq_id is not None:
+                m.next_seq = max(m.next_seq, seq_id + 1)
+                m.turn.notify_all()
+        return self.failed(encode) if fut is None else self.future(fut, encode, model_id=model_id)
+
+    def skip_turn(self, j: dict[str, Any]) -> None:
+        """A call with a turn that this server does not serve: the next may go."""
+        m = self.models.get(j.get("model_id", "")) if isinstance(j, dict) else None
+        if m is not None and isinstance(j.get("seq_id"), int):
+            with m.turn:
+                m.next_seq = max(m.next_seq, j["seq_id"] + 1)
+                m.turn.notify_all()
+
+    def forward_backward(self, body: bytes) -> dict[str, Any]:
+        req = self.pb.ForwardBackwardRequest()
+        req.ParseFromString(body)
+        datums = [Datum(self._tokens(d.model_input), {k: self._tensor(t) for k, t in d.loss_fn_inputs.items()})
+                  for d in req.data]
+        config = dict(req.loss_fn_config) or None
+        if req.loss_fn == "custom":
+            return self.failed(ValueError("server-side custom losses are off (custom_loss_server_side false): "
+                                          "forward_backward_custom runs the loss in the client"))
+
+        def call(client: TrainingClient, m: Model) -> tuple[Future, Any]:
+            method = client.forward if req.forward_only else client.forward_backward
+            return method(datums, req.loss_fn, config), self._encode_fwdbwd
+        return self.in_turn(req.model_id, req.seq_id, call)
+
+    def optim_step(self, j: dict[str, Any]) -> dict[str, Any]:
+        params = j.get("adam_params")
+        if params is None:
+            return self.failed(ValueError(f"only Adam is served (adam_params); got {sorted(j)}"))
+        adam = AdamParams(**{k: v for k, v in params.items() if k in AdamParams.__dataclass_fields__})
+        return self.in_turn(j["model_id"], j.get("seq_id"),
+                            lambda c, m: (c.optim_step(adam), lambda r: {"metrics": r.metrics}))
+
+    def save_weights(self, j: dict[str, Any]) -> dict[str, Any]:
+        model_id, name = j["model_id"], j["path"]
+
+        def call(client: TrainingClient, m: Model) -> tuple[Future, Any]:
+            def saved(path: str) -> dict[str, Any]:
+                m.checkpoints[f"weights/{name}"] = ("training", path)
+                return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
+            return client.save_state(name), saved
+        return self.in_turn(model_id, j.get("seq_id"), call)
+
+    def load_weights(self, j: dict[str, Any]) -> dict[str, Any]:
+        """Into a training client (``model_id``: ``load_state``), or into a new one (``session_id`` and
+        ``model_seq_id``: ``create_training_client_from_state``, with the source run's LoRA rank)."""
+        run, _, checkpoint = j["path"][len("tinker://"):].partition("/")
+        source = self.models.get(run)
+        if source is None or source.checkpoints.get(checkpoint, ("",))[0] != "training":
+            return self.failed(FileNotFoundError(f"no state {j['path']!r} on this server (save_state writes them)"))
+        path = source.checkpoints[checkpoint][1]
+        if "model_id" in j:
+            return self.in_turn(j["model_id"], j.get("seq_id"), lambda c, m: (
+                (c.load_state_with_optimizer if j.get("optimizer") else c.load_state)(path),
+                lambda _: {"path": j["path"], "type": "load_weights"}))
+        model_id = f"{j['session_id']}:train:{j['model_seq_id']}"
+
+        def build() -> TrainingClient:
+            client = self._new_client(model_id, source.rank, 0)
+            (client.load_state_with_optimizer if j.get("optimizer") else client.load_state)(path).result()
+            return client
+        client = self._builder.submit(build)
+        with self.lock:
+            self.models[model_id] = Model(client, self.name, source.rank)
+        return self.future(client, lambda _: {"path": j["path"], "model_id": model_id, "type": "load_weights"},
+                           model_id=model_id)
+
+    def _new_client(self, model_id: str, rank: int | None, seed: int) -> TrainingClient:
+        root = self.root / model_id.replace(":", "_") if self.root is not None else None
+        return TrainingClient(self.model, self.tokenizer, rank=rank, seed=seed, root=root, **self.strategy_kwargs)
+
+    def save_weights_for_sampler(self, j: dict[str, Any]) -> dict[str, Any]:
+        model_id = j["model_id"]
+        if j.get("path"):
+            name = j["path"]
+            session = f"{model_id}:sampler:{name}"
+
+            def named(client: TrainingClient, m: Model) -> tuple[Future, Any]:
+                fut = client.save_weights_and_get_sampling_client()
+                self.samplers[session] = fut
+                m.checkpoints[f"sampler_weights/{name}"] = ("sampler", session)
+                return fut, lambda _: {"path": f"tinker://{model_id}/sampler_weights/{name}",
+                                       "type": "save_weights_for_sampler"}
+            return self.in_turn(model_id, j.get("seq_id"), named)
+        session = f"{model_id.split(':train:')[0]}:sample:{j['sampling_session_seq_id']}"
+
+        def ephemeral(client: TrainingClient, m: Model) -> tuple[Future, Any]:
+            fut = client.save_weights_and_get_sampling_client()
+            self.samplers[session] = fut
+            return fut, lambda _: {"sampling_session_id": session, "type": "save_weights_for_sampler"}
+        return self.in_turn(model_id, j.get("seq_id"), ephemeral)
+
+    def create_sampling_session(self, j: dict[str, Any]) -> dict[str, Any]:
+        session = f"{j['session_id']}:sample:{j['sampling_session_seq_id']}"
+        path = j.get("model_path")
+        if path:
+            run, _, checkpoint = path[len("tinker://"):].partition("/")
+            source = self.models.get(run)
+            if source is None or checkpoint not in source.checkpoints:
+                raise KeyError(f"no sampler weights {path!r} on this server")
+            self.samplers[session] = self.samplers[source.checkpoints[checkpoint][1]]
+        else:  # the base model: a training client that never trains
+            base = self._builder.submit(TrainingClient, self.model, self.tokenizer, **self.strategy_kwargs)
+            self.samplers[session] = self._builder.submit(lambda: base.result().save_weights_and_get_sampling_client()
+                                                          .result())
+        return {"type": "create_sampling_session", "sampling_session_id": session}
+
+    def asample(self, j: dict[str, Any]) -> dict[str, Any]:
+        n = int(j.get("num_samples", 1))
+        ids = [uuid.uuid4().hex[:12] for _ in range(n)]
+        session = self.samplers.get(j.get("sampling_session_id", ""))
+        if session is None:
+            return self.failed(KeyError(f"no sampling session {j.get('sampling_session_id')!r}"))
+        prompt = [t for chunk in j["prompt"]["chunks"] for t in chunk.get("tokens", [])]
+        params = SamplingParams(**{k: v for k, v in (j.get("sampling_params") or {}).items()
+                                   if k in SamplingParams.__dataclass_fields__})
+        sampler: SamplingClient = session.result()
+        samples = sampler.sample(prompt, n, params)
+        logprobs = sampler.compute_logprobs(prompt) if j.get("prompt_logprobs") else None
+        return self.future(samples, lambda out: self._encode_sample(out, logprobs.result() if logprobs else None),
+                           sample_sequence_ids=ids)
+
+    # -- protobuf -------------------------------------------------------------------------------
+    def _tokens(self, chunks: Any) -> list[int]:
+        out: list[int] = []
+        for chunk in chunks:
+            if chunk.WhichOneof("chunk") != "encoded_text":
+                raise ValueError(f"only text chunks are served, got a {chunk.WhichOneof('chunk')!r} chunk")
+            out.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        return out
+
+    def _tensor(self, t: Any) -> torch.Tensor:
+        pb = self.pb
+        dtypes = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+        if t.WhichOneof("encoding") == "sparse_csr":
+            raise ValueError("sparse (2-D) loss_fn_inputs are not served")
+        if t.dtype not in dtypes:
+            raise ValueError(f"tensor dtype {t.dtype} is not served (float32, int64, int32)")
+        return torch.from_numpy(np.frombuffer(t.dense, dtype=dtypes[t.dtype]).reshape(list(t.shape) or [-1]).copy())
+
+    def _encode_fwdbwd(self, out: Any) -> bytes:
+        msg = self.pb.ForwardBackwardOutput()
+        msg.loss_fn_output_type = "ArrayRecord"
+        for k, v in out.metrics.items():
+            msg.metrics[k] = float(v)
+        record = msg.loss_fn_outputs.add()
+        record.num_datums = len(out.loss_fn_outputs)
+        batched = record.fields["logprobs"]
+        batched.dtype = self.pb.DTYPE_FLOAT32
+        arrays = [o["logprobs"].float().numpy() for o in out.loss_fn_outputs]
+        batched.data = b"".join(a.tobytes() for a in arrays)
+        batched.offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64).tobytes()  # byte offsets
+        return msg.SerializeToString()
+
+    def _encode_sample(self, out: Any, prompt_logprobs: list[float | None] | None) -> bytes:
+        pb = self.pb
+        msg = pb.SampleResponse()
+        for s in out.sequences:
+            seq = msg.sequences.add()
+            seq.stop_reason = pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH
+            seq.tokens = np.asarray(s.tokens, np.int32).tobytes()
+            seq.logprobs = np.asarray(s.logprobs, np.float32).tobytes()
+        if prompt_logprobs is not None:
+            values = [math.nan if v is None else v for v in prompt_logprobs]  # NaN: None in the SDK
+            msg.prompt_logprobs = np.asarray(values, np.float32).tobytes()
+        return msg.SerializeToString()
+
+    # -- REST -----------------------------------------------------------------------------------
+    def checkpoints(self, run: str | None = None) -> dict[str, Any]:
+        """``run``'s checkpoints (``None``: every run's)."""
+        runs = [run] if run is not None else list(self.models)
+        listed = [{"checkpoint_id": cid, "checkpoint_type": kind, "time": "1970-01-01T00:00:00Z",
+                   "tinker_path": f"tinker://{r}/{cid}", "public": False}
+                  for r in runs for cid, (kind, _) in self.models[r].checkpoints.items()]
+        return {"checkpoints": listed, "cursor": {"offset": 0, "limit": len(listed), "total_count": len(listed)}}
+
+    def training_run(self, run: str) -> dict[str, Any]:
+        m = self.models[run]
+        return {"training_run_id": run, "base_model": m.base_model, "model_owner": "local", "is_lora": m.rank is not None,
+                "lora_rank": m.rank, "corrupted": False, "last_request_time": "1970-01-01T00:00:00Z"}
+
+    def training_runs(self) -> dict[str, Any]:
+        runs = [self.training_run(r) for r in self.models]
+        return {"training_runs": runs, "cursor": {"offset": 0, "limit": len(runs), "total_count": len(runs)}}
+
+    def weights_info(self, tinker_path: str) -> dict[str, Any]:
+        run = tinker_path[len("tinker://"):].partition("/")[0]
+        m = self.models[run]
+        return {"base_model": m.base_model, "is_lora": m.rank is not None, "lora_rank": m.rank,
+                "optimizer_config": {"type": "adamw"}}
+
+    def capabilities(self) -> dict[str, Any]:
+        return {"supported_models": [{"model_name": self.name, "trainable": True, "sampleable": True}]}
+
+
+class Handler(BaseHTTPRequestHandler):
+    """HTTP/1.1 keep-alive (the SDK pools connections); routes to :attr:`state`."""
+
+    protocol_version = "HTTP/1.1"
+    state: LocalTinker
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        self._dispatch(b"")
+
+    def do_POST(self) -> None:
+        self._dispatch(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+    do_PUT = do_POST
+    do_DELETE = do_POST
+
+    def _send(self, status: int, body: bytes | dict[str, Any], kind: str = "json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/x-protobuf" if kind == "proto" else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _dispatch(self, body: bytes) -> None:
+        path = self.path.split("?")[0]
+        if not path.startswith(PREFIX):
+            return self._send(404, {"detail": f"no route {path}"})
+        j: dict[str, Any] = {}
+        try:
+            is_json = body and "json" in (self.headers.get("Content-Type") or "")
+            j = json.loads(body) if is_json else {}
+            out = self._route(self.command, path[len(PREFIX):], body, j)
+        except Exception as e:  # noqa: BLE001 - a bad request: 400 with a body (a bare 400 is retried)
+            log.warning("%s %s failed: %s", self.command, path, e, exc_info=e)
+            self.state.skip_turn(j)
+            return self._send(400, {"detail": f"{type(e).__name__}: {e}"})
+        if out is None:
+            self.state.skip_turn(j)
+            return self._send(404, {"detail": f"not served: {self.command} {path}"})
+        self._send(*out) if isinstance(out, tuple) else self._send(200, out)
+
+    def _route(self, verb: str, path: str, body: bytes, j: dict[str, Any]) -> Any:
+        s = self.state
+        simple = {
+            "/client/config": lambda: {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False,
+                                       "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                                       "sample_join_sampling_session": False},
+            "/client/dynamic_config": lambda: {"refresh_interval_sec": 300, "sample_cancel_enabled": False},
+            "/create_session": lambda: {"type": "create_session", "session_id": f"local-{uuid.uuid4().hex[:8]}"},
+            "/session_heartbeat": lambda: {"type": "session_heartbeat"},
+            "/telemetry": lambda: {"status": "accepted"},
+            "/healthz": lambda: {"status": "ok"},
+            "/get_server_capabilities": s.capabilities,
+            "/create_model": lambda: s.create_model(j),
+            "/get_info": lambda: s.info(j["model_id"]),
+            "/forward_backward": lambda: s.forward_backward(body),
+            "/optim_step": lambda: s.optim_step(j),
+            "/save_weights": lambda: s.save_weights(j),
+            "/load_weights": lambda: s.load_weights(j),
+            "/save_weights_for_sampler": lambda: s.save_weights_for_sampler(j),
+            "/create_sampling_session": lambda: s.create_sampling_session(j),
+            "/asample": lambda: s.asample(j),
+            "/retrieve_future": lambda: s.retrieve(j["request_id"]),
+            "/weights_info": lambda: s.weights_info(j["tinker_path"]),
+            "/training_runs": s.training_runs,
+            "/checkpoints": s.checkpoints,
+        }
+        if path in simple:
+            return simple[path]()
+        if path.startswith("/sessions/") and path.endswith("/finish"):
+            return {}
+        if path.startswith("/samplers/"):
+            return {"sampler_id": path[len("/samplers/"):], "base_model": s.name}
+        if path.startswith("/training_runs/"):
+            run, _, rest = path[len("/training_runs/"):].partition("/checkpoints")
+            if run not in s.models:
+                return 404, {"detail": f"no training run {run!r}"}
+            if not _ and verb == "GET":
+                return s.training_run(run)
+            if verb == "GET" and rest == "":
+                return s.checkpoints(run)
+            if verb == "DELETE" and rest.startswith("/") and rest.count("/") == 2:  # /weights/<name>
+                s.models[run].checkpoints.pop(rest[1:], None)
+                return {}
+        return None
+
+
+def serve(state: LocalTinker, port: int = 0, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """A started server (``port=0``: a free one, ``server.server_address[1]``) in a daemon thread."""
+    handler = type("BoundHandler", (Handler,), {"state": state})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="rltrainer-serve", daemon=True).start()
+    return server
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="hub id or local folder of a causal LM")
+    parser.add_argument("--tokenizer", help="the tokenizer's folder (default: the model's)")
+    parser.add_argument("--name", default="rltrainer/local", help="the base_model name clients ask for")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--root", help="where save_state writes (default: a temporary folder per client)")
+    parser.add_argument("--full", action="store_true", help="train every parameter for the SDK's LoRA clients")
+    parser.add_argument("--device", default="cpu", help="the 'single' strategy's device")
+
+
+def run(args: argparse.Namespace) -> None:
+    """``rltrainer serve``: serve until interrupted."""
+    from transformers import AutoTokenizer
+
+    tokenizer_id = args.tokenizer or args.model
+    if Path(tokenizer_id).is_dir():  # the SDK's get_tokenizer loads it by this path, offline
+        tokenizer_id = str(Path(tokenizer_id).resolve())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_id)
+    state = LocalTinker(args.model, tokenizer, name=args.name, tokenizer_id=tokenizer_id, root=args.root, full=args.full,
+                        strategy="single", device=args.device)
+    server = serve(state, args.port)
+    print(f"Serving {args.name} on http://127.0.0.1:{server.server_address[1]} "
+          "(TINKER_API_KEY=tml-local; Ctrl-C stops)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m rltrainer.own_loop.server") -> int:
+    """``rltrainer serve ...``: parse, serve until Ctrl-C; 2 for a refused command line."""
+    parser = argparse.ArgumentParser(prog=prog, description="A local server the unchanged tinker SDK (0.38) talks "
+                                                            "to, training with rltrainer (TINKER_API_KEY=tml-local).")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
