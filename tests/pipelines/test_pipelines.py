@@ -159,7 +159,9 @@ def test_on_step_start_gets_the_steps_prompt_batch_in_every_pipeline(pipeline, t
     if pipeline != "sync":
         request.getfixturevalue("ray_session")
     m = module(StepStartRecorder, tiny_config, bpe_tokenizer, seed=11)
-    with trainer(SingleDeviceStrategy() if pipeline == "sync" else split(), pipeline=pipeline, max_epochs=1) as t:
+    where = dict(strategy=SingleDeviceStrategy()) if pipeline == "sync" else \
+        dict(strategy=FSDP2Strategy(devices=1, micro_batch_size=4), rollout=Rollout(**split()))
+    with Trainer(**where, pipeline=pipeline, max_epochs=1, logger=False, enable_progress_bar=False, seed=5) as t:
         t.fit(m, prompt_dataloader(gsm8k_prompts.select(range(3 * B)), batch_size=B))
     events = m.events
     starts, rewards, ends = ([i for i, (kind, _) in enumerate(events) if kind == k] for k in ("start", "reward", "end"))
