@@ -113,8 +113,8 @@ def test_two_ranks_on_ray_match_one_device(family, tiny_config, bpe_tokenizer, g
 @pytest.mark.parametrize("placement", ["colocated", "split"])
 def test_sync_is_bit_exact_and_skips_frozen(placement, tiny_config, bpe_tokenizer, gsm8k_prompts, ray_session):
     module = make_module(FrozenEmbeddingGRPO, tiny_config, bpe_tokenizer, num_generations=2)
-    # split: the object store here (broadcast: test_split_broadcast.py; shared memory, which "auto" picks on
-    # one CPU node: test_shared_memory_sync.py)
+    # split: the object store here (broadcast: tests/weights/test_split_broadcast.py; shared memory, which
+    # "auto" picks on one CPU node: tests/weights/test_shared_memory_sync.py)
     strategy = FSDP2Strategy(devices=2, micro_batch_size=4)
     rollout = Rollout(placement=placement, bucket_bytes=64 << 10, transport="object_store")
     trainer = Trainer(strategy=strategy, rollout=rollout, max_steps=2, logger=False, enable_progress_bar=False, seed=3)
