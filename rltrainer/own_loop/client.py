@@ -117,6 +117,7 @@ class TrainingClient:
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="rltrainer-own-loop-"))
         self._rollout = rollout
         self._sync: Any = None
+        self.sync_metrics: dict[str, float] = {}  # the last push's (``sync/...``, as the Trainer logs them)
         self.engine_lock = threading.Lock()  # a push and a generate never overlap
         self._queue: list[RolloutBatch] = []  # datums since the last optim_step
         self._states: dict[str, dict[str, Any]] = {}  # saved name -> the strategy's small state
@@ -256,7 +257,7 @@ class TrainingClient:
             if self._sync is None:
                 rollout = self._rollout if self._rollout is not None else HFEngine(share_weights=False)
                 self._sync = wiring.connect(self.strategy, rollout, self.tokenizer)
-            wiring.push(self._sync, self.step)
+            self.sync_metrics = wiring.push(self._sync, self.step)
         return SamplingClient(self, self.step)
 
 
