@@ -124,3 +124,14 @@ def test_a_vllm_engine_samples_the_trained_policy(rank, bpe_tokenizer, tmp_path,
         assert not torch.allclose(policy_logprobs(client, PROMPT), before, atol=1e-3)  # the step moved the policy
         diff = assert_sampler_is_policy(client, atol=1e-5)
         print(f"vLLM CPU ({'LoRA' if rank else 'full'}) vs the policy: max |log-prob diff| {diff:.3e}")
+
+
+def test_an_engine_without_prompt_scoring_names_the_ones_with_it():
+    """``compute_logprobs`` goes through ``RolloutEngine.prompt_log_probs``; an engine that does not
+    override it (SGLang's, today) says which engines do."""
+    from types import SimpleNamespace
+
+    from rltrainer.rollout.engine import RolloutEngine
+
+    with pytest.raises(NotImplementedError, match="SimpleNamespace does not score prompts .* 'hf', 'vllm'"):
+        RolloutEngine.prompt_log_probs(SimpleNamespace(), [1, 2])
