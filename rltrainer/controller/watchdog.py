@@ -68,9 +68,10 @@ WORKER_METHODS = (
     "checkpoint_digests", "compute", "destroy_distributed", "device_type", "engine_sleep", "engine_teardown",
     "engine_wake_up", "engine_weight_digests", "engine_weight_groups", "engine_weight_version", "engine_weights",
     "forget_synced", "generate", "init_distributed", "load_checkpoint", "load_state_dict", "master_address",
-    "model_config", "node_ip", "pid", "python", "receive_weights", "release_weights", "rng_state", "save_checkpoint",
-    "seed_rng", "send_weights", "set_rng_state", "set_weight_groups", "set_weight_view", "setup", "setup_engine",
-    "state_dict", "train_step", "use_shared_memory", "verify_checkpoint", "wait_checkpoint", "weight_names")
+    "model_config", "node_ip", "pid", "prompt_log_probs", "python", "receive_weights", "release_weights", "rng_state",
+    "save_checkpoint", "seed_rng", "send_weights", "set_rng_state", "set_weight_groups", "set_weight_view", "setup",
+    "setup_engine", "state_dict", "train_step", "use_shared_memory", "verify_checkpoint", "wait_checkpoint",
+    "weight_names")
 
 
 def stage_names() -> list[str]:

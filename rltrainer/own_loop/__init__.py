@@ -27,13 +27,16 @@ A GRPO loop (every call returns a future; ``.result()`` waits)::
         client.optim_step(AdamParams(learning_rate=1e-5))
 
 Strategies: ``"single"`` and ``"fsdp2"`` (``TrainingClient(..., strategy=FSDP2Strategy(devices=2))``);
-``"megatron"`` is refused for now. Sampling: the ``hf`` engine beside the strategy.
+``"megatron"`` is refused for now. Sampling: ``rollout=`` as ``Trainer(rollout=...)`` takes it (default
+the ``hf`` engine beside the strategy); ``vllm`` and split placement included.
 """
 
 from rltrainer.own_loop.client import (AdamParams, ForwardBackwardOutput, OptimStepResponse, SampledSequence,
-                                       SampleResponse, SamplingClient, SamplingParams, TrainingClient)
+                                       SampleResponse, SamplingClient, SamplingParams, StaleSamplerError,
+                                       TrainingClient)
 from rltrainer.own_loop.data import Datum
 from rltrainer.own_loop.losses import TINKER_LOSSES
 
 __all__ = ["AdamParams", "Datum", "ForwardBackwardOutput", "OptimStepResponse", "SampleResponse", "SampledSequence",
-           "SamplingClient", "SamplingParams", "TINKER_LOSSES", "TrainingClient"]
+           "SamplingClient", "SamplingParams", "StaleSamplerError", "TINKER_LOSSES",
+           "TrainingClient"]

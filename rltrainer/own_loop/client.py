@@ -95,11 +95,14 @@ class TrainingClient:
     """Tinker's training calls on a Strategy (``"single"`` or an instance) and a causal LM
     (``model``: hub id, path, ``PretrainedConfig`` or callable; ``lora``: a ``peft.LoraConfig``, or
     ``rank`` for one on all linear layers; neither: full-parameter). ``tokenizer``: the model's
-    (for sampling); ``engine``: the rollout engine sampling clients use (default ``HFEngine`` with a
-    weight copy of its own); ``root``: where ``save_state`` writes (default a temporary folder)."""
+    (for sampling); ``rollout``: where sampling clients sample, as ``Trainer(rollout=...)`` takes it:
+    a :class:`~rltrainer.rollout.rollout.Rollout` (``Rollout("vllm", placement="split", delta=True)``),
+    an engine or an engine name (default ``HFEngine(share_weights=False)``, colocated: a weight copy
+    of its own, so an optimizer step does not reach the sampler before a push); ``root``: where
+    ``save_state`` writes (default a temporary folder)."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, strategy: Any = "single", lora: Any = None,
-                 rank: int | None = None, seed: int = 0, engine: Any = None, root: str | Path | None = None,
+                 rank: int | None = None, seed: int = 0, rollout: Any = None, root: str | Path | None = None,
                  **strategy_kwargs: Any) -> None:
         if rank is not None:
             if lora is not None:
@@ -112,8 +115,9 @@ class TrainingClient:
         self.strategy = wiring.make_strategy(strategy, **strategy_kwargs)
         wiring.setup(self.strategy, self.module, seed)
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="rltrainer-own-loop-"))
-        self._engine = engine
+        self._rollout = rollout
         self._sync: Any = None
+        self.sync_metrics: dict[str, float] = {}  # the last push's (``sync/...``, as the Trainer logs them)
         self.engine_lock = threading.Lock()  # a push and a generate never overlap
         self._queue: list[RolloutBatch] = []  # datums since the last optim_step
         self._states: dict[str, dict[str, Any]] = {}  # saved name -> the strategy's small state
@@ -251,16 +255,28 @@ class TrainingClient:
             raise ValueError("Sampling needs the model's tokenizer: TrainingClient(model, tokenizer, ...)")
         with self.engine_lock:
             if self._sync is None:
-                engine = self._engine if self._engine is not None else HFEngine(share_weights=False)
-                self._sync = wiring.connect(self.strategy, engine, self.tokenizer)
-            wiring.push(self._sync, self.step)
+                rollout = self._rollout if self._rollout is not None else HFEngine(share_weights=False)
+                self._sync = wiring.connect(self.strategy, rollout, self.tokenizer)
+            self.sync_metrics = wiring.push(self._sync, self.step)
         return SamplingClient(self, self.step)
 
 
+class StaleSamplerError(RuntimeError):
+    """A sampling client's weights are no longer in the engine: a later push replaced them."""
+
+
 class SamplingClient:
-    """Samples from the weights its training client pushed (the engine holds the latest push:
-    a client made before a later push samples the later weights; ``version`` says which it was
-    made for)."""
+    """Samples from the weights ``save_weights_and_get_sampling_client`` pushed: the policy after
+    ``version`` optimizer steps.
+
+    A snapshot, as in Tinker, as long as the engine holds it: the engine holds one set of weights,
+    the latest push's, so once a later ``save_weights_and_get_sampling_client`` pushes newer ones
+    (or, with an engine bound to the policy's parameters, ``HFEngine(share_weights=True)``, once an
+    ``optim_step`` moves them), ``sample`` and ``compute_logprobs`` on this client raise
+    :class:`StaleSamplerError` rather than answer from weights it was not made for (off-policy data
+    labelled on-policy). Keeping every version's weights to sample them later would cost a copy of
+    the model per client; take a new client after each push instead. A call submitted before the
+    later push and run after it raises too: the check runs with the engine held."""
 
     _ids = itertools.count()
 
@@ -284,6 +300,7 @@ class SamplingClient:
                                   temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
                                   stop_token_ids=self._stop_ids(params.stop), seed=params.seed)
         with self.trainer.engine_lock:
+            self._check_current()
             out = wiring.generate(self.trainer._sync, [prompt], sampling)
         lengths = out.response_mask.sum(1).tolist()
         return SampleResponse([SampledSequence(out.response_ids[i, :k].tolist(), out.log_probs[i, :k].tolist(),
@@ -291,7 +308,16 @@ class SamplingClient:
 
     def _logprobs(self, prompt: list[int]) -> list[float | None]:
         with self.trainer.engine_lock:
+            self._check_current()
             return wiring.prompt_logprobs(self.trainer._sync, prompt)
+
+    def _check_current(self) -> None:
+        held = wiring.engine_version(self.trainer._sync, self.trainer.step)
+        if held != self.version:
+            raise StaleSamplerError(f"This sampling client was made for the weights after {self.version} optimizer "
+                                    f"steps, but the engine now holds those after {held}: it holds one version, the "
+                                    "latest push's. Sample with the client the latest "
+                                    "save_weights_and_get_sampling_client() returned.")
 
     def _stop_ids(self, stop: Any) -> list[int] | None:
         if stop is None:

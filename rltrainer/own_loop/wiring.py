@@ -12,7 +12,7 @@ import torch
 
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
-from rltrainer.rollout.rollout import Rollout
+from rltrainer.rollout.rollout import Rollout, resolve_rollout
 from rltrainer.strategies import MegatronStrategy
 from rltrainer.strategies.strategy import Strategy, build_strategy
 from rltrainer.weights.sync import WeightSync
@@ -88,10 +88,10 @@ def load_state(strategy: Strategy, directory: Path, state: dict[str, Any], optim
             opt.state.clear()
 
 
-def connect(strategy: Strategy, engine: RolloutEngine, tokenizer: Any) -> WeightSync:
-    """Set ``engine`` up beside ``strategy`` (a :class:`~rltrainer.rollout.rollout.Rollout` of it);
-    returns the owner of its weight sync."""
-    return Rollout(engine).connect(strategy, tokenizer, mode="wait")
+def connect(strategy: Strategy, rollout: str | RolloutEngine | Rollout, tokenizer: Any) -> WeightSync:
+    """Place ``rollout`` (a :class:`~rltrainer.rollout.rollout.Rollout`, or an engine or its name:
+    that engine with the Rollout's defaults) beside ``strategy``; returns the owner of its weight sync."""
+    return resolve_rollout(rollout).connect(strategy, tokenizer, mode="wait")
 
 
 def push(sync: WeightSync, version: int) -> dict[str, float]:
@@ -103,15 +103,14 @@ def generate(sync: Any, prompts: list[list[int]], sampling: SamplingParams) -> G
     return sync.engine.generate(prompts, sampling)
 
 
-def prompt_logprobs(sync: Any, tokens: list[int]) -> list[float | None]:
+def prompt_logprobs(sync: WeightSync, tokens: list[int]) -> list[float | None]:
     """The engine's log-prob of each token given the ones before it (``None`` for the first), from
-    the weights it holds (an engine with a model in this process: ``hf``)."""
-    model = getattr(sync.engine, "model", None)
-    if model is None:
-        raise NotImplementedError(f"compute_logprobs reads the engine's model in this process; "
-                                  f"{type(sync.engine).__name__} has none here (use the 'hf' engine)")
-    ids = torch.tensor([tokens], device=sync.engine.device)
-    with torch.inference_mode():
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [N-1, V]
-    values = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
-    return [None, *values.cpu().tolist()]
+    the weights it holds (:meth:`~rltrainer.rollout.engine.RolloutEngine.prompt_log_probs`)."""
+    return sync.engine.prompt_log_probs(tokens)
+
+
+def engine_version(sync: WeightSync, trained: int) -> int:
+    """The policy version the engine's weights are: the last push's; for an engine bound to the
+    policy's own parameters (``HFEngine(share_weights=True)`` beside an in-process strategy), the
+    version the strategy holds now (``trained``): an optimizer step changes them without a push."""
+    return trained if getattr(sync.engine, "_bound", None) else sync.version

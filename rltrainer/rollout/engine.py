@@ -154,6 +154,12 @@ class RolloutEngine(abc.ABC):
             future.set_exception(exc)
         return future
 
+    def prompt_log_probs(self, prompt: Sequence[int]) -> list[float | None]:
+        """Each token's log-prob under the engine's weights given the tokens before it (``None`` for
+        the first): the scoring call of Tinker's ``compute_logprobs``. ``hf`` and ``vllm`` give it."""
+        raise NotImplementedError(f"{type(self).__name__} does not score prompts (prompt_log_probs); the engines "
+                                  "that do: 'hf', 'vllm'")
+
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Load ``(hf_name, full_tensor)`` pairs into the inference model; return stats

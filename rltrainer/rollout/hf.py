@@ -258,6 +258,14 @@ class HFEngine(RolloutEngine):
         return {"tensors": stats["tensors"] + shared, "bytes": stats["bytes"], "shared": shared}
 
     # -- generation ----------------------------------------------------------------------------
+    def prompt_log_probs(self, prompt: Sequence[int]) -> list[float | None]:
+        self._require_model()
+        ids = torch.tensor([list(prompt)], device=self.device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [N-1, V]
+        values = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        return [None, *values.cpu().tolist()]
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
         self._require_model()
         if self._sleep_level == 2:

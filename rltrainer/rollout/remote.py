@@ -189,6 +189,15 @@ class RemoteEngine(RolloutEngine):
         except BaseException as exc:  # the caller's result() raises it
             result.set_exception(exc)
 
+    def prompt_log_probs(self, prompt: Sequence[int]) -> list[float | None]:
+        """Scored by the first replica (all its ranks get the call; its first rank's answer is used)."""
+        k = self.ranks_per_replica_
+        ranks = list(range(self.replica_ids[0] * k, (self.replica_ids[0] + 1) * k))
+        with self._state.lock:
+            call = ((list(prompt),), {"min_version": self.weight_version})
+            futures = self.group._call_async(ranks, "prompt_log_probs", [call] * len(ranks))
+        return self.group.get(futures, "prompt_log_probs")[0]
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Send ``(hf_name, tensor)`` pairs from this process to every replica, bucket by bucket (the
         replicas' ``weight_version`` stays: these are not a sync of the policy)."""

@@ -431,6 +431,18 @@ class VLLMEngine(LoadsAdaptersFromDisk, RolloutEngine):
         generation.metrics.update(gen_time_s=elapsed, tokens_per_s=tokens / max(elapsed, 1e-9))
         return generation
 
+    def prompt_log_probs(self, prompt: Sequence[int]) -> list[float | None]:
+        """vLLM's ``prompt_logprobs`` (``SamplingParams(prompt_logprobs=0)``: each prompt token's own
+        log-prob, vllm/sampling_params.py:347; the first is ``None``), one token generated and dropped."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        self.wake_up()
+        adapter = self._current_adapter()
+        lora = {"lora_request": adapter} if adapter is not None else {}
+        params = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        output = self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False, **lora)[0]
+        return [None if step is None else step[t].logprob for step, t in zip(output.prompt_logprobs, prompt)]
+
     def _routes(self, outputs: Sequence[Any]) -> list[torch.Tensor]:
         """Each completion's ``[p + t, L, K]`` routes (:mod:`rltrainer.rollout.vllm_routes`)."""
         from rltrainer.rollout.vllm_routes import completion_routes

@@ -175,6 +175,15 @@ class Worker:
             generation.weight_version = version
         return generation
 
+    @remote
+    def prompt_log_probs(self, prompt: list[int], min_version: int = -1) -> list[float | None]:
+        """The engine's :meth:`~rltrainer.rollout.engine.RolloutEngine.prompt_log_probs`, with weight
+        version ``min_version`` or later (as :meth:`generate`)."""
+        engine = self._require_engine()
+        wait_for = min_version if WEIGHTS_GROUP in self.concurrency_groups else -1
+        with self.gate.use(engine, wait_for):
+            return engine.prompt_log_probs(prompt)
+
     @receives
     def hold_weights(self, version: int) -> None:
         """A rollout assigned weight version ``version`` is coming: apply no newer sync until

@@ -68,6 +68,13 @@ def calls(c: Context) -> dict[tuple[str, str], Any]:
     names = (f"n{i}" for i in range(1000))
     fresh = lambda: (next(names),)  # noqa: E731
 
+    class Current:
+        """A sampling client of the weights the engine holds when the call is made (the calls above
+        push newer weights, and a client of replaced weights raises StaleSamplerError)."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(t.save_weights_and_get_sampling_client().result(), name)
+
     def custom_loss(data: Any, logprobs: Any) -> Any:
         return sum(-lp.sum() for lp in logprobs), {}
 
@@ -109,7 +116,7 @@ def calls(c: Context) -> dict[tuple[str, str], Any]:
         ("TrainingClient", "save_weights_and_get_sampling_client"): (t, ()),
         ("TrainingClient", "save_weights_external"): (t, fresh),
         ("TrainingClient", "save_weights_for_sampler"): (t, fresh),
-        ("SamplingClient", "compute_logprobs"): (s, (c.prompt,)),
+        ("SamplingClient", "compute_logprobs"): (Current(), (c.prompt,)),
         ("SamplingClient", "create"): None,
         ("SamplingClient", "from_sampler_handle"): (tinker.SamplingClient, (s.get_sampler_handle(),)),
         ("SamplingClient", "get_base_model"): (s, ()),
@@ -117,7 +124,7 @@ def calls(c: Context) -> dict[tuple[str, str], Any]:
         ("SamplingClient", "get_telemetry"): (s, ()),
         ("SamplingClient", "get_tokenizer"): (s, ()),
         ("SamplingClient", "on_queue_state_change"): (s, ("active", None)),
-        ("SamplingClient", "sample"): (s, (c.prompt, 2, c.params)),
+        ("SamplingClient", "sample"): (Current(), (c.prompt, 2, c.params)),
         ("RestClient", "assign_session_project"): (r, ("local", "project")),
         ("RestClient", "copy_weights"): (r, (c.state_path,)),
         ("RestClient", "delete_checkpoint"): (r, saved),
