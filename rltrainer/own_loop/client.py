@@ -117,6 +117,7 @@ class TrainingClient:
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="rltrainer-own-loop-"))
         self._rollout = rollout
         self._sync: Any = None
+        self._placed: Any = None  # the Rollout connect placed (to release its replicas on close)
         self.sync_metrics: dict[str, float] = {}  # the last push's (``sync/...``, as the Trainer logs them)
         self.engine_lock = threading.Lock()  # a push and a generate never overlap
         self._queue: list[RolloutBatch] = []  # datums since the last optim_step
@@ -127,9 +128,12 @@ class TrainingClient:
     def close(self) -> None:
         """Finish the calls in flight, then release the strategy's processes and the engine."""
         self._executor.shutdown(wait=True)
-        if self._sync is not None:
-            wiring.teardown_engine(self._sync)
-        wiring.teardown(self.strategy)
+        try:
+            if self._sync is not None:
+                wiring.teardown_engine(self._placed, self._sync)
+                self._sync = None
+        finally:
+            wiring.teardown(self.strategy)
 
     def __enter__(self) -> TrainingClient:
         return self
@@ -256,7 +260,7 @@ class TrainingClient:
         with self.engine_lock:
             if self._sync is None:
                 rollout = self._rollout if self._rollout is not None else HFEngine(share_weights=False)
-                self._sync = wiring.connect(self.strategy, rollout, self.tokenizer)
+                self._placed, self._sync = wiring.connect(self.strategy, rollout, self.tokenizer)
             self.sync_metrics = wiring.push(self._sync, self.step)
         return SamplingClient(self, self.step)
 

@@ -38,8 +38,14 @@ def teardown(strategy: Strategy) -> None:
     strategy.teardown()
 
 
-def teardown_engine(sync: Any) -> None:
-    sync.engine.teardown()
+def teardown_engine(rollout: Rollout, sync: WeightSync) -> None:
+    """Release what :func:`connect` set up, as ``Trainer.teardown`` does: the push in flight ends,
+    then the engine, then the rollout's replica processes and its end of their transport."""
+    sync.close()
+    try:
+        sync.engine.teardown()
+    finally:
+        rollout.close()
 
 
 def compute(strategy: Strategy, batch: RolloutBatch, stage: str) -> RolloutBatch:
@@ -88,10 +94,12 @@ def load_state(strategy: Strategy, directory: Path, state: dict[str, Any], optim
             opt.state.clear()
 
 
-def connect(strategy: Strategy, rollout: str | RolloutEngine | Rollout, tokenizer: Any) -> WeightSync:
+def connect(strategy: Strategy, rollout: str | RolloutEngine | Rollout, tokenizer: Any) -> tuple[Rollout, WeightSync]:
     """Place ``rollout`` (a :class:`~rltrainer.rollout.rollout.Rollout`, or an engine or its name:
-    that engine with the Rollout's defaults) beside ``strategy``; returns the owner of its weight sync."""
-    return resolve_rollout(rollout).connect(strategy, tokenizer, mode="wait")
+    that engine with the Rollout's defaults) beside ``strategy``; returns the Rollout and the owner
+    of its weight sync (both for :func:`teardown_engine`)."""
+    placed = resolve_rollout(rollout)
+    return placed, placed.connect(strategy, tokenizer, mode="wait")
 
 
 def push(sync: WeightSync, version: int) -> dict[str, float]:
