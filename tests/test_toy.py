@@ -134,7 +134,8 @@ def test_accuracy_counts_exact_matches_over_batches():
         def wake_up(self):
             pass
 
-    trainer = SimpleNamespace(sync=SimpleNamespace(sync=lambda version: {}), global_step=0, engine=Engine())
+    trainer = SimpleNamespace(sync=SimpleNamespace(push=lambda version, mode=None: {}), global_step=0,
+                              engine=Engine())
     problems = [("1>", "12"), ("2>", "8"), ("3>", "34"), ("4>", "55")]
     assert toy.accuracy(trainer, tokenizer, problems, batch_size=2) == 0.5
     assert seen == [(2, 0.0, 3), (2, 0.0, 3)]  # greedy; the longest answer and eos

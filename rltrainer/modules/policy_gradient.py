@@ -352,6 +352,12 @@ class PolicyGradient(RLModule):
         differ), as the Trainer handed it over at setup (:class:`~rltrainer.module.Attachment`)."""
         return self.attached.off_policy
 
+    @property
+    def rollout_correction(self) -> str | None:
+        """The rollout correction its ``correction`` part applies (``None``: none), which the Trainer
+        checks against the engine's log-probs before building anything."""
+        return self.parts["correction"].rollout_correction
+
     def corrects_rollouts(self) -> bool:
         """Whether rollouts can be off-policy here (the Trainer's ``off_policy``) or a
         ``rollout_correction`` is set: then the mismatch is logged and the correction applied."""
