@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from rltrainer.data.batch import RolloutBatch, concat_rollouts
+from rltrainer.lora import require_peft
 from rltrainer.own_loop import wiring
 from rltrainer.own_loop.data import as_datums, datums_batch, per_datum, tokens_of
 from rltrainer.own_loop.losses import LOSS_INPUTS, loss_settings
@@ -107,9 +108,7 @@ class TrainingClient:
         if rank is not None:
             if lora is not None:
                 raise ValueError("Give lora=peft.LoraConfig(...) or rank=, not both")
-            from peft import LoraConfig
-
-            lora = LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear")
+            lora = require_peft().LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear")
         self.module = PrimitivesModule(model, lora=lora, seed=seed)
         self.tokenizer = tokenizer
         self.strategy = wiring.make_strategy(strategy, **strategy_kwargs)

@@ -263,8 +263,7 @@ class HFEngine(RolloutEngine):
         ids = torch.tensor([list(prompt)], device=self.device)
         with torch.inference_mode():
             logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [N-1, V]
-        values = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
-        return [None, *values.cpu().tolist()]
+        return [None, *token_log_probs(logits, ids[0, 1:]).cpu().tolist()]
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Generation:
         self._require_model()
