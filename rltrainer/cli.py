@@ -112,7 +112,6 @@ def fit_parser(command: str = "fit") -> Any:
                                   help="the prompts: PromptDataModule's arguments (train_file, format, "
                                        "prompt_column...), or class_path and init_args of your own data module "
                                        "(train_dataloader(), optionally val_dataloader() and setup(tokenizer))")
-    parser.add_instantiator(_instantiate_module, RLModule, subclasses=True)
     return parser
 
 
@@ -134,7 +133,7 @@ def instantiate_fit(parser: Any, config: Any) -> dict[str, Any]:
     """``trainer``, ``module`` and ``data`` built from a parsed ``fit`` config: the data gets the
     module's tokenizer (``setup(tokenizer)``, if it has one), and the trainer a
     :class:`~rltrainer.ModelCheckpoint` if it has none (but for a ``fast_dev_run``)."""
-    objects = parser.instantiate_classes(config)
+    objects = parser.instantiate(config, instantiators=[(_instantiate_module, RLModule, True)])
     if hasattr(objects.data, "setup"):
         objects.data.setup(objects.module.tokenizer)
     trainer = objects.trainer

@@ -128,3 +128,20 @@ def test_instantiate_fit_hands_the_module_tokenizer_to_the_data(monkeypatch):
     built = instantiate_fit(parser, parser.parse_args(["--config", str(CPU), "--trainer.logger", "false"]))
     assert built["data"].tokenizer is built["module"].tokenizer
     assert len(built["module"].tokenizer) == 151665
+
+
+def test_the_cli_calls_no_deprecated_jsonargparse_method(monkeypatch):
+    """jsonargparse 4.49 deprecated ``add_instantiator`` and ``instantiate_classes`` (gone in 5):
+    the module's tokenizer string is loaded by an instantiator given to ``instantiate``."""
+    import warnings
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "all")  # not only the first of each kind
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parser = fit_parser()
+        built = instantiate_fit(parser, parser.parse_args(["--config", str(CPU), "--trainer.logger", "false"]))
+    assert not isinstance(built["module"].tokenizer, str)
+    deprecated = [str(w.message) for w in caught if "add_instantiator" in str(w.message)
+                  or "instantiate_classes" in str(w.message)]
+    assert deprecated == []
