@@ -15,6 +15,7 @@ weight by ~``lr`` (1e-3) or more.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -55,6 +56,18 @@ def client(name: str, config, tokenizer, root, request) -> TrainingClient:
     return TrainingClient(config, tokenizer, strategy=strategy, root=root / name, **kwargs)
 
 
+@contextlib.contextmanager
+def opened(names: tuple[str, ...], config, tokenizer, root, request):
+    """``single``'s client and the other strategy's, closed at the end."""
+    made: list[TrainingClient] = []
+    try:
+        made.extend(client(n, config, tokenizer, root, request) for n in names)
+        yield made
+    finally:
+        for c in made:
+            c.close()
+
+
 def weights(c: TrainingClient) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in c.strategy.export_weights()}
 
@@ -78,9 +91,6 @@ def assert_stepped_with(c: TrainingClient, adam: AdamParams, grad_norm: float) -
 
 def assert_same_weights(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], when: str) -> None:
     assert got.keys() == expected.keys()
-    import os
-    if os.environ.get("SHOW_DIFF"):
-        print("DIFF", when, max((got[n] - t).abs().max().item() for n, t in expected.items()))
     for n, t in expected.items():
         torch.testing.assert_close(got[n], t, rtol=0, atol=ATOL, msg=lambda m, n=n: f"{when}, {n}: {m}")
 
@@ -91,8 +101,7 @@ def test_megatron_takes_each_steps_adam_params_as_single(tiny_config, bpe_tokeni
     then ``B`` (3x the lr, other betas, no decay): megatron-core's optimizer steps with each step's
     values, set on its param groups by the module's ``on_before_optimizer_step``."""
     data = datums()
-    clients = [client(n, tiny_config, bpe_tokenizer, tmp_path, request) for n in ("single", "megatron")]
-    try:
+    with opened(("single", "megatron"), tiny_config, bpe_tokenizer, tmp_path, request) as clients:
         for i, adam in enumerate((A, A, B)):
             metrics = step(clients, data, adam)
             assert_stepped_with(clients[0], adam, metrics[0]["grad_norm:mean"])
@@ -101,9 +110,6 @@ def test_megatron_takes_each_steps_adam_params_as_single(tiny_config, bpe_tokeni
                     {(adam.learning_rate, (adam.beta1, adam.beta2), adam.eps, adam.weight_decay)}
             assert metrics[1]["loss:sum"] == pytest.approx(metrics[0]["loss:sum"], rel=1e-5)
             assert_same_weights(*map(weights, clients), f"after step {i + 1}")
-    finally:
-        for c in clients:
-            c.close()
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -113,8 +119,7 @@ def test_each_steps_grad_clip_norm_clips_as_on_single(name, tiny_config, bpe_tok
     Adam's moments mix the differently scaled gradients: a step clipped to the strategy's 1.0
     instead moves weights by ~lr."""
     data = datums()
-    clients = [client(n, tiny_config, bpe_tokenizer, tmp_path, request) for n in ("single", name)]
-    try:
+    with opened(("single", name), tiny_config, bpe_tokenizer, tmp_path, request) as clients:
         for i, clip in enumerate((0.05, 0.0, 0.5)):
             adam = AdamParams(learning_rate=1e-3, eps=1e-6, grad_clip_norm=clip)
             metrics = step(clients, data, adam)
@@ -122,21 +127,18 @@ def test_each_steps_grad_clip_norm_clips_as_on_single(name, tiny_config, bpe_tok
             assert_stepped_with(clients[0], adam, metrics[0]["grad_norm:mean"])
             assert metrics[1]["grad_norm:mean"] == pytest.approx(metrics[0]["grad_norm:mean"], rel=1e-4)
             assert_same_weights(*map(weights, clients), f"after step {i + 1} (clip {clip})")
-    finally:
-        for c in clients:
-            c.close()
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_load_state_with_and_without_the_optimizer_resumes_as_on_single(name, tiny_config, bpe_tokenizer, tmp_path, request):
+def test_load_state_with_and_without_the_optimizer_resumes_as_on_single(name, tiny_config, bpe_tokenizer, tmp_path,
+                                                                        request):
     """Step, save, step, then ``load_state`` (weights only) and a step, then
     ``load_state_with_optimizer`` and a step: each step after a load equals ``single``'s. The step
     after ``load_state`` is a fresh AdamW's first step, ``-lr * g / (|g| + eps)`` (no weight decay),
     on ``single`` (whose gradients ``g`` are at hand): kept moments or step count give another."""
     data = datums()
     adam = AdamParams(learning_rate=1e-3, beta1=0.5, beta2=0.9, eps=1e-6)
-    clients = [client(n, tiny_config, bpe_tokenizer, tmp_path, request) for n in ("single", name)]
-    try:
+    with opened(("single", name), tiny_config, bpe_tokenizer, tmp_path, request) as clients:
         step(clients, data, adam)
         paths = [c.save_state("one").result() for c in clients]
         saved = weights(clients[0])
@@ -156,6 +158,3 @@ def test_load_state_with_and_without_the_optimizer_resumes_as_on_single(name, ti
                     fresh = -adam.learning_rate * p.grad / (p.grad.abs() + adam.eps)
                     torch.testing.assert_close(after[0][n] - loaded[0][n], fresh, rtol=1e-4, atol=2e-7,
                                                msg=lambda m, n=n: f"a fresh AdamW's first step, {n}: {m}")
-    finally:
-        for c in clients:
-            c.close()
