@@ -262,7 +262,11 @@ class MegatronOptimizer:
         """megatron's global gradient norm (over data-parallel shards, tensor-parallel slices and
         pipeline stages; a tied embedding's second copy not counted), and clipping to ``max_norm``
         if it is finite: ``ChainedOptimizer.step`` up to its inner step, which :meth:`step` runs
-        (split so that a non-finite norm skips the step, as on every strategy)."""
+        (split so that a non-finite norm skips the step, as on every strategy). ``max_norm`` is the
+        step's own (the module's ``gradient_clip_norm``): megatron-core reads its config's
+        ``clip_grad`` only in its ``step()`` (``optimizer.py:606-607, 976-977, 1323-1329``), never
+        in the ``step_with_ready_grads`` that :meth:`step` calls (``optimizer.py:559-590, 942-958,
+        1241-1252``, ``distrib_optimizer.py:2597-2623``), so nothing clips a second time."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         with self._placement():
@@ -385,7 +389,7 @@ class MegatronOptimizer:
         (megatron-core's ``reload_model_params``, "when we load a model from a checkpoint without
         loading the optimizer", ``optimizer.py:251-265``: ``Float16OptimizerWithFloat16Params``
         copies at ``optimizer.py:781-787``, the distributed optimizer at
-        ``distrib_optimizer.py:2541-2589``; fp32 parameters are their own main parameters,
+        ``distrib_optimizer.py:2541-2595``; fp32 parameters are their own main parameters,
         ``optimizer.py:995-996``). The param groups' hyperparameters stay as they are."""
         for inner in self.inner_optimizers():
             inner.state.clear()
