@@ -2,20 +2,24 @@
 
 Where each hook runs is fixed:
 
-==================  =========================================  =================================
-hook                runs on                                    called
-==================  =========================================  =================================
-configure_model     every training rank                        once, before anything else
-configure_optimizers every training rank                       once, after the model is placed
-rollout_step        controller (calls the engine)              every step
-reward_step         controller                                 every step
-compute_step        every training rank, per micro-batch,      every step, before advantages
-                    under ``torch.no_grad()``
-advantage_step      controller                                 every step
-policy_step         every training rank, per micro-batch       every optimizer step
-validation_step     controller (calls the engine)              every ``val_check_interval``
-on_*                controller                                 at those points of ``fit()``
-==================  =========================================  =================================
+========================  =========================================  =================================
+hook                      runs on                                    called
+========================  =========================================  =================================
+configure_model           every training rank                        once, before anything else
+configure_optimizers      every training rank                        once, after the model is placed
+rollout_step              controller (calls the engine)              every step
+reward_step               controller                                 every step
+compute_step              every training rank, per micro-batch,      every step, before advantages
+                          under ``torch.no_grad()``
+advantage_step            controller                                 every step
+policy_step               every training rank, per micro-batch       every optimizer step
+on_before_optimizer_step  every training rank, once per optimizer    every optimizer step, after the
+                                                                     backward passes
+gradient_clip_norm        every training rank                        every optimizer step, before it
+                                                                     clips
+validation_step           controller (calls the engine)              every ``val_check_interval``
+other on_*                controller                                 at those points of ``fit()``
+========================  =========================================  =================================
 
 A module therefore must be picklable, and ``compute_step`` / ``policy_step`` must not touch
 controller state: they see only the micro-batch they are given and the models built by
@@ -351,6 +355,48 @@ class RLModule(torch.nn.Module):
                 return loss, {"actor/pg_loss": loss.item()}
         """
         raise NotImplementedError
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Called on every training rank, every strategy, once per optimizer the rank steps, after
+        the backward passes of all its micro-batches (the gradients reduced across ranks) and before
+        clipping (:meth:`gradient_clip_norm`) and ``optimizer.step()``: Lightning's hook of this name.
+        ``optimizer`` is what the rank steps: on ``single`` and ``fsdp2`` the torch optimizer
+        ``configure_optimizers`` returned, on ``megatron`` a
+        :class:`~rltrainer.strategies.megatron.optimizer.MegatronOptimizer`, whose ``param_groups``
+        are megatron-core's, one per param group of yours in order. A hyperparameter set on
+        ``optimizer.param_groups`` here is the one this step uses, on every strategy. It runs even
+        when the step is then skipped for a non-finite gradient norm. Default: nothing.
+
+        Example (a learning rate chosen per step, from a value the step's micro-batches carry)::
+
+            def policy_step(self, mb):
+                self._lr = mb.meta["lr"]
+                ...
+
+            def on_before_optimizer_step(self, optimizer):
+                for group in optimizer.param_groups:
+                    group["lr"] = self._lr
+        """
+
+    def gradient_clip_norm(self, gradient_clip_val: float | None) -> float | None:
+        """The global gradient norm this optimizer step clips to (``None``: no clipping). Called on
+        every training rank, every strategy, once per step, after :meth:`on_before_optimizer_step`
+        and before the strategy clips and steps (megatron clips with its own norm, at whatever
+        value this returns). The ranks must agree (a rank's value reaches only its own clipping).
+        ``gradient_clip_val``: the strategy's setting, the default answer. Unlike Lightning's
+        ``configure_gradient_clipping`` it does not clip itself: it returns the norm, and the
+        strategy clips (sharded and pipelined gradients included).
+
+        Example (a norm chosen per step, from a value the step's micro-batches carry)::
+
+            def policy_step(self, mb):
+                self._max_norm = mb.meta.get("max_norm")
+                ...
+
+            def gradient_clip_norm(self, gradient_clip_val):
+                return self._max_norm or gradient_clip_val
+        """
+        return gradient_clip_val
 
     # -- validation ------------------------------------------------------------------------------
     def validation_step(self, batch: RolloutBatch, engine: RolloutEngine) -> dict[str, float]:

@@ -26,8 +26,8 @@ A GRPO loop (every call returns a future; ``.result()`` waits)::
         client.forward_backward(datums, "importance_sampling")
         client.optim_step(AdamParams(learning_rate=1e-5))
 
-Strategies: ``"single"`` and ``"fsdp2"`` (``TrainingClient(..., strategy=FSDP2Strategy(devices=2))``);
-``"megatron"`` is refused for now. Sampling: ``rollout=`` as ``Trainer(rollout=...)`` takes it (default
+Strategies: ``"single"``, ``"fsdp2"`` (``TrainingClient(..., strategy=FSDP2Strategy(devices=2))``) and
+``"megatron"`` (full-parameter only). Sampling: ``rollout=`` as ``Trainer(rollout=...)`` takes it (default
 the ``hf`` engine beside the strategy); ``vllm`` and split placement included.
 """
 

@@ -93,9 +93,10 @@ class SampleResponse:
 
 
 class TrainingClient:
-    """Tinker's training calls on a Strategy (``"single"`` or an instance) and a causal LM
-    (``model``: hub id, path, ``PretrainedConfig`` or callable; ``lora``: a ``peft.LoraConfig``, or
-    ``rank`` for one on all linear layers; neither: full-parameter). ``tokenizer``: the model's
+    """Tinker's training calls on a Strategy (``"single"``, ``"fsdp2"``, ``"megatron"`` or an
+    instance) and a causal LM (``model``: hub id, path, ``PretrainedConfig`` or callable; ``lora``: a
+    ``peft.LoraConfig``, or ``rank`` for one on all linear layers; neither: full-parameter; megatron
+    trains full-parameter only). ``tokenizer``: the model's
     (for sampling); ``rollout``: where sampling clients sample, as ``Trainer(rollout=...)`` takes it:
     a :class:`~rltrainer.rollout.rollout.Rollout` (``Rollout("vllm", placement="split", delta=True)``),
     an engine or an engine name (default ``HFEngine(share_weights=False)``, colocated: a weight copy
@@ -166,7 +167,8 @@ class TrainingClient:
         return self._submit(self._forward, as_datums(data), loss_fn, loss_fn_config, False)
 
     def optim_step(self, adam_params: AdamParams | None = None) -> Future:
-        """One AdamW step over the gradients of every ``forward_backward`` since the last step."""
+        """One AdamW step over the gradients of every ``forward_backward`` since the last step, with
+        ``adam_params``' hyperparameters and clip (they may change from step to step)."""
         return self._submit(self._optim_step, adam_params or AdamParams())
 
     forward_backward_async, forward_async, optim_step_async = forward_backward, forward, optim_step

@@ -28,14 +28,17 @@ class PrimitivesModule(RLModule):
     :func:`~rltrainer.models.build_causal_lm` takes) trained by Tinker-style calls; ``lora``: a
     ``peft.LoraConfig`` (only the adapter trains). The optimizer is AdamW with Tinker's
     ``AdamParams`` defaults; each ``optim_step`` sets its hyperparameters first: they travel in the
-    batch's ``meta["adam"]`` and :meth:`policy_step` sets them on the optimizer of the rank it runs
-    on, so every strategy takes them the same way."""
+    batch's ``meta["adam"]`` (and the clip in ``meta["grad_clip_norm"]``, 0: none), :meth:`policy_step`
+    keeps them, and the hooks every strategy calls before it clips and steps set them:
+    :meth:`on_before_optimizer_step` on the optimizer the rank steps (megatron-core's on
+    ``megatron``), :meth:`gradient_clip_norm` as the norm to clip to."""
 
     def __init__(self, model: ModelSpec, lora: Any = None, seed: int | None = 0) -> None:
         super().__init__()
         if lora is not None:
             check_lora_config(lora)
         self.model_spec, self.lora, self.model_seed = model, lora, seed
+        self._step_meta: dict[str, Any] = {}  # this rank's current step's meta (AdamParams, clip)
 
     def configure_model(self) -> None:
         self.policy = build_causal_lm(self.model_spec, seed=self.model_seed)
@@ -44,8 +47,7 @@ class PrimitivesModule(RLModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        self._optimizer = adamw(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)  # fused where torch has it
-        return self._optimizer
+        return adamw(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)  # fused where torch has it
 
     def compute_step(self, micro_batch: RolloutBatch, stage: str) -> dict[str, torch.Tensor]:
         """``logprobs [n, T]``: the log-probs of each row's ``target_tokens`` (0 past its length)."""
@@ -56,13 +58,24 @@ class PrimitivesModule(RLModule):
     def policy_step(self, micro_batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         """The sum of each row's loss (its call's ``loss_fn`` and ``loss_fn_config``) over its tokens;
         metric ``loss:sum`` (a share that sums over micro-batches)."""
-        adam = micro_batch.meta.get("adam")  # this step's AdamParams, set on the rank's optimizer before it steps
-        if adam is not None:
-            for group in self._optimizer.param_groups:
-                group.update(adam)
+        self._step_meta = {k: micro_batch.meta[k] for k in ("adam", "grad_clip_norm") if k in micro_batch.meta}
         log_probs, _ = response_log_probs(self.policy, micro_batch)  # [n, T]
         loss = summed_loss(log_probs, micro_batch)
         return loss, {"loss:sum": loss.detach()}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """This step's AdamParams (``lr``, ``betas``, ``eps``, ``weight_decay``) on every param group
+        of the optimizer the rank steps."""
+        adam = self._step_meta.get("adam")
+        for group in optimizer.param_groups if adam is not None else []:
+            group.update(adam)
+
+    def gradient_clip_norm(self, gradient_clip_val: float | None) -> float | None:
+        """This step's ``AdamParams.grad_clip_norm`` (0: no clipping, as in Tinker); the strategy's
+        setting for a step that carries none."""
+        if "grad_clip_norm" not in self._step_meta:
+            return gradient_clip_val
+        return self._step_meta["grad_clip_norm"] or None
 
 
 def summed_loss(log_probs: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:

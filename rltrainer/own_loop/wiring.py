@@ -8,12 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from rltrainer.data.batch import RolloutBatch
 from rltrainer.rollout.engine import Generation, RolloutEngine, SamplingParams
 from rltrainer.rollout.rollout import Rollout, resolve_rollout
-from rltrainer.strategies import MegatronStrategy
 from rltrainer.strategies.strategy import Strategy, build_strategy
 from rltrainer.weights.sync import WeightSync
 
@@ -23,14 +20,14 @@ def make_strategy(strategy: str | Strategy, **kwargs: Any) -> Strategy:
     if isinstance(strategy, Strategy) and kwargs:
         raise ValueError(f"Strategy settings {sorted(kwargs)} go to a strategy built by name; the instance "
                          f"{type(strategy).__name__} has its own: set them on it")
-    built = build_strategy(strategy, **kwargs)
-    if isinstance(built, MegatronStrategy):  # it turns the module's optimizer into megatron-core's own
-        raise NotImplementedError("The primitives set each optim_step's AdamParams on the module's torch optimizer, "
-                                  "which the megatron strategy replaces by megatron-core's: use 'single' or 'fsdp2'")
-    return built
+    return build_strategy(strategy, **kwargs)
 
 
 def setup(strategy: Strategy, module: Any, seed: int) -> None:
+    if module.lora is not None and not getattr(strategy, "trains_lora", True):
+        raise ValueError(f"The {type(strategy).__name__} trains every parameter, not LoRA adapters: a TrainingClient "
+                         f"with rank= or lora= runs on strategy='single' or 'fsdp2'; on this strategy pass neither "
+                         "(full-parameter training)")
     strategy.setup(module, seed)
 
 
@@ -55,26 +52,13 @@ def compute(strategy: Strategy, batch: RolloutBatch, stage: str) -> RolloutBatch
 
 def train_step(strategy: Strategy, batch: RolloutBatch, adam: Any) -> dict[str, Any]:
     """One optimizer step over ``batch`` (gradients of every row summed, clipped to
-    ``adam.grad_clip_norm`` unless 0) with AdamW set to ``adam``'s hyperparameters (by the module,
-    on each rank: ``meta["adam"]``)."""
+    ``adam.grad_clip_norm`` unless 0) with AdamW set to ``adam``'s hyperparameters: they travel in
+    ``batch.meta`` to every rank, where the module's ``on_before_optimizer_step`` and
+    ``gradient_clip_norm`` hooks set them (:class:`~rltrainer.own_loop.module.PrimitivesModule`)."""
     batch.meta["adam"] = {"lr": adam.learning_rate, "betas": (adam.beta1, adam.beta2), "eps": adam.eps,
                           "weight_decay": adam.weight_decay}
-    clip = adam.grad_clip_norm or None
-    if hasattr(strategy, "optimizers"):  # in this process: the clip is read at each step
-        strategy.gradient_clip_val = clip
-    elif clip != strategy.gradient_clip_val:
-        raise ValueError(f"AdamParams(grad_clip_norm={adam.grad_clip_norm}) differs from the "
-                         f"{type(strategy).__name__}'s gradient_clip_val={strategy.gradient_clip_val}, which its ranks "
-                         "took at setup: build the strategy with gradient_clip_val equal to it (None for 0)")
+    batch.meta["grad_clip_norm"] = adam.grad_clip_norm
     return strategy.train_step(batch)
-
-
-def _local_optimizers(strategy: Strategy) -> list[torch.optim.Optimizer]:
-    if not hasattr(strategy, "optimizers"):  # the optimizers live in worker processes
-        raise NotImplementedError(f"{type(strategy).__name__}: loading weights without the optimizer state clears "
-                                  "the optimizers in this process, so only the 'single' strategy does it yet; "
-                                  "load_state_with_optimizer runs on every strategy")
-    return strategy.optimizers
 
 
 def save_state(strategy: Strategy, directory: Path) -> dict[str, Any]:
@@ -88,10 +72,7 @@ def save_state(strategy: Strategy, directory: Path) -> dict[str, Any]:
 def load_state(strategy: Strategy, directory: Path, state: dict[str, Any], optimizer: bool) -> None:
     """The inverse of :func:`save_state`; without ``optimizer`` the optimizer starts afresh (no
     moments, step 0) on the loaded weights."""
-    strategy.load_checkpoint(directory, state)
-    if not optimizer:
-        for opt in _local_optimizers(strategy):
-            opt.state.clear()
+    strategy.load_checkpoint(directory, state, optimizer=optimizer)
 
 
 def connect(strategy: Strategy, rollout: str | RolloutEngine | Rollout, tokenizer: Any) -> tuple[Rollout, WeightSync]:

@@ -212,9 +212,9 @@ class WorkerGroupStrategy(Strategy):
             self.require_group().remote.save_checkpoint(str(directory), async_save)
         return {"layout": self.checkpoint_layout(), "rng": self.require_group().remote.rng_state()}
 
-    def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
+    def load_checkpoint(self, directory: Path, state: dict[str, Any], *, optimizer: bool = True) -> None:
         self.check_checkpoint_layout(directory, state.get("layout", {}))
-        self.require_group().remote.load_checkpoint(str(directory))
+        self.require_group().remote.load_checkpoint(str(directory), optimizer)
         self._set_rng_states(state)  # only if saved with as many ranks (else each keeps its own)
 
     def wait_checkpoint(self) -> None:

@@ -162,13 +162,16 @@ class TrainingWorker(Worker):
         return check_files(Path(directory), {name: expected[name] for name in names})
 
     @remote
-    def load_checkpoint(self, directory: str) -> None:
+    def load_checkpoint(self, directory: str, optimizer: bool = True) -> None:
+        """This rank's part of ``directory``; without ``optimizer`` its optimizers start afresh
+        (:meth:`Strategy.load_checkpoint <rltrainer.strategies.strategy.Strategy.load_checkpoint>`)."""
         file = self._rank_file(directory)
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: the checkpoint in {directory} was saved with another number "
                                   f"of ranks or did not finish (this is rank {self.rank} of {self.world_size}).")
         state = safe_load(file, f"rank {self.rank}'s models, optimizers and schedulers")
-        load_local_training_state(self.module, self.optimizers, self.schedulers, state, source=str(file))
+        load_local_training_state(self.module, self.optimizers, self.schedulers, state, source=str(file),
+                                  optimizer=optimizer)
         self.versions.forget_synced()
 
     def _rank_file(self, directory: str) -> Path:

@@ -152,8 +152,8 @@ class SingleDeviceStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         return local_training_state(self.module, self.optimizers, self.schedulers)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_local_training_state(self.module, self.optimizers, self.schedulers, state)
+    def load_state_dict(self, state: dict[str, Any], optimizer: bool = True) -> None:
+        load_local_training_state(self.module, self.optimizers, self.schedulers, state, optimizer=optimizer)
         self.versions.forget_synced()
 
     def save_checkpoint(self, directory: Path, async_save: bool = False) -> dict[str, Any]:
@@ -161,5 +161,5 @@ class SingleDeviceStrategy(Strategy):
         save_file(self.state_dict(), directory / "state.pt", "the models, optimizers and schedulers")
         return {}
 
-    def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
-        self.load_state_dict(safe_load(directory / "state.pt", "the models, optimizers and schedulers"))
+    def load_checkpoint(self, directory: Path, state: dict[str, Any], *, optimizer: bool = True) -> None:
+        self.load_state_dict(safe_load(directory / "state.pt", "the models, optimizers and schedulers"), optimizer)

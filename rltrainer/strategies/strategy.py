@@ -152,9 +152,12 @@ class Strategy(abc.ABC):
         return check_files(directory, expected)
 
     @abc.abstractmethod
-    def load_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
+    def load_checkpoint(self, directory: Path, state: dict[str, Any], *, optimizer: bool = True) -> None:
         """The inverse of :meth:`save_checkpoint` (``state``: what it returned); raises
-        :class:`~rltrainer.checkpoints.CheckpointError` for a part missing, unreadable or of another model."""
+        :class:`~rltrainer.checkpoints.CheckpointError` for a part missing, unreadable or of another model.
+        With ``optimizer=False`` the models and LR schedulers load and every optimizer the ranks
+        step starts afresh: no state (no moments, step count 0), its param groups' hyperparameters
+        as they are (Tinker's ``load_state``: weights only)."""
 
     def teardown(self) -> None:
         """Release processes and memory."""
@@ -213,9 +216,11 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
                    autocast_factory: Any, clip_fn: Any = None,
                    runner: Callable[..., list[Any]] = run_micro_batches,
                    grads_into_parameters: bool = False) -> tuple[dict[str, float], list[str]]:
-    """Rank-side: ``policy_step`` + backward per micro-batch, clip, step. Returns the summed metrics
-    (with ``actor/grad_norm``, ``actor/lr``) and the policy parameters the step changed.
-    ``clip_fn(params, max_norm) -> norm`` replaces :func:`clip_gradients` (e.g. to reduce gradients
+    """Rank-side: ``policy_step`` + backward per micro-batch, then the module's
+    ``on_before_optimizer_step(optimizer)`` for each optimizer, clip to the norm the module's
+    ``gradient_clip_norm(clip)`` gives (``clip``: the strategy's ``gradient_clip_val``), step.
+    Returns the summed metrics (with ``actor/grad_norm``, ``actor/lr``) and the policy parameters
+    the step changed. ``clip_fn(params, max_norm) -> norm`` replaces :func:`clip_gradients` (e.g. to reduce gradients
     across data-parallel ranks and take a tensor-parallel norm first); ``runner`` replaces
     :func:`run_micro_batches` (e.g. megatron's forward-backward schedule). With
     ``grads_into_parameters`` (models whose parameters are plain leaves, e.g. the ``single``
@@ -236,8 +241,12 @@ def run_train_step(module: RLModule, micro_batches: list[RolloutBatch], models: 
         outputs = runner(step, micro_batches, True)
     totals = combine_metrics({k: v.detach().float() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
                              for _, metrics in outputs)
+    for opt in optimizers:
+        module.on_before_optimizer_step(opt)
+    max_norm = check_float(f"{type(module).__name__}.gradient_clip_norm()", module.gradient_clip_norm(clip), above=0,
+                           none="no clipping", meaning="the norm this step clips the gradients to")
     params = [p for m in models for p in m.parameters() if p.requires_grad]
-    grad_norm = (clip_fn or clip_gradients)(params, clip)
+    grad_norm = (clip_fn or clip_gradients)(params, max_norm)
     out = {k: v.cpu() if isinstance(v, torch.Tensor) and v.dim() else float(v) for k, v in totals.items()}
     out["actor/grad_norm"] = grad_norm
     out["actor/lr"] = optimizers[0].param_groups[0]["lr"]
@@ -308,24 +317,39 @@ def local_training_state(module: RLModule, optimizers: list[Any], schedulers: li
 
 
 def load_local_training_state(module: RLModule, optimizers: list[Any], schedulers: list[Any],
-                              state: dict[str, Any], source: str = "The checkpoint") -> None:
+                              state: dict[str, Any], source: str = "The checkpoint", optimizer: bool = True) -> None:
     """The inverse of :func:`local_training_state`; a model whose names or shapes differ from the
-    saved ones raises :class:`~rltrainer.checkpoints.CheckpointError` (``source``: where it came from)."""
+    saved ones raises :class:`~rltrainer.checkpoints.CheckpointError` (``source``: where it came from).
+    Without ``optimizer`` the optimizers start afresh instead (:func:`reset_optimizer`)."""
     models = module.trainable_models()
     saved = state.get("models", {}) if isinstance(state, dict) else {}
     if set(saved) != set(models):
         raise CheckpointError(f"{source} holds the models {sorted(saved)}; this module trains {sorted(models)}.")
     for name, m in models.items():
         check_state_matches(f"{source} ({name})", shapes(m.state_dict()), shapes(saved[name]))
-    if len(state["optimizers"]) != len(optimizers):
+    if optimizer and len(state["optimizers"]) != len(optimizers):
         raise CheckpointError(f"{source} holds {len(state['optimizers'])} optimizer(s); configure_optimizers() "
                               f"returned {len(optimizers)}.")
     for name, m in models.items():
         m.load_state_dict(saved[name])
-    for opt, s in zip(optimizers, state["optimizers"]):
+    for opt, s in zip(optimizers, state["optimizers"] if optimizer else []):
         opt.load_state_dict(s)
+    for opt in optimizers if not optimizer else []:
+        reset_optimizer(opt)
     for sched, s in zip(schedulers, state["schedulers"]):
         sched.load_state_dict(s)
+
+
+def reset_optimizer(optimizer: Any) -> None:
+    """``optimizer`` as if it had not stepped: its state (moments, step count) dropped, its param
+    groups' hyperparameters as they are. A torch optimizer clears ``state``; one that keeps more
+    (megatron's, :meth:`~rltrainer.strategies.megatron.optimizer.MegatronOptimizer.reset_state`)
+    resets it its own way."""
+    reset = getattr(optimizer, "reset_state", None)
+    if reset is not None:
+        reset()
+    else:
+        optimizer.state.clear()
 
 
 def normalize_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:

@@ -209,8 +209,8 @@ def test_strategy_settings_with_a_strategy_instance_are_refused(tiny_config):
         TrainingClient(tiny_config, strategy=SingleDeviceStrategy(), device="cpu")
 
 
-def test_megatron_is_refused_until_it_takes_the_adam_params(tiny_config):
+def test_lora_on_megatron_is_refused_before_any_rank_starts(tiny_config):
     from rltrainer.strategies import MegatronStrategy
 
-    with pytest.raises(NotImplementedError, match="use 'single' or 'fsdp2'"):
-        TrainingClient(tiny_config, strategy=MegatronStrategy(devices=1))
+    with pytest.raises(ValueError, match="MegatronStrategy trains every parameter, not LoRA adapters.*'fsdp2'"):
+        TrainingClient(tiny_config, strategy=MegatronStrategy(devices=1), rank=4)

@@ -19,7 +19,7 @@ from rltrainer.process_groups import host_group
 from rltrainer.strategies.fsdp2.checkpoint import load_sharded, save_sharded
 from rltrainer.strategies.fsdp2.sharding import enable_activation_checkpointing, load_shards, shard_bytes, shard_model
 from rltrainer.strategies.rank_worker import TrainingWorker
-from rltrainer.strategies.strategy import normalize_optimizers
+from rltrainer.strategies.strategy import normalize_optimizers, reset_optimizer
 from rltrainer.weights.shm import SharedBuffers
 from rltrainer.weights.wire import DEFAULT_BUCKET_BYTES, Entry, bucket_entries, bucket_nbytes, bucket_views
 
@@ -261,29 +261,36 @@ class FSDP2Worker(TrainingWorker):
         own = sorted(p.name for p in Path(directory).glob(f"__{self.rank}_*.distcp"))
         return own + [".metadata"] * (self.rank == 0)
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Fill this rank's shards from a checkpoint saved on any number of ranks (DCP reshards)."""
+    def load_checkpoint(self, directory: str, optimizer: bool = True) -> None:
+        """Fill this rank's shards from a checkpoint saved on any number of ranks (DCP reshards);
+        without ``optimizer`` the optimizers' saved state is not read and they start afresh."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         self.wait_checkpoint()
-        state = self._sharded_state()
+        state = self._sharded_state(optimizer)
         load_sharded(state, directory, state["models"])
         for name, m in self.module.trainable_models().items():
             set_model_state_dict(m, state["models"][name])
         for i, opt in enumerate(self.optimizers):
-            set_optimizer_state_dict(self._owner(opt), opt, state["optimizers"][str(i)])
+            if optimizer:
+                set_optimizer_state_dict(self._owner(opt), opt, state["optimizers"][str(i)])
+            else:
+                reset_optimizer(opt)
         for i, sched in enumerate(self.schedulers):
             sched.load_state_dict(state["schedulers"][str(i)])
         self.versions.forget_synced()
 
-    def _sharded_state(self) -> dict[str, Any]:
-        """Models and optimizers as this rank's DTensor shards (FQN keys), schedulers as they are."""
+    def _sharded_state(self, optimizers: bool = True) -> dict[str, Any]:
+        """Models and optimizers (with ``optimizers``) as this rank's DTensor shards (FQN keys),
+        schedulers as they are."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        models = {name: get_model_state_dict(m) for name, m in self.module.trainable_models().items()}
-        optimizers = {str(i): get_optimizer_state_dict(self._owner(opt), opt) for i, opt in enumerate(self.optimizers)}
-        return {"models": models, "optimizers": optimizers,
-                "schedulers": {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}}
+        state = {"models": {name: get_model_state_dict(m) for name, m in self.module.trainable_models().items()},
+                 "schedulers": {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}}
+        if optimizers:  # get_optimizer_state_dict gives a new optimizer its state (torch's _init_optim_state)
+            state["optimizers"] = {str(i): get_optimizer_state_dict(self._owner(opt), opt)
+                                   for i, opt in enumerate(self.optimizers)}
+        return state
 
     def _owner(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         first = optimizer.param_groups[0]["params"][0]

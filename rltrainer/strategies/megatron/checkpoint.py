@@ -236,10 +236,12 @@ def read_state(directory: Path) -> dict[str, Any]:
 
 
 def load(directory: Path, models: dict[str, ModelTensors], hf_shapes: dict[str, dict[str, tuple[int, ...]]],
-         optimizer: Any, schedulers: list[Any]) -> None:
+         optimizer: Any, schedulers: list[Any], optimizer_state: bool = True) -> None:
     """Fill this rank's shards of ``models`` and its slice of ``optimizer``'s state from a checkpoint
     saved on any layout. ``hf_shapes``: each model's HF tensor shapes, checked against the saved ones
-    first (a mismatch raises :class:`~rltrainer.checkpoints.CheckpointError`)."""
+    first (a mismatch raises :class:`~rltrainer.checkpoints.CheckpointError`). Without
+    ``optimizer_state`` the optimizer starts afresh on the loaded weights instead
+    (:meth:`~rltrainer.strategies.megatron.optimizer.MegatronOptimizer.reset_state`)."""
     state = read_state(directory)
     if sorted(models) != state["models"]:
         raise CheckpointError(f"{directory} holds the models {state['models']}; this module trains {sorted(models)}.")
@@ -254,8 +256,12 @@ def load(directory: Path, models: dict[str, ModelTensors], hf_shapes: dict[str, 
             params = dict(tensors.params())
             for name, tensor in tensors.shard(_reader(files, f"{model_name}/weight/", hf_shapes[model_name])):
                 params[name].copy_(tensor)
-        _load_optimizer(directory, files, state, models, hf_shapes, optimizer)
-    optimizer.load_group_hyperparameters(state["groups"])
+        if optimizer_state:
+            _load_optimizer(directory, files, state, models, hf_shapes, optimizer)
+    if optimizer_state:
+        optimizer.load_group_hyperparameters(state["groups"])
+    else:
+        optimizer.reset_state()
     if len(state["schedulers"]) != len(schedulers):
         raise CheckpointError(f"{directory} holds {len(state['schedulers'])} LR scheduler(s); configure_optimizers() "
                               f"returned {len(schedulers)}.")

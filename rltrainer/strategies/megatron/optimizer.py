@@ -243,8 +243,13 @@ class MegatronOptimizer:
     # -- what run_train_step calls ---------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The first user optimizer's groups (``run_train_step`` reports their lr as ``actor/lr``)."""
-        return self.views[0].param_groups
+        """megatron's param groups, one per user param group, in ``configure_optimizers()`` order
+        (``run_train_step`` reports the first one's lr as ``actor/lr``). They are the dicts
+        megatron-core's inner torch optimizers step with (a megatron optimizer's ``param_groups``
+        is its inner optimizer's, ``megatron/core/optimizer/optimizer.py:290-299``, chained at
+        ``optimizer.py:1118-1123``), so a hyperparameter set here (in ``on_before_optimizer_step``)
+        is the one the next :meth:`step` uses."""
+        return [group for view in self.views for group in view.param_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         with self._placement():
@@ -257,7 +262,11 @@ class MegatronOptimizer:
         """megatron's global gradient norm (over data-parallel shards, tensor-parallel slices and
         pipeline stages; a tied embedding's second copy not counted), and clipping to ``max_norm``
         if it is finite: ``ChainedOptimizer.step`` up to its inner step, which :meth:`step` runs
-        (split so that a non-finite norm skips the step, as on every strategy)."""
+        (split so that a non-finite norm skips the step, as on every strategy). ``max_norm`` is the
+        step's own (the module's ``gradient_clip_norm``): megatron-core reads its config's
+        ``clip_grad`` only in its ``step()`` (``optimizer.py:606-607, 976-977, 1323-1329``), never
+        in the ``step_with_ready_grads`` that :meth:`step` calls (``optimizer.py:559-590, 942-958,
+        1241-1252``, ``distrib_optimizer.py:2597-2623``), so nothing clips a second time."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         with self._placement():
@@ -318,13 +327,16 @@ class MegatronOptimizer:
         for opt in self.megatron.chained_optimizers:
             inner = opt.optimizer
             if isinstance(opt, DistributedOptimizer):
-                for by_dtype in opt.gbuf_ranges:
-                    for buckets in by_dtype.values():
-                        for bucket in buckets:
-                            for param, ranges in bucket["param_map"].items():
-                                group, order = opt.model_param_group_index_map[param]
-                                main = inner.param_groups[group]["params"][order]
-                                slots[id(param)] = (inner, main, slice(ranges["param"].start, ranges["param"].end))
+                # each group's model parameters beside their main shards, by dtype: a group's inner
+                # params list its fp32 shards first, then the bf16 ones' fp32 copies
+                # (distrib_optimizer.py:440-444), so a group holding both (bf16-true with fp32 norms)
+                # does not follow model_param_group_index_map's order
+                pairs = [*zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                         *zip(opt.model_fp32_groups, opt.shard_fp32_groups)]
+                for models, mains in pairs:
+                    for param, main in zip(models, mains, strict=True):
+                        elements = opt._get_model_param_range_map(param)["param"]
+                        slots[id(param)] = (inner, main, slice(elements.start, elements.end))
             elif hasattr(opt, "float16_groups"):  # Float16OptimizerWithFloat16Params: fp32 copies
                 pairs = [*zip(opt.float16_groups, opt.fp32_from_float16_groups), *zip(opt.fp32_from_fp32_groups,
                                                                                       opt.fp32_from_fp32_groups)]
@@ -368,6 +380,25 @@ class MegatronOptimizer:
             for inner in filter(counts_steps_in_groups, self.inner_optimizers()):
                 for group in inner.param_groups:  # all alike, as megatron aligns them (distrib_optimizer.py:676-682)
                     group["step"] = int(step)
+
+    def reset_state(self) -> None:
+        """Start afresh on the weights the models hold now (a weights-only checkpoint load), as
+        before the first step: megatron-core's inner torch optimizers drop their state (moments,
+        and the step count each parameter's state keeps, or, :func:`counts_steps_in_groups`, each
+        param group), and a bf16 model's fp32 main parameters are copied from its parameters again
+        (megatron-core's ``reload_model_params``, "when we load a model from a checkpoint without
+        loading the optimizer", ``optimizer.py:251-265``: ``Float16OptimizerWithFloat16Params``
+        copies at ``optimizer.py:781-787``, the distributed optimizer at
+        ``distrib_optimizer.py:2541-2595``; fp32 parameters are their own main parameters,
+        ``optimizer.py:995-996``). The param groups' hyperparameters stay as they are."""
+        for inner in self.inner_optimizers():
+            inner.state.clear()
+            if counts_steps_in_groups(inner):
+                for group in inner.param_groups:
+                    group.pop("step", None)  # FusedAdam counts from 1 where a group has none
+        with self._placement(), torch.no_grad():
+            self.megatron.reload_model_params()
+        self.stepped = False
 
     def group_hyperparameters(self) -> dict[tuple[int, int], dict[str, Any]]:
         """The user-facing hyperparameters of this rank's param groups, by user group (:data:`GROUP_TAG`)."""

@@ -416,12 +416,12 @@ class MegatronWorker(TrainingWorker):
         own = sorted(p.name for p in Path(directory).glob(f"rank={self.rank}-*.safetensors"))
         return own + [checkpoint.STATE_FILE] * (self.rank == 0)
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Fill this rank's shards and optimizer state from a checkpoint saved with any tensor,
-        pipeline and data-parallel sizes."""
+    def load_checkpoint(self, directory: str, optimizer: bool = True) -> None:
+        """Fill this rank's shards and optimizer state (without ``optimizer``: a fresh optimizer
+        on the loaded weights) from a checkpoint saved with any tensor, pipeline and data-parallel sizes."""
         models = self._checkpoint_models()
         checkpoint.load(Path(directory), models, {n: self._hf_shapes[n] for n in models}, self._optimizer,
-                        self.schedulers)
+                        self.schedulers, optimizer_state=optimizer)
         self.versions.forget_synced()
 
     def _checkpoint_models(self) -> dict[str, Any]:
