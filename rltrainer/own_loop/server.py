@@ -17,6 +17,10 @@ SDK's source, is mapped in ``/work/runs/tinker_protocol.md``; in short:
 
 The SDK only asks for LoRA training clients; ``full=True`` (``--full``) trains every parameter
 instead for each of them, and ``get_info`` says so (``is_lora`` false).
+
+The served name (``--name``, what clients pass as ``base_model``) is by default the tokenizer's
+folder (an absolute path), because the SDK's ``SamplingClient.get_tokenizer`` loads the tokenizer
+by that name and nothing else (:func:`sdk_tokenizer_name`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,34 @@ LONG_POLL_S = 30.0  # under the SDK's 45 s timeout on retrieve_future
 SEQ_WAIT_S = 2.0
 
 
+def sdk_tokenizer_name(source: str | Path) -> str | None:
+    """``source`` (a tokenizer's folder, or a hub id) spelled as a ``base_model`` name from which the
+    SDK loads that tokenizer; ``None`` where no spelling does.
+
+    ``SamplingClient.get_tokenizer`` loads ``AutoTokenizer.from_pretrained`` of the sampler's base
+    model name and ignores the server's ``tokenizer_id`` (tinker 0.38
+    ``lib/public_interfaces/sampling_client.py:722-728``); on the way it cuts the name at its first
+    ``:`` (``:896``) and reads a name with exactly two ``/`` as ``org/model/variant``, loading
+    ``org/model`` (``:905-910``). So a folder is named by its absolute path, with a trailing ``/``
+    where it has exactly two (``/work/tok`` would load ``/work``), and a path with a ``:`` cannot
+    be named. A hub id is its own name: the SDK looks it up on the hub as the server did.
+    """
+    if not Path(source).is_dir():
+        return str(source)
+    path = str(Path(source).resolve())
+    if ":" in path:
+        return None
+    return path + "/" if path.count("/") == 2 else path
+
+
+def default_name(model: Any, tokenizer_id: str | None) -> str:
+    """The served name where none is given: the tokenizer's (``tokenizer_id``, else a ``model`` given
+    by name or folder) as :func:`sdk_tokenizer_name` spells it, else ``rltrainer/local``."""
+    source = tokenizer_id if tokenizer_id is not None else model if isinstance(model, (str, Path)) else None
+    name = sdk_tokenizer_name(source) if source is not None else None
+    return name or "rltrainer/local"
+
+
 def proto() -> Any:
     """The SDK's protobuf module; a clear error without the SDK."""
     try:
@@ -74,13 +106,16 @@ class Model:
 
 class LocalTinker:
     """The server's state: models by id, sampling sessions, futures. ``model``/``tokenizer``: what
-    every ``base_model`` request trains (served under ``name``); ``tokenizer_id``: the local folder
-    the SDK's ``get_tokenizer`` loads; ``full``: train every parameter for a LoRA request;
-    ``strategy_kwargs``: the Strategy's (default ``single`` on CPU)."""
+    every ``base_model`` request trains, served under ``name`` (default :func:`default_name`: the
+    tokenizer's folder, so that both of the SDK's ``get_tokenizer`` load it offline);
+    ``tokenizer_id``: the local folder (or hub id) the SDK's ``TrainingClient.get_tokenizer`` loads;
+    ``full``: train every parameter for a LoRA request; ``strategy_kwargs``: the Strategy's (default
+    ``single`` on CPU)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, name: str = "rltrainer/local", tokenizer_id: str | None = None,
+    def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None, tokenizer_id: str | None = None,
                  root: str | Path | None = None, full: bool = False, **strategy_kwargs: Any) -> None:
         self.pb = proto()
+        name = name if name is not None else default_name(model, tokenizer_id)
         self.model, self.tokenizer, self.name, self.tokenizer_id = model, tokenizer, name, tokenizer_id
         self.full, self.strategy_kwargs = full, strategy_kwargs or {"strategy": "single", "device": "cpu"}
         self.root = Path(root) if root is not None else None
@@ -122,15 +157,25 @@ class LocalTinker:
     # -- models ---------------------------------------------------------------------------------
     def create_model(self, j: dict[str, Any]) -> dict[str, Any]:
         model_id = f"{j['session_id']}:train:{j['model_seq_id']}"  # the SDK derives it so itself
-        if j.get("base_model") != self.name:
-            return self.failed(ValueError(f"This server trains {self.name!r} (rltrainer serve --name); got "
-                                          f"base_model={j.get('base_model')!r}"))
+        try:
+            self.check_name(j.get("base_model"))
+        except ValueError as e:
+            return self.failed(e)
         rank = None if self.full else (j.get("lora_config") or {}).get("rank")
         seed = (j.get("lora_config") or {}).get("seed") or 0
         client = self._builder.submit(self._new_client, model_id, rank, seed)
         with self.lock:
             self.models[model_id] = Model(client, self.name, rank)
         return self.future(client, lambda _: {"model_id": model_id, "type": "create_model"}, model_id=model_id)
+
+    def check_name(self, base_model: Any) -> None:
+        """Refuse a ``base_model`` other than the served name (or a folder spelling of the same folder)."""
+        if base_model == self.name:
+            return
+        if isinstance(base_model, str) and Path(base_model).is_dir() and Path(self.name).is_dir() \
+                and Path(base_model).resolve() == Path(self.name).resolve():
+            return
+        raise ValueError(f"This server trains {self.name!r} (rltrainer serve --name); got base_model={base_model!r}")
 
     def info(self, model_id: str) -> dict[str, Any]:
         m = self.models[model_id]
@@ -256,6 +301,7 @@ class LocalTinker:
                 raise KeyError(f"no sampler weights {path!r} on this server")
             self.samplers[session] = self.samplers[source.checkpoints[checkpoint][1]]
         else:  # the base model: a training client that never trains
+            self.check_name(j.get("base_model"))
             base = self._builder.submit(TrainingClient, self.model, self.tokenizer, **self.strategy_kwargs)
             self.samplers[session] = self._builder.submit(lambda: base.result().save_weights_and_get_sampling_client()
                                                           .result())
@@ -451,7 +497,8 @@ def serve(state: LocalTinker, port: int = 0, host: str = "127.0.0.1") -> Threadi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="hub id or local folder of a causal LM")
     parser.add_argument("--tokenizer", help="the tokenizer's folder (default: the model's)")
-    parser.add_argument("--name", default="rltrainer/local", help="the base_model name clients ask for")
+    parser.add_argument("--name", help="the base_model name clients ask for (default: the tokenizer's absolute "
+                        "folder, or its hub id: the SDK's SamplingClient.get_tokenizer loads the tokenizer by this name)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--root", help="where save_state writes (default: a temporary folder per client)")
     parser.add_argument("--full", action="store_true", help="train every parameter for the SDK's LoRA clients")
@@ -468,8 +515,11 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_id)
     state = LocalTinker(args.model, tokenizer, name=args.name, tokenizer_id=tokenizer_id, root=args.root, full=args.full,
                         strategy="single", device=args.device)
+    if args.name is not None and args.name != sdk_tokenizer_name(tokenizer_id):
+        log.info("SamplingClient.get_tokenizer() loads the tokenizer by the served name %r, not from %s; "
+                 "leave --name out to serve under the tokenizer's folder", args.name, tokenizer_id)
     server = serve(state, args.port)
-    print(f"Serving {args.name} on http://127.0.0.1:{server.server_address[1]} "
+    print(f"Serving {state.name} on http://127.0.0.1:{server.server_address[1]} "
           "(TINKER_API_KEY=tml-local; Ctrl-C stops)", flush=True)
     try:
         threading.Event().wait()

@@ -3,6 +3,8 @@ same calls in process."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,10 +24,14 @@ def rl_datum(seq: list[int]) -> dict:
 
 def test_the_sdk_trains_samples_and_saves_through_the_server(server, bpe_tokenizer, tiny_config, tmp_path):
     state, url = server
-    service = tinker.ServiceClient(base_url=url)
-    training = service.create_lora_training_client(base_model="rltrainer/tiny", rank=8).result()
+    with tinker.ServiceClient(base_url=url) as service:  # closed before the server stops: its heartbeat ends
+        sdk_trains_samples_and_saves(service, state, url, bpe_tokenizer, tiny_config, tmp_path)
+
+
+def sdk_trains_samples_and_saves(service, state, url, bpe_tokenizer, tiny_config, tmp_path):
+    training = service.create_lora_training_client(base_model=state.name, rank=8).result()
     info = training.get_info()
-    assert (info.is_lora, info.lora_rank, info.model_data.model_name) == (True, 8, "rltrainer/tiny")
+    assert (info.is_lora, info.lora_rank, info.model_data.model_name) == (True, 8, state.name)
     assert len(training.get_tokenizer()) == len(bpe_tokenizer)  # the local folder, offline
 
     d = rl_datum(SEQ)
@@ -76,19 +82,56 @@ def test_the_sdk_trains_samples_and_saves_through_the_server(server, bpe_tokeniz
     assert [c.tinker_path for c in listed] == [saved.path]
     rest.delete_checkpoint_from_tinker_path(saved.path).result()
     assert rest.list_checkpoints(training.model_id).result().checkpoints == []
-    service.close("success")
 
 
 def test_a_failed_call_reaches_the_sdk_as_an_error(server):
-    _, url = server
-    service = tinker.ServiceClient(base_url=url)
-    with pytest.raises(Exception, match="This server trains 'rltrainer/tiny'.*got base_model='Qwen/Qwen3-8B'"):
-        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
-    training = service.create_lora_training_client(base_model="rltrainer/tiny", rank=4).result()
-    datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([1, 2]),
-                               loss_fn_inputs={"target_tokens": [2, 3]})  # ppo needs logprobs and advantages
-    with pytest.raises(Exception, match="lacks \\['logprobs', 'advantages'\\]"):
-        training.forward_backward([datum], "ppo").result()
+    state, url = server
+    with tinker.ServiceClient(base_url=url) as service:
+        with pytest.raises(Exception, match=f"This server trains '{state.name}'.*got base_model='Qwen/Qwen3-8B'"):
+            service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+        with pytest.raises(Exception, match="got base_model='Qwen/Qwen3-8B'"):
+            service.create_sampling_client(base_model="Qwen/Qwen3-8B").result()
+        training = service.create_lora_training_client(base_model=state.name, rank=4).result()
+        datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([1, 2]),
+                                   loss_fn_inputs={"target_tokens": [2, 3]})  # ppo needs logprobs and advantages
+        with pytest.raises(Exception, match="lacks \\['logprobs', 'advantages'\\]"):
+            training.forward_backward([datum], "ppo").result()
+
+
+def test_both_clients_load_the_tokenizer_offline_under_the_default_name(server, bpe_tokenizer):
+    state, url = server
+    assert state.name == str(data_path("tokenizers", "gsm8k-bpe4k").resolve())  # no --name: the tokenizer's folder
+    with tinker.ServiceClient(base_url=url) as service:
+        training = service.create_lora_training_client(base_model=state.name, rank=4).result()
+        clients = {"training": training, "its sampler": training.save_weights_and_get_sampling_client().result(),
+                   "a base-model sampler": service.create_sampling_client(base_model=state.name).result()}
+        for what, client in clients.items():
+            assert client.get_tokenizer().encode("12 + 3") == bpe_tokenizer.encode("12 + 3"), what
+
+
+def test_a_folder_is_named_so_that_the_sdk_loads_its_tokenizer(bpe_tokenizer, monkeypatch):
+    import shutil
+    import tempfile
+
+    import huggingface_hub.constants
+    from tinker.lib.public_interfaces.sampling_client import _load_tokenizer_from_model_info
+
+    from rltrainer.own_loop.server import sdk_tokenizer_name
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    folder = Path(tempfile.mkdtemp(dir="/tmp")).resolve()  # /tmp/tmpXXXX: the SDK reads two '/' as org/model/variant
+    try:
+        bpe_tokenizer.save_pretrained(folder)
+        (folder / "a:b").mkdir()
+        if str(folder).count("/") == 2:
+            with pytest.raises(Exception):
+                _load_tokenizer_from_model_info(str(folder))  # as it is, the SDK loads '/tmp'
+        name = sdk_tokenizer_name(folder)
+        assert len(_load_tokenizer_from_model_info(name)) == len(bpe_tokenizer)
+        assert sdk_tokenizer_name(folder / "a:b") is None  # the SDK cuts a name at ':'
+        assert sdk_tokenizer_name("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # a hub id is its own name
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_rltrainer_serve_starts_a_server_the_sdk_trains_through(bpe_tokenizer, tiny_config, tmp_path, monkeypatch):
@@ -96,26 +139,31 @@ def test_rltrainer_serve_starts_a_server_the_sdk_trains_through(bpe_tokenizer, t
     import subprocess
     import sys
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    AutoModelForCausalLM.from_config(tiny_config).save_pretrained(tmp_path / "tiny")
+    model_dir = tmp_path / "tiny"
+    AutoModelForCausalLM.from_config(tiny_config).save_pretrained(model_dir)
+    bpe_tokenizer.save_pretrained(model_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "rltrainer", "serve", "--model", str(tmp_path / "tiny"),
-                             "--tokenizer", str(data_path("tokenizers", "gsm8k-bpe4k")), "--name", "rltrainer/tiny", "--port", "0"], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "rltrainer", "serve", "--model", str(model_dir), "--port", "0"],
+                            stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
-        assert line.startswith("Serving rltrainer/tiny on http://127.0.0.1:"), line
+        assert line.startswith(f"Serving {model_dir.resolve()} on http://127.0.0.1:"), line  # the folder's name
         url = line.split(" on ")[1].split(" ")[0]
         monkeypatch.setenv("TINKER_API_KEY", "tml-local")
         monkeypatch.setenv("TINKER_TELEMETRY", "0")
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-        training = tinker.ServiceClient(base_url=url).create_lora_training_client(base_model="rltrainer/tiny",
-                                                                                  rank=4).result()
-        datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(SEQ[:-1]),
-                                   loss_fn_inputs={"target_tokens": SEQ[1:]})
-        out = training.forward([datum], "cross_entropy").result()
-        assert out.metrics["loss:sum"] > 0 and len(out.loss_fn_outputs[0]["logprobs"].tolist()) == len(SEQ) - 1
-        assert training.get_tokenizer().encode("12 + 3") == bpe_tokenizer.encode("12 + 3")
+        with tinker.ServiceClient(base_url=url) as service:
+            training = service.create_lora_training_client(base_model=str(model_dir), rank=4).result()
+            datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(SEQ[:-1]),
+                                       loss_fn_inputs={"target_tokens": SEQ[1:]})
+            out = training.forward([datum], "cross_entropy").result()
+            assert out.metrics["loss:sum"] > 0 and len(out.loss_fn_outputs[0]["logprobs"].tolist()) == len(SEQ) - 1
+            sampler = training.save_weights_and_get_sampling_client().result()
+            served = AutoTokenizer.from_pretrained(model_dir)  # the server's (a Qwen2Tokenizer: config.json says qwen2)
+            for client in (training, sampler):  # both load the folder offline, with no --name or --tokenizer
+                assert client.get_tokenizer().encode("12 + 3") == served.encode("12 + 3")
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -37,18 +37,17 @@ WHY_NOT = {
     "get_current_checkpoint_storage_usage": "admin endpoint of the hosted service (deprecated in the SDK)",
     "whoami": "decodes a JWT held by the client; a local key (tml-local) is not one",
     "create": "internal to the SDK (its ServiceClient and TrainingClient call it)",
-    "get_tokenizer": "the SDK's SamplingClient loads it by the base model's name from the Hugging Face hub (it "
-                     "ignores the server's tokenizer_id); TrainingClient.get_tokenizer() loads the local one",
 }
 
 
 class Context:
     """What the calls need, built once: clients, a datum, saved paths."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, name: str) -> None:
         types = tinker.types
+        self.name = name  # the served name
         self.service = tinker.ServiceClient(base_url=url)
-        self.training = self.service.create_lora_training_client(base_model="rltrainer/tiny", rank=4).result()
+        self.training = self.service.create_lora_training_client(base_model=name, rank=4).result()
         self.rest = tinker.RestClient(base_url=url)
         self.datum = types.Datum(model_input=types.ModelInput.from_ints([5, 9, 13]),
                                  loss_fn_inputs={"target_tokens": [9, 13, 22], "weights": [0.0, 1.0, 1.0]})
@@ -92,9 +91,9 @@ def calls(c: Context) -> dict[tuple[str, str], Any]:
         ("ServiceClient", "close"): (svc, ("success",)),
         ("ServiceClient", "copy_weights"): (svc, (c.state_path,)),
         ("ServiceClient", "create_custom_loss"): (svc, (weighted, {"logprobs": 1, "weights": 1})),
-        ("ServiceClient", "create_lora_training_client"): (svc, ("rltrainer/tiny", 2)),
+        ("ServiceClient", "create_lora_training_client"): (svc, (c.name, 2)),
         ("ServiceClient", "create_rest_client"): (svc, ()),
-        ("ServiceClient", "create_sampling_client"): (svc, (None, "rltrainer/tiny")),
+        ("ServiceClient", "create_sampling_client"): (svc, (None, c.name)),
         ("ServiceClient", "create_training_client_from_state"): (svc, (c.state_path,)),
         ("ServiceClient", "create_training_client_from_state_with_optimizer"): (svc, (c.state_path,)),
         ("ServiceClient", "get_console_url"): (svc, ()),
@@ -189,8 +188,8 @@ def test_the_compatibility_table_is_what_the_sdk_gets(server, monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at its import: fail, don't wait
-    _, url = server
-    c = Context(url)
+    state, url = server
+    c = Context(url, state.name)
     specs = calls(c)
     rows, closing = [], []
     for cls, name in public_methods():
