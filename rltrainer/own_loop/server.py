@@ -31,6 +31,7 @@ import logging
 import math
 import threading
 import uuid
+from urllib.parse import parse_qs, urlsplit
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,6 +43,7 @@ import torch
 
 from rltrainer.own_loop.client import AdamParams, SamplingClient, SamplingParams, TrainingClient
 from rltrainer.own_loop.data import Datum
+from rltrainer.own_loop.records import Session, search
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ class LocalTinker:
         self.model, self.tokenizer, self.name, self.tokenizer_id = model, tokenizer, name, tokenizer_id
         self.full, self.strategy_kwargs = full, strategy_kwargs or {"strategy": "single", "device": "cpu"}
         self.root = Path(root) if root is not None else None
+        self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Future] = {}  # sampling session id -> Future[SamplingClient]
         self.futures: dict[str, tuple[Future, Any]] = {}  # request id -> (future, encode(result))
@@ -391,6 +394,33 @@ class LocalTinker:
         return {"base_model": m.base_model, "is_lora": m.rank is not None, "lora_rank": m.rank,
                 "optimizer_config": {"type": "adamw"}}
 
+    # -- sessions -------------------------------------------------------------------------------
+    def create_session(self, j: dict[str, Any]) -> dict[str, Any]:
+        session = Session.from_request(f"local-{uuid.uuid4().hex[:8]}", j)
+        with self.lock:
+            self.sessions[session.session_id] = session
+        return {"type": "create_session", "session_id": session.session_id}
+
+    def session(self, session_id: str) -> tuple[int, dict[str, Any]] | dict[str, Any]:
+        """The SDK's ``GetSessionResponse``: the session's training runs and samplers."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            return 404, {"detail": f"no session {session_id!r} on this server"}
+        return {"training_run_ids": [m for m in self.models if s.owns(m)],
+                "sampler_ids": [x for x in self.samplers if s.owns(x)],
+                "user_metadata": s.user_metadata, "display_name": s.display_name}
+
+    def list_sessions(self, query: dict[str, list[str]]) -> dict[str, Any]:
+        """The SDK's ``ListSessionsResponse``: ids, newest first, ``offset``/``limit`` (default 20)."""
+        offset, limit = int(query.get("offset", ["0"])[0]), int(query.get("limit", ["20"])[0])
+        newest = sorted(self.sessions.values(), key=lambda s: (s.created_at, s.session_id), reverse=True)
+        return {"sessions": [s.session_id for s in newest[offset:offset + limit]]}
+
+    def search_sessions(self, j: dict[str, Any]) -> dict[str, Any]:
+        def count(session_id: str) -> int:
+            return sum(len(m.checkpoints) for run, m in self.models.items() if run.split(":", 1)[0] == session_id)
+        return search(list(self.sessions.values()), j, count)
+
     def capabilities(self) -> dict[str, Any]:
         return {"supported_models": [{"model_name": self.name, "trainable": True, "sampleable": True}]}
 
@@ -422,14 +452,15 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _dispatch(self, body: bytes) -> None:
-        path = self.path.split("?")[0]
+        url = urlsplit(self.path)
+        path, query = url.path, parse_qs(url.query)
         if not path.startswith(PREFIX):
             return self._send(404, {"detail": f"no route {path}"})
         j: dict[str, Any] = {}
         try:
             is_json = body and "json" in (self.headers.get("Content-Type") or "")
             j = json.loads(body) if is_json else {}
-            out = self._route(self.command, path[len(PREFIX):], body, j)
+            out = self._route(self.command, path[len(PREFIX):], body, j, query)
         except Exception as e:  # noqa: BLE001 - a bad request: 400 with a body (a bare 400 is retried)
             log.warning("%s %s failed: %s", self.command, path, e, exc_info=e)
             self.state.skip_turn(j)
@@ -439,14 +470,14 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(404, {"detail": f"not served: {self.command} {path}"})
         self._send(*out) if isinstance(out, tuple) else self._send(200, out)
 
-    def _route(self, verb: str, path: str, body: bytes, j: dict[str, Any]) -> Any:
+    def _route(self, verb: str, path: str, body: bytes, j: dict[str, Any], query: dict[str, list[str]]) -> Any:
         s = self.state
         simple = {
             "/client/config": lambda: {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False,
                                        "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
                                        "sample_join_sampling_session": False},
             "/client/dynamic_config": lambda: {"refresh_interval_sec": 300, "sample_cancel_enabled": False},
-            "/create_session": lambda: {"type": "create_session", "session_id": f"local-{uuid.uuid4().hex[:8]}"},
+            "/create_session": lambda: s.create_session(j),
             "/session_heartbeat": lambda: {"type": "session_heartbeat"},
             "/telemetry": lambda: {"status": "accepted"},
             "/healthz": lambda: {"status": "ok"},
@@ -464,11 +495,19 @@ class Handler(BaseHTTPRequestHandler):
             "/weights_info": lambda: s.weights_info(j["tinker_path"]),
             "/training_runs": s.training_runs,
             "/checkpoints": s.checkpoints,
+            "/sessions": lambda: s.list_sessions(query),
+            "/sessions/search": lambda: s.search_sessions(j),
         }
         if path in simple:
             return simple[path]()
-        if path.startswith("/sessions/") and path.endswith("/finish"):
-            return {}
+        if path.startswith("/sessions/"):
+            session_id, _, rest = path[len("/sessions/"):].partition("/")
+            if rest == "finish":
+                if session_id in s.sessions:
+                    s.sessions[session_id].finish(j)
+                return {}
+            if rest == "" and verb == "GET":
+                return s.session(session_id)
         if path.startswith("/samplers/"):
             return {"sampler_id": path[len("/samplers/"):], "base_model": s.name}
         if path.startswith("/training_runs/"):

@@ -167,3 +167,34 @@ def test_rltrainer_serve_starts_a_server_the_sdk_trains_through(bpe_tokenizer, t
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_sessions_list_their_training_runs_and_samplers(server):
+    from tinker.types import SessionSearchRequest
+
+    state, url = server
+    rest = tinker.RestClient(base_url=url)
+    with tinker.ServiceClient({"task": "addition"}, display_name="Nightly add run", base_url=url) as first:
+        training = first.create_lora_training_client(base_model=state.name, rank=4).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        first_id = first.holder.get_session_id()
+        got = rest.get_session(first_id).result()
+        assert (got.training_run_ids, got.sampler_ids) == ([training.model_id], [sampler._sampling_session_id])
+        assert (got.user_metadata, got.display_name) == ({"task": "addition"}, "Nightly add run")
+        with tinker.ServiceClient(base_url=url) as second:
+            second_id = second.holder.get_session_id()
+            assert rest.get_session(second_id).result().training_run_ids == []
+            assert rest.list_sessions().result().sessions == [second_id, first_id]  # newest first
+            assert rest.list_sessions(limit=1, offset=1).result().sessions == [first_id]
+            found = rest.search_sessions(SessionSearchRequest(display_name="add NIGHTLY")).result()
+            assert [s.session_id for s in found.sessions] == [first_id] and found.next_cursor is None
+            assert found.sessions[0].status.type == "active" and found.sessions[0].owner == "local"
+            page = rest.search_sessions(SessionSearchRequest(limit=1)).result()
+            assert [s.session_id for s in page.sessions] == [second_id]
+            page = rest.search_sessions(SessionSearchRequest(limit=1, cursor=page.next_cursor)).result()
+            assert [s.session_id for s in page.sessions] == [first_id] and page.next_cursor is None
+            assert rest.search_sessions(SessionSearchRequest(user_metadata={"task": "other"})).result().sessions == []
+    done = rest.search_sessions(SessionSearchRequest(session_id=first_id)).result().sessions
+    assert [(s.status.type, s.status.reason.type) for s in done] == [("client_finished", "success")]
+    with pytest.raises(tinker.NotFoundError, match="no session 'local-none'"):
+        rest.get_session("local-none").result()

@@ -29,9 +29,6 @@ WHY_NOT = {
     "set_checkpoint_ttl_from_tinker_path": "checkpoints live until deleted",
     "assign_session_project": "projects of the hosted service",
     "export_session_trace": "traces of the hosted service",
-    "get_session": "sessions are not listed yet",
-    "list_sessions": "sessions are not listed yet",
-    "search_sessions": "sessions are not listed yet (deprecated in the SDK)",
     "get_audit_log": "admin endpoint of the hosted service (deprecated in the SDK)",
     "get_billing_usage": "admin endpoint of the hosted service (deprecated in the SDK)",
     "get_current_checkpoint_storage_usage": "admin endpoint of the hosted service (deprecated in the SDK)",
@@ -58,6 +55,7 @@ class Context:
         self.sampler = self.training.save_weights_and_get_sampling_client().result()
         self.run = self.training.model_id
         self.sampler_id = self.sampler._sampling_session_id  # what RestClient.get_sampler takes
+        self.session_id = self.service.holder.get_session_id()
 
 
 def calls(c: Context) -> dict[tuple[str, str], Any]:
@@ -124,18 +122,18 @@ def calls(c: Context) -> dict[tuple[str, str], Any]:
         ("SamplingClient", "get_tokenizer"): (s, ()),
         ("SamplingClient", "on_queue_state_change"): (s, ("active", None)),
         ("SamplingClient", "sample"): (Current(), (c.prompt, 2, c.params)),
-        ("RestClient", "assign_session_project"): (r, ("local", "project")),
+        ("RestClient", "assign_session_project"): (r, (c.session_id, "project")),
         ("RestClient", "copy_weights"): (r, (c.state_path,)),
         ("RestClient", "delete_checkpoint"): (r, saved),
         ("RestClient", "delete_checkpoint_from_tinker_path"): (r, lambda: (t.save_state(next(names)).result().path,)),
-        ("RestClient", "export_session_trace"): (r, ("local",)),
+        ("RestClient", "export_session_trace"): (r, (c.session_id,)),
         ("RestClient", "get_audit_log"): (r, ()),
         ("RestClient", "get_billing_usage"): (r, ("2026-01-01", "2026-02-01")),
         ("RestClient", "get_current_checkpoint_storage_usage"): (r, ()),
         ("RestClient", "get_external_weights_urls"): (r, (c.state_path,)),
         ("RestClient", "get_sampler"): (r, (c.sampler_id,)),
         ("RestClient", "get_server_capabilities"): (r, ()),
-        ("RestClient", "get_session"): (r, ("local",)),
+        ("RestClient", "get_session"): (r, (c.session_id,)),
         ("RestClient", "get_telemetry"): (r, ()),
         ("RestClient", "get_training_run"): (r, (c.run,)),
         ("RestClient", "get_training_run_by_tinker_path"): (r, (c.state_path,)),
