@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 OWNER = "local"  # every session's owner and default project: a local server has one user
+MAX_TTL_S = 10 * 365 * 24 * 3600  # the SDK's documented upper bound for a checkpoint's TTL ("10 years")
 
 
 def now() -> datetime:
@@ -94,3 +95,40 @@ def search(sessions: list[Session], request: dict[str, Any], checkpoints_count: 
     return {"sessions": [s.summary(checkpoints_count(s.session_id)) for s in page],
             "next_cursor": {"last_created_at": page[-1].created_at.isoformat(), "last_session_id": page[-1].session_id}
             if more else None}
+
+
+def ttl(ttl_seconds: Any) -> timedelta | None:
+    """A checkpoint's ``ttl_seconds`` (``None``: it never expires). Any whole number of seconds from 1
+    is taken: the hosted service wants at least an hour (the SDK's docstrings), a local one has no
+    reason to."""
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not 1 <= ttl_seconds <= MAX_TTL_S:
+        raise ValueError(f"ttl_seconds must be a whole number of seconds from 1 to {MAX_TTL_S} (10 years), or None "
+                         f"for no expiry; got {ttl_seconds!r}")
+    return timedelta(seconds=ttl_seconds)
+
+
+@dataclass
+class Checkpoint:
+    """A saved state (``kind`` ``"training"``: ``location`` is its folder) or named sampler weights
+    (``"sampler"``: ``location`` is the sampling session that serves them), and when it expires."""
+
+    kind: str
+    location: str
+    user_metadata: dict[str, str] | None = None
+    created_at: datetime = field(default_factory=now)
+    expires_at: datetime | None = None
+
+    def expire_after(self, delta: timedelta | None) -> None:
+        """Expire ``delta`` from now (``None``: never)."""
+        self.expires_at = now() + delta if delta is not None else None
+
+    def expired(self, at: datetime) -> bool:
+        return self.expires_at is not None and self.expires_at <= at
+
+    def listing(self, tinker_path: str, checkpoint_id: str) -> dict[str, Any]:
+        """The SDK's ``Checkpoint``."""
+        return {"checkpoint_id": checkpoint_id, "checkpoint_type": self.kind, "time": self.created_at.isoformat(),
+                "tinker_path": tinker_path, "public": False, "user_metadata": self.user_metadata,
+                "expires_at": self.expires_at.isoformat() if self.expires_at else None}

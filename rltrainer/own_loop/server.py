@@ -29,6 +29,7 @@ import argparse
 import json
 import logging
 import math
+import shutil
 import threading
 import uuid
 from urllib.parse import parse_qs, urlsplit
@@ -43,7 +44,7 @@ import torch
 
 from rltrainer.own_loop.client import AdamParams, SamplingClient, SamplingParams, TrainingClient
 from rltrainer.own_loop.data import Datum
-from rltrainer.own_loop.records import Session, search
+from rltrainer.own_loop.records import Checkpoint, Session, now, search, ttl
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class Model:
     rank: int | None
     next_seq: int = 1
     turn: threading.Condition = field(default_factory=threading.Condition)
-    checkpoints: dict[str, tuple[str, str]] = field(default_factory=dict)  # checkpoint_id -> (type, local path)
+    checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by checkpoint_id ("weights/<name>", ...)
 
 
 class LocalTinker:
@@ -124,6 +125,7 @@ class LocalTinker:
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Future] = {}  # sampling session id -> Future[SamplingClient]
+        self.gone: dict[str, str] = {}  # tinker path of a deleted or expired checkpoint -> how it went
         self.futures: dict[str, tuple[Future, Any]] = {}  # request id -> (future, encode(result))
         self.lock = threading.Lock()
         self._builder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rltrainer-serve")
@@ -239,8 +241,11 @@ class LocalTinker:
         model_id, name = j["model_id"], j["path"]
 
         def call(client: TrainingClient, m: Model) -> tuple[Future, Any]:
+            expires_in = ttl(j.get("ttl_seconds"))
+
             def saved(path: str) -> dict[str, Any]:
-                m.checkpoints[f"weights/{name}"] = ("training", path)
+                m.checkpoints[f"weights/{name}"] = checkpoint = Checkpoint("training", path, j.get("user_metadata"))
+                checkpoint.expire_after(expires_in)
                 return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
             return client.save_state(name), saved
         return self.in_turn(model_id, j.get("seq_id"), call)
@@ -248,11 +253,11 @@ class LocalTinker:
     def load_weights(self, j: dict[str, Any]) -> dict[str, Any]:
         """Into a training client (``model_id``: ``load_state``), or into a new one (``session_id`` and
         ``model_seq_id``: ``create_training_client_from_state``, with the source run's LoRA rank)."""
-        run, _, checkpoint = j["path"][len("tinker://"):].partition("/")
-        source = self.models.get(run)
-        if source is None or source.checkpoints.get(checkpoint, ("",))[0] != "training":
-            return self.failed(FileNotFoundError(f"no state {j['path']!r} on this server (save_state writes them)"))
-        path = source.checkpoints[checkpoint][1]
+        try:
+            source, checkpoint = self.find(j["path"], "training")
+        except FileNotFoundError as e:
+            return self.failed(e)
+        path = checkpoint.location
         if "model_id" in j:
             return self.in_turn(j["model_id"], j.get("seq_id"), lambda c, m: (
                 (c.load_state_with_optimizer if j.get("optimizer") else c.load_state)(path),
@@ -280,9 +285,12 @@ class LocalTinker:
             session = f"{model_id}:sampler:{name}"
 
             def named(client: TrainingClient, m: Model) -> tuple[Future, Any]:
+                expires_in = ttl(j.get("ttl_seconds"))
                 fut = client.save_weights_and_get_sampling_client()
                 self.samplers[session] = fut
-                m.checkpoints[f"sampler_weights/{name}"] = ("sampler", session)
+                m.checkpoints[f"sampler_weights/{name}"] = checkpoint = Checkpoint("sampler", session,
+                                                                                   j.get("user_metadata"))
+                checkpoint.expire_after(expires_in)
                 return fut, lambda _: {"path": f"tinker://{model_id}/sampler_weights/{name}",
                                        "type": "save_weights_for_sampler"}
             return self.in_turn(model_id, j.get("seq_id"), named)
@@ -298,11 +306,7 @@ class LocalTinker:
         session = f"{j['session_id']}:sample:{j['sampling_session_seq_id']}"
         path = j.get("model_path")
         if path:
-            run, _, checkpoint = path[len("tinker://"):].partition("/")
-            source = self.models.get(run)
-            if source is None or checkpoint not in source.checkpoints:
-                raise KeyError(f"no sampler weights {path!r} on this server")
-            self.samplers[session] = self.samplers[source.checkpoints[checkpoint][1]]
+            self.samplers[session] = self.samplers[self.find(path, "sampler")[1].location]
         else:  # the base model: a training client that never trains
             self.check_name(j.get("base_model"))
             base = self._builder.submit(TrainingClient, self.model, self.tokenizer, **self.strategy_kwargs)
@@ -371,12 +375,52 @@ class LocalTinker:
         return msg.SerializeToString()
 
     # -- REST -----------------------------------------------------------------------------------
+    # -- checkpoints ----------------------------------------------------------------------------
+    def find(self, tinker_path: str, kind: str | None = None) -> tuple[Model, Checkpoint]:
+        """The run and checkpoint at ``tinker_path`` (of ``kind`` where given); a clear error for one
+        that is not here, or was deleted or expired."""
+        run, _, checkpoint_id = tinker_path.removeprefix("tinker://").partition("/")
+        m = self.models.get(run)
+        checkpoint = m.checkpoints.get(checkpoint_id) if m is not None else None
+        what = {"training": "state (save_state writes them)", "sampler": "sampler weights (save_weights_for_sampler "
+                "writes them)"}.get(kind or "", "checkpoint")
+        if checkpoint is None or (kind is not None and checkpoint.kind != kind):
+            gone = f": it {self.gone[tinker_path]}" if tinker_path in self.gone else ""
+            raise FileNotFoundError(f"no {what} {tinker_path!r} on this server{gone}")
+        return m, checkpoint
+
+    def set_ttl(self, tinker_path: str, j: dict[str, Any]) -> dict[str, Any]:
+        """``set_checkpoint_ttl_from_tinker_path``: expire ``ttl_seconds`` from now (``None``: never)."""
+        self.find(tinker_path)[1].expire_after(ttl(j.get("ttl_seconds")))
+        return {}
+
+    def remove(self, tinker_path: str, how: str) -> None:
+        """Forget a checkpoint and delete what it holds (a state's folder; a sampler's session)."""
+        run, _, checkpoint_id = tinker_path.removeprefix("tinker://").partition("/")
+        with self.lock:
+            checkpoint = self.models[run].checkpoints.pop(checkpoint_id, None)
+            if checkpoint is None:
+                return
+            self.gone[tinker_path] = how
+            if checkpoint.kind == "sampler":
+                self.samplers.pop(checkpoint.location, None)
+        if checkpoint.kind == "training":
+            shutil.rmtree(checkpoint.location, ignore_errors=True)
+        log.info("checkpoint %s %s", tinker_path, how)
+
+    def expire(self) -> None:
+        """Remove the checkpoints whose TTL has passed (lazily: before each request is served)."""
+        at = now()
+        with self.lock:
+            expired = [(f"tinker://{run}/{cid}", c.expires_at) for run, m in self.models.items()
+                       for cid, c in list(m.checkpoints.items()) if c.expired(at)]
+        for path, expires_at in expired:
+            self.remove(path, f"expired at {expires_at.isoformat()} (its ttl_seconds) and was deleted")
+
     def checkpoints(self, run: str | None = None) -> dict[str, Any]:
         """``run``'s checkpoints (``None``: every run's)."""
         runs = [run] if run is not None else list(self.models)
-        listed = [{"checkpoint_id": cid, "checkpoint_type": kind, "time": "1970-01-01T00:00:00Z",
-                   "tinker_path": f"tinker://{r}/{cid}", "public": False}
-                  for r in runs for cid, (kind, _) in self.models[r].checkpoints.items()]
+        listed = [c.listing(f"tinker://{r}/{cid}", cid) for r in runs for cid, c in self.models[r].checkpoints.items()]
         return {"checkpoints": listed, "cursor": {"offset": 0, "limit": len(listed), "total_count": len(listed)}}
 
     def training_run(self, run: str) -> dict[str, Any]:
@@ -389,8 +433,7 @@ class LocalTinker:
         return {"training_runs": runs, "cursor": {"offset": 0, "limit": len(runs), "total_count": len(runs)}}
 
     def weights_info(self, tinker_path: str) -> dict[str, Any]:
-        run = tinker_path[len("tinker://"):].partition("/")[0]
-        m = self.models[run]
+        m = self.find(tinker_path)[0]
         return {"base_model": m.base_model, "is_lora": m.rank is not None, "lora_rank": m.rank,
                 "optimizer_config": {"type": "adamw"}}
 
@@ -472,6 +515,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self, verb: str, path: str, body: bytes, j: dict[str, Any], query: dict[str, list[str]]) -> Any:
         s = self.state
+        s.expire()
         simple = {
             "/client/config": lambda: {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False,
                                        "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
@@ -519,8 +563,10 @@ class Handler(BaseHTTPRequestHandler):
             if verb == "GET" and rest == "":
                 return s.checkpoints(run)
             if verb == "DELETE" and rest.startswith("/") and rest.count("/") == 2:  # /weights/<name>
-                s.models[run].checkpoints.pop(rest[1:], None)
+                s.remove(f"tinker://{run}{rest}", "was deleted")
                 return {}
+            if verb == "PUT" and rest.endswith("/ttl") and rest.count("/") == 3:  # /weights/<name>/ttl
+                return s.set_ttl(f"tinker://{run}{rest.removesuffix('/ttl')}", j)
         return None
 
 

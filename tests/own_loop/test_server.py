@@ -198,3 +198,36 @@ def test_sessions_list_their_training_runs_and_samplers(server):
     assert [(s.status.type, s.status.reason.type) for s in done] == [("client_finished", "success")]
     with pytest.raises(tinker.NotFoundError, match="no session 'local-none'"):
         rest.get_session("local-none").result()
+
+
+def test_an_expired_checkpoint_is_deleted_and_no_longer_listed_or_loadable(server):
+    import time
+
+    state, url = server
+    rest = tinker.RestClient(base_url=url)
+    with tinker.ServiceClient(base_url=url) as service:
+        training = service.create_lora_training_client(base_model=state.name, rank=4).result()
+        with pytest.raises(Exception, match="ttl_seconds must be a whole number of seconds from 1"):
+            training.save_state("never", ttl_seconds=0).result()
+        short = training.save_state("short", ttl_seconds=2).result().path
+        sampler = training.save_weights_for_sampler("short", ttl_seconds=2).result().path
+        kept = training.save_state("kept").result().path
+        rest.set_checkpoint_ttl_from_tinker_path(kept, 3600).result()
+        listed = {c.tinker_path: c.expires_at for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+        assert set(listed) == {short, sampler, kept} and all(listed.values())
+        folder = Path(state.find(short)[1].location)
+        assert folder.is_dir()
+
+        time.sleep(max(listed[short], listed[sampler]).timestamp() - time.time() + 0.1)
+        assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [kept]
+        assert not folder.exists()  # deleted, not only forgotten
+        with pytest.raises(Exception, match="no state .*short.* it expired at .* \\(its ttl_seconds\\) and was deleted"):
+            training.load_state(short).result()
+        with pytest.raises(Exception, match="no sampler weights .*short.* it expired at"):
+            service.create_sampling_client(model_path=sampler).result()
+
+        rest.set_checkpoint_ttl_from_tinker_path(kept, None).result()  # None: never expires
+        assert [c.expires_at for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [None]
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be"):
+            rest.set_checkpoint_ttl_from_tinker_path(kept, -5).result()
+        training.load_state(kept).result()

@@ -26,7 +26,6 @@ WHY_NOT = {
     "get_external_weights_urls": "signed URLs of the hosted service's storage",
     "publish_checkpoint_from_tinker_path": "sharing between users of the hosted service",
     "unpublish_checkpoint_from_tinker_path": "sharing between users of the hosted service",
-    "set_checkpoint_ttl_from_tinker_path": "checkpoints live until deleted",
     "assign_session_project": "projects of the hosted service",
     "export_session_trace": "traces of the hosted service",
     "get_audit_log": "admin endpoint of the hosted service (deprecated in the SDK)",
