@@ -3,6 +3,7 @@ same calls in process."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,23 @@ def test_an_expired_checkpoint_is_deleted_and_no_longer_listed_or_loadable(serve
         with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be"):
             rest.set_checkpoint_ttl_from_tinker_path(kept, -5).result()
         training.load_state(kept).result()
+
+
+def test_gspo_over_the_server_is_the_same_loss_as_in_process(server, bpe_tokenizer, tiny_config, tmp_path):
+    state, url = server
+    local = TrainingClient(tiny_config, bpe_tokenizer, rank=8, root=tmp_path / "local", device="cpu")
+    lp = local.forward([Datum(SEQ[:-1], {"target_tokens": torch.tensor(SEQ[1:])})]).result().loss_fn_outputs[0]["logprobs"]
+    d = {**rl_datum(SEQ), "logprobs": (lp - 0.15).tolist(), "sequence_ratio_mask": [0.0] + [1.0] * (len(SEQ) - 2)}
+    names = ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask")
+    config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}  # s = e^0.15 = 1.16: clipped at 1.1, not at 1.2
+    with tinker.ServiceClient(base_url=url) as service:
+        training = service.create_lora_training_client(base_model=state.name, rank=8).result()
+        datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(d["model_input"]),
+                                   loss_fn_inputs={k: d[k] for k in names})
+        out = training.forward_backward([datum], "gspo", config).result()
+    local_datum = Datum(d["model_input"], {k: torch.tensor(d[k]) for k in names})
+    same = local.forward_backward([local_datum], "gspo", config).result()
+    assert out.metrics["loss:sum"] == pytest.approx(same.metrics["loss:sum"], rel=1e-6)
+    assert out.metrics["loss:sum"] == pytest.approx(-1.1 * (len(SEQ) - 2), rel=1e-5)  # every advantage 1, clipped
+    default = local.forward([local_datum], "gspo").result().metrics["loss:sum"]
+    assert default == pytest.approx(-math.exp(0.15) * (len(SEQ) - 2), rel=1e-4)  # not clipped at 1.2
