@@ -444,6 +444,16 @@ class LocalTinker:
             self.sessions[session.session_id] = session
         return {"type": "create_session", "session_id": session.session_id}
 
+    def heartbeat(self, j: dict[str, Any]) -> tuple[int, dict[str, Any]] | dict[str, Any]:
+        """410 for a finished (or unknown) session, as the hosted service answers: the only answer that
+        stops the SDK's heartbeat loop (``lib/internal_client_holder.py:568-596``); the loops of the
+        holders that ``ServiceClient.close`` does not close (a sampling client's pickled or
+        ``from_sampler_handle`` copy) stop at their next beat."""
+        s = self.sessions.get(j.get("session_id", ""))
+        if s is None or s.status["type"] != "active":
+            return 410, {"detail": f"session {j.get('session_id')!r} has finished"}
+        return {"type": "session_heartbeat"}
+
     def session(self, session_id: str) -> tuple[int, dict[str, Any]] | dict[str, Any]:
         """The SDK's ``GetSessionResponse``: the session's training runs and samplers."""
         s = self.sessions.get(session_id)
@@ -522,7 +532,7 @@ class Handler(BaseHTTPRequestHandler):
                                        "sample_join_sampling_session": False},
             "/client/dynamic_config": lambda: {"refresh_interval_sec": 300, "sample_cancel_enabled": False},
             "/create_session": lambda: s.create_session(j),
-            "/session_heartbeat": lambda: {"type": "session_heartbeat"},
+            "/session_heartbeat": lambda: s.heartbeat(j),
             "/telemetry": lambda: {"status": "accepted"},
             "/healthz": lambda: {"status": "ok"},
             "/get_server_capabilities": s.capabilities,

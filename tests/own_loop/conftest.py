@@ -22,4 +22,9 @@ def server(bpe_tokenizer, tiny_config, tmp_path, monkeypatch):
                         tokenizer_id=str(data_path("tokenizers", "gsm8k-bpe4k")))
     http = serve(state)
     yield state, f"http://127.0.0.1:{http.server_address[1]}"
+    unclosed = [sid for sid, session in state.sessions.items() if session.status["type"] == "active"]
     http.shutdown()
+    http.server_close()  # later connections are refused at once, not left to time out
+    assert not unclosed, (f"sessions {unclosed} were not finished: close each tinker.ServiceClient (`with "
+                          "tinker.ServiceClient(base_url=url) as service:`) before the server stops, or its "
+                          "heartbeat warns 'Session heartbeat failed' for the rest of the run")

@@ -252,3 +252,26 @@ def test_gspo_over_the_server_is_the_same_loss_as_in_process(server, bpe_tokeniz
     assert out.metrics["loss:sum"] == pytest.approx(-1.1 * (len(SEQ) - 2), rel=1e-5)  # every advantage 1, clipped
     default = local.forward([local_datum], "gspo").result().metrics["loss:sum"]
     assert default == pytest.approx(-math.exp(0.15) * (len(SEQ) - 2), rel=1e-4)  # not clipped at 1.2
+
+
+def test_a_finished_sessions_heartbeat_is_answered_gone(server):
+    import json
+    import urllib.error
+    import urllib.request
+
+    _, url = server
+
+    def heartbeat(session_id: str) -> int:
+        request = urllib.request.Request(f"{url}/api/v1/session_heartbeat", method="POST",
+                                         data=json.dumps({"session_id": session_id}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(request, timeout=10).status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    with tinker.ServiceClient(base_url=url) as service:
+        session_id = service.holder.get_session_id()
+        assert heartbeat(session_id) == 200
+    assert heartbeat(session_id) == 410  # the SDK's heartbeat loops stop on it (a sampling client's copies too)
+    assert heartbeat("local-none") == 410
