@@ -168,6 +168,19 @@ def test_the_sampling_client_sees_the_pushed_weights(client):
     assert all(len(s.logprobs) == 4 and s.stop_reason == "length" for s in out.sequences)
 
 
+def test_a_stop_string_of_several_tokens_ends_the_sample_where_it_completes(client, bpe_tokenizer):
+    sampler = client.save_weights_and_get_sampling_client().result()
+    params = SamplingParams(max_tokens=12, seed=0, stop=[])
+    free = sampler.sample(SEQS[0][:3], 1, params).result().sequences[0]  # a seeded sample with no stop
+    k = next(k for k in range(3, 12) if len(bpe_tokenizer.encode(bpe_tokenizer.decode(free.tokens[k - 2:k]),
+                                                                    add_special_tokens=False)) > 1)
+    stop = bpe_tokenizer.decode(free.tokens[k - 2:k])  # two of its tokens, a string of several tokens
+    params.stop = [stop]
+    cut = sampler.sample(SEQS[0][:3], 1, params).result().sequences[0]  # the same sample, cut at the stop
+    end = next(j for j in range(1, 13) if stop in bpe_tokenizer.decode(free.tokens[:j]))
+    assert (cut.tokens, cut.logprobs, cut.stop_reason) == (free.tokens[:end], free.logprobs[:end], "stop")
+
+
 def test_plain_tensors_are_datums_too(client):
     rows = torch.tensor([[5, 9, 13, 22], [40, 41, 42, 43]])
     targets = torch.tensor([[9, 13, 22, 31], [41, 42, 43, 44]])
