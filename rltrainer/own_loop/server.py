@@ -32,12 +32,12 @@ import math
 import shutil
 import threading
 import uuid
-from urllib.parse import parse_qs, urlsplit
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import torch
