@@ -301,15 +301,28 @@ class SamplingClient:
     sample_async, compute_logprobs_async = sample, compute_logprobs
 
     def _sample(self, prompt: list[int], n: int, params: Any) -> SampleResponse:
+        stop_ids, stop_strings = self._stops(params.stop)
         sampling = EngineSampling(n=n, max_new_tokens=getattr(params, "max_tokens", None) or 256,
                                   temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-                                  stop_token_ids=self._stop_ids(params.stop), seed=params.seed)
+                                  stop_token_ids=stop_ids, seed=params.seed)
         with self.trainer.engine_lock:
             self._check_current()
             out = wiring.generate(self.trainer._sync, [prompt], sampling)
         lengths = out.response_mask.sum(1).tolist()
-        return SampleResponse([SampledSequence(out.response_ids[i, :k].tolist(), out.log_probs[i, :k].tolist(),
-                                               out.finish_reason[i]) for i, k in enumerate(map(int, lengths))])
+        return SampleResponse([self._cut(SampledSequence(out.response_ids[i, :k].tolist(), out.log_probs[i, :k].tolist(),
+                                                         out.finish_reason[i]), stop_strings)
+                               for i, k in enumerate(map(int, lengths))])
+
+    def _cut(self, sequence: SampledSequence, stop_strings: list[str]) -> SampledSequence:
+        """``sequence`` up to and with the token that completes the first stop string (a string of
+        several tokens, which the engine cannot stop at: it samples on, and the rest is dropped; the
+        kept log-probs are unchanged, each depends only on the tokens before it)."""
+        decode = self.trainer.tokenizer.decode
+        if not stop_strings or not any(s in decode(sequence.tokens) for s in stop_strings):
+            return sequence
+        k = next(k for k in range(1, len(sequence.tokens) + 1)
+                 if any(s in decode(sequence.tokens[:k]) for s in stop_strings))
+        return SampledSequence(sequence.tokens[:k], sequence.logprobs[:k], "stop")
 
     def _logprobs(self, prompt: list[int]) -> list[float | None]:
         with self.trainer.engine_lock:
@@ -324,16 +337,20 @@ class SamplingClient:
                                     "latest push's. Sample with the client the latest "
                                     "save_weights_and_get_sampling_client() returned.")
 
-    def _stop_ids(self, stop: Any) -> list[int] | None:
+    def _stops(self, stop: Any) -> tuple[list[int] | None, list[str]]:
+        """``stop`` as the token ids the engine stops at (``None``: EOS) and the strings of several
+        tokens that :meth:`_cut` cuts at."""
         if stop is None:
-            return None
-        ids = []
+            return None, []
+        ids, strings = [], []
         for s in [stop] if isinstance(stop, (str, int)) else stop:
             if isinstance(s, str):
+                if not s:
+                    raise ValueError("an empty stop string stops nothing: give text or token ids")
                 encoded = self.trainer.tokenizer.encode(s, add_special_tokens=False)
                 if len(encoded) != 1:
-                    raise ValueError(f"stop string {s!r} is {len(encoded)} tokens {encoded}; the engine stops at "
-                                     "single tokens: pass token ids, or strings that are one token")
+                    strings.append(s)
+                    continue
                 s = encoded[0]
             ids.append(int(s))
-        return ids
+        return ids, strings

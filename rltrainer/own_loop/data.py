@@ -2,7 +2,8 @@
 
 A datum is one sequence: ``model_input`` (``N`` tokens) and ``loss_fn_inputs``, each ``[N]`` with
 next-token alignment (position ``i`` of ``model_input`` predicts ``target_tokens[i]``): ``target_tokens``
-(int), and as the loss needs ``weights``, ``advantages``, ``logprobs`` (the sampler's). The SDK's own
+(int), and as the loss needs ``weights``, ``advantages``, ``logprobs`` (the sampler's),
+``sequence_ratio_mask`` (``gspo``'s). The SDK's own
 ``tinker.Datum`` is accepted as it is (its ``ModelInput`` and ``TensorData``), as is a plain dict of
 tensors or lists.
 
@@ -24,7 +25,7 @@ import torch
 from rltrainer.data.batch import RolloutBatch
 
 #: ``loss_fn_inputs`` laid out as ``[n, T]`` float fields of the batch (``tinker_<name>``).
-FLOAT_INPUTS = ("weights", "advantages", "logprobs")
+FLOAT_INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")
 
 
 @dataclass

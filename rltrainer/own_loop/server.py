@@ -17,6 +17,10 @@ SDK's source, is mapped in ``/work/runs/tinker_protocol.md``; in short:
 
 The SDK only asks for LoRA training clients; ``full=True`` (``--full``) trains every parameter
 instead for each of them, and ``get_info`` says so (``is_lora`` false).
+
+The served name (``--name``, what clients pass as ``base_model``) is by default the tokenizer's
+folder (an absolute path), because the SDK's ``SamplingClient.get_tokenizer`` loads the tokenizer
+by that name and nothing else (:func:`sdk_tokenizer_name`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import json
 import logging
 import math
+import shutil
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,12 +37,14 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import torch
 
 from rltrainer.own_loop.client import AdamParams, SamplingClient, SamplingParams, TrainingClient
 from rltrainer.own_loop.data import Datum
+from rltrainer.own_loop.records import Checkpoint, Session, now, search, ttl
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,34 @@ LONG_POLL_S = 30.0  # under the SDK's 45 s timeout on retrieve_future
 #: ``forward_backward`` arrive out of order, within milliseconds; a number that never comes (a call
 #: the SDK failed before sending, or one this server does not serve) must not stall the next ones.
 SEQ_WAIT_S = 2.0
+
+
+def sdk_tokenizer_name(source: str | Path) -> str | None:
+    """``source`` (a tokenizer's folder, or a hub id) spelled as a ``base_model`` name from which the
+    SDK loads that tokenizer; ``None`` where no spelling does.
+
+    ``SamplingClient.get_tokenizer`` loads ``AutoTokenizer.from_pretrained`` of the sampler's base
+    model name and ignores the server's ``tokenizer_id`` (tinker 0.38
+    ``lib/public_interfaces/sampling_client.py:722-728``); on the way it cuts the name at its first
+    ``:`` (``:896``) and reads a name with exactly two ``/`` as ``org/model/variant``, loading
+    ``org/model`` (``:905-910``). So a folder is named by its absolute path, with a trailing ``/``
+    where it has exactly two (``/work/tok`` would load ``/work``), and a path with a ``:`` cannot
+    be named. A hub id is its own name: the SDK looks it up on the hub as the server did.
+    """
+    if not Path(source).is_dir():
+        return str(source)
+    path = str(Path(source).resolve())
+    if ":" in path:
+        return None
+    return path + "/" if path.count("/") == 2 else path
+
+
+def default_name(model: Any, tokenizer_id: str | None) -> str:
+    """The served name where none is given: the tokenizer's (``tokenizer_id``, else a ``model`` given
+    by name or folder) as :func:`sdk_tokenizer_name` spells it, else ``rltrainer/local``."""
+    source = tokenizer_id if tokenizer_id is not None else model if isinstance(model, (str, Path)) else None
+    name = sdk_tokenizer_name(source) if source is not None else None
+    return name or "rltrainer/local"
 
 
 def proto() -> Any:
@@ -69,23 +104,28 @@ class Model:
     rank: int | None
     next_seq: int = 1
     turn: threading.Condition = field(default_factory=threading.Condition)
-    checkpoints: dict[str, tuple[str, str]] = field(default_factory=dict)  # checkpoint_id -> (type, local path)
+    checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by checkpoint_id ("weights/<name>", ...)
 
 
 class LocalTinker:
     """The server's state: models by id, sampling sessions, futures. ``model``/``tokenizer``: what
-    every ``base_model`` request trains (served under ``name``); ``tokenizer_id``: the local folder
-    the SDK's ``get_tokenizer`` loads; ``full``: train every parameter for a LoRA request;
-    ``strategy_kwargs``: the Strategy's (default ``single`` on CPU)."""
+    every ``base_model`` request trains, served under ``name`` (default :func:`default_name`: the
+    tokenizer's folder, so that both of the SDK's ``get_tokenizer`` load it offline);
+    ``tokenizer_id``: the local folder (or hub id) the SDK's ``TrainingClient.get_tokenizer`` loads;
+    ``full``: train every parameter for a LoRA request; ``strategy_kwargs``: the Strategy's (default
+    ``single`` on CPU)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, name: str = "rltrainer/local", tokenizer_id: str | None = None,
+    def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None, tokenizer_id: str | None = None,
                  root: str | Path | None = None, full: bool = False, **strategy_kwargs: Any) -> None:
         self.pb = proto()
+        name = name if name is not None else default_name(model, tokenizer_id)
         self.model, self.tokenizer, self.name, self.tokenizer_id = model, tokenizer, name, tokenizer_id
         self.full, self.strategy_kwargs = full, strategy_kwargs or {"strategy": "single", "device": "cpu"}
         self.root = Path(root) if root is not None else None
+        self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Future] = {}  # sampling session id -> Future[SamplingClient]
+        self.gone: dict[str, str] = {}  # tinker path of a deleted or expired checkpoint -> how it went
         self.futures: dict[str, tuple[Future, Any]] = {}  # request id -> (future, encode(result))
         self.lock = threading.Lock()
         self._builder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rltrainer-serve")
@@ -122,15 +162,25 @@ class LocalTinker:
     # -- models ---------------------------------------------------------------------------------
     def create_model(self, j: dict[str, Any]) -> dict[str, Any]:
         model_id = f"{j['session_id']}:train:{j['model_seq_id']}"  # the SDK derives it so itself
-        if j.get("base_model") != self.name:
-            return self.failed(ValueError(f"This server trains {self.name!r} (rltrainer serve --name); got "
-                                          f"base_model={j.get('base_model')!r}"))
+        try:
+            self.check_name(j.get("base_model"))
+        except ValueError as e:
+            return self.failed(e)
         rank = None if self.full else (j.get("lora_config") or {}).get("rank")
         seed = (j.get("lora_config") or {}).get("seed") or 0
         client = self._builder.submit(self._new_client, model_id, rank, seed)
         with self.lock:
             self.models[model_id] = Model(client, self.name, rank)
         return self.future(client, lambda _: {"model_id": model_id, "type": "create_model"}, model_id=model_id)
+
+    def check_name(self, base_model: Any) -> None:
+        """Refuse a ``base_model`` other than the served name (or a folder spelling of the same folder)."""
+        if base_model == self.name:
+            return
+        if isinstance(base_model, str) and Path(base_model).is_dir() and Path(self.name).is_dir() \
+                and Path(base_model).resolve() == Path(self.name).resolve():
+            return
+        raise ValueError(f"This server trains {self.name!r} (rltrainer serve --name); got base_model={base_model!r}")
 
     def info(self, model_id: str) -> dict[str, Any]:
         m = self.models[model_id]
@@ -191,8 +241,11 @@ class LocalTinker:
         model_id, name = j["model_id"], j["path"]
 
         def call(client: TrainingClient, m: Model) -> tuple[Future, Any]:
+            expires_in = ttl(j.get("ttl_seconds"))
+
             def saved(path: str) -> dict[str, Any]:
-                m.checkpoints[f"weights/{name}"] = ("training", path)
+                m.checkpoints[f"weights/{name}"] = checkpoint = Checkpoint("training", path, j.get("user_metadata"))
+                checkpoint.expire_after(expires_in)
                 return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
             return client.save_state(name), saved
         return self.in_turn(model_id, j.get("seq_id"), call)
@@ -200,11 +253,11 @@ class LocalTinker:
     def load_weights(self, j: dict[str, Any]) -> dict[str, Any]:
         """Into a training client (``model_id``: ``load_state``), or into a new one (``session_id`` and
         ``model_seq_id``: ``create_training_client_from_state``, with the source run's LoRA rank)."""
-        run, _, checkpoint = j["path"][len("tinker://"):].partition("/")
-        source = self.models.get(run)
-        if source is None or source.checkpoints.get(checkpoint, ("",))[0] != "training":
-            return self.failed(FileNotFoundError(f"no state {j['path']!r} on this server (save_state writes them)"))
-        path = source.checkpoints[checkpoint][1]
+        try:
+            source, checkpoint = self.find(j["path"], "training")
+        except FileNotFoundError as e:
+            return self.failed(e)
+        path = checkpoint.location
         if "model_id" in j:
             return self.in_turn(j["model_id"], j.get("seq_id"), lambda c, m: (
                 (c.load_state_with_optimizer if j.get("optimizer") else c.load_state)(path),
@@ -232,9 +285,12 @@ class LocalTinker:
             session = f"{model_id}:sampler:{name}"
 
             def named(client: TrainingClient, m: Model) -> tuple[Future, Any]:
+                expires_in = ttl(j.get("ttl_seconds"))
                 fut = client.save_weights_and_get_sampling_client()
                 self.samplers[session] = fut
-                m.checkpoints[f"sampler_weights/{name}"] = ("sampler", session)
+                m.checkpoints[f"sampler_weights/{name}"] = checkpoint = Checkpoint("sampler", session,
+                                                                                   j.get("user_metadata"))
+                checkpoint.expire_after(expires_in)
                 return fut, lambda _: {"path": f"tinker://{model_id}/sampler_weights/{name}",
                                        "type": "save_weights_for_sampler"}
             return self.in_turn(model_id, j.get("seq_id"), named)
@@ -250,12 +306,9 @@ class LocalTinker:
         session = f"{j['session_id']}:sample:{j['sampling_session_seq_id']}"
         path = j.get("model_path")
         if path:
-            run, _, checkpoint = path[len("tinker://"):].partition("/")
-            source = self.models.get(run)
-            if source is None or checkpoint not in source.checkpoints:
-                raise KeyError(f"no sampler weights {path!r} on this server")
-            self.samplers[session] = self.samplers[source.checkpoints[checkpoint][1]]
+            self.samplers[session] = self.samplers[self.find(path, "sampler")[1].location]
         else:  # the base model: a training client that never trains
+            self.check_name(j.get("base_model"))
             base = self._builder.submit(TrainingClient, self.model, self.tokenizer, **self.strategy_kwargs)
             self.samplers[session] = self._builder.submit(lambda: base.result().save_weights_and_get_sampling_client()
                                                           .result())
@@ -322,12 +375,52 @@ class LocalTinker:
         return msg.SerializeToString()
 
     # -- REST -----------------------------------------------------------------------------------
+    # -- checkpoints ----------------------------------------------------------------------------
+    def find(self, tinker_path: str, kind: str | None = None) -> tuple[Model, Checkpoint]:
+        """The run and checkpoint at ``tinker_path`` (of ``kind`` where given); a clear error for one
+        that is not here, or was deleted or expired."""
+        run, _, checkpoint_id = tinker_path.removeprefix("tinker://").partition("/")
+        m = self.models.get(run)
+        checkpoint = m.checkpoints.get(checkpoint_id) if m is not None else None
+        what = {"training": "state (save_state writes them)", "sampler": "sampler weights (save_weights_for_sampler "
+                "writes them)"}.get(kind or "", "checkpoint")
+        if checkpoint is None or (kind is not None and checkpoint.kind != kind):
+            gone = f": it {self.gone[tinker_path]}" if tinker_path in self.gone else ""
+            raise FileNotFoundError(f"no {what} {tinker_path!r} on this server{gone}")
+        return m, checkpoint
+
+    def set_ttl(self, tinker_path: str, j: dict[str, Any]) -> dict[str, Any]:
+        """``set_checkpoint_ttl_from_tinker_path``: expire ``ttl_seconds`` from now (``None``: never)."""
+        self.find(tinker_path)[1].expire_after(ttl(j.get("ttl_seconds")))
+        return {}
+
+    def remove(self, tinker_path: str, how: str) -> None:
+        """Forget a checkpoint and delete what it holds (a state's folder; a sampler's session)."""
+        run, _, checkpoint_id = tinker_path.removeprefix("tinker://").partition("/")
+        with self.lock:
+            checkpoint = self.models[run].checkpoints.pop(checkpoint_id, None)
+            if checkpoint is None:
+                return
+            self.gone[tinker_path] = how
+            if checkpoint.kind == "sampler":
+                self.samplers.pop(checkpoint.location, None)
+        if checkpoint.kind == "training":
+            shutil.rmtree(checkpoint.location, ignore_errors=True)
+        log.info("checkpoint %s %s", tinker_path, how)
+
+    def expire(self) -> None:
+        """Remove the checkpoints whose TTL has passed (lazily: before each request is served)."""
+        at = now()
+        with self.lock:
+            expired = [(f"tinker://{run}/{cid}", c.expires_at) for run, m in self.models.items()
+                       for cid, c in list(m.checkpoints.items()) if c.expired(at)]
+        for path, expires_at in expired:
+            self.remove(path, f"expired at {expires_at.isoformat()} (its ttl_seconds) and was deleted")
+
     def checkpoints(self, run: str | None = None) -> dict[str, Any]:
         """``run``'s checkpoints (``None``: every run's)."""
         runs = [run] if run is not None else list(self.models)
-        listed = [{"checkpoint_id": cid, "checkpoint_type": kind, "time": "1970-01-01T00:00:00Z",
-                   "tinker_path": f"tinker://{r}/{cid}", "public": False}
-                  for r in runs for cid, (kind, _) in self.models[r].checkpoints.items()]
+        listed = [c.listing(f"tinker://{r}/{cid}", cid) for r in runs for cid, c in self.models[r].checkpoints.items()]
         return {"checkpoints": listed, "cursor": {"offset": 0, "limit": len(listed), "total_count": len(listed)}}
 
     def training_run(self, run: str) -> dict[str, Any]:
@@ -340,10 +433,46 @@ class LocalTinker:
         return {"training_runs": runs, "cursor": {"offset": 0, "limit": len(runs), "total_count": len(runs)}}
 
     def weights_info(self, tinker_path: str) -> dict[str, Any]:
-        run = tinker_path[len("tinker://"):].partition("/")[0]
-        m = self.models[run]
+        m = self.find(tinker_path)[0]
         return {"base_model": m.base_model, "is_lora": m.rank is not None, "lora_rank": m.rank,
                 "optimizer_config": {"type": "adamw"}}
+
+    # -- sessions -------------------------------------------------------------------------------
+    def create_session(self, j: dict[str, Any]) -> dict[str, Any]:
+        session = Session.from_request(f"local-{uuid.uuid4().hex[:8]}", j)
+        with self.lock:
+            self.sessions[session.session_id] = session
+        return {"type": "create_session", "session_id": session.session_id}
+
+    def heartbeat(self, j: dict[str, Any]) -> tuple[int, dict[str, Any]] | dict[str, Any]:
+        """410 for a finished (or unknown) session, as the hosted service answers: the only answer that
+        stops the SDK's heartbeat loop (``lib/internal_client_holder.py:568-596``); the loops of the
+        holders that ``ServiceClient.close`` does not close (a sampling client's pickled or
+        ``from_sampler_handle`` copy) stop at their next beat."""
+        s = self.sessions.get(j.get("session_id", ""))
+        if s is None or s.status["type"] != "active":
+            return 410, {"detail": f"session {j.get('session_id')!r} has finished"}
+        return {"type": "session_heartbeat"}
+
+    def session(self, session_id: str) -> tuple[int, dict[str, Any]] | dict[str, Any]:
+        """The SDK's ``GetSessionResponse``: the session's training runs and samplers."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            return 404, {"detail": f"no session {session_id!r} on this server"}
+        return {"training_run_ids": [m for m in self.models if s.owns(m)],
+                "sampler_ids": [x for x in self.samplers if s.owns(x)],
+                "user_metadata": s.user_metadata, "display_name": s.display_name}
+
+    def list_sessions(self, query: dict[str, list[str]]) -> dict[str, Any]:
+        """The SDK's ``ListSessionsResponse``: ids, newest first, ``offset``/``limit`` (default 20)."""
+        offset, limit = int(query.get("offset", ["0"])[0]), int(query.get("limit", ["20"])[0])
+        newest = sorted(self.sessions.values(), key=lambda s: (s.created_at, s.session_id), reverse=True)
+        return {"sessions": [s.session_id for s in newest[offset:offset + limit]]}
+
+    def search_sessions(self, j: dict[str, Any]) -> dict[str, Any]:
+        def count(session_id: str) -> int:
+            return sum(len(m.checkpoints) for run, m in self.models.items() if run.split(":", 1)[0] == session_id)
+        return search(list(self.sessions.values()), j, count)
 
     def capabilities(self) -> dict[str, Any]:
         return {"supported_models": [{"model_name": self.name, "trainable": True, "sampleable": True}]}
@@ -376,14 +505,15 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _dispatch(self, body: bytes) -> None:
-        path = self.path.split("?")[0]
+        url = urlsplit(self.path)
+        path, query = url.path, parse_qs(url.query)
         if not path.startswith(PREFIX):
             return self._send(404, {"detail": f"no route {path}"})
         j: dict[str, Any] = {}
         try:
             is_json = body and "json" in (self.headers.get("Content-Type") or "")
             j = json.loads(body) if is_json else {}
-            out = self._route(self.command, path[len(PREFIX):], body, j)
+            out = self._route(self.command, path[len(PREFIX):], body, j, query)
         except Exception as e:  # noqa: BLE001 - a bad request: 400 with a body (a bare 400 is retried)
             log.warning("%s %s failed: %s", self.command, path, e, exc_info=e)
             self.state.skip_turn(j)
@@ -393,15 +523,16 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(404, {"detail": f"not served: {self.command} {path}"})
         self._send(*out) if isinstance(out, tuple) else self._send(200, out)
 
-    def _route(self, verb: str, path: str, body: bytes, j: dict[str, Any]) -> Any:
+    def _route(self, verb: str, path: str, body: bytes, j: dict[str, Any], query: dict[str, list[str]]) -> Any:
         s = self.state
+        s.expire()
         simple = {
             "/client/config": lambda: {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False,
                                        "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
                                        "sample_join_sampling_session": False},
             "/client/dynamic_config": lambda: {"refresh_interval_sec": 300, "sample_cancel_enabled": False},
-            "/create_session": lambda: {"type": "create_session", "session_id": f"local-{uuid.uuid4().hex[:8]}"},
-            "/session_heartbeat": lambda: {"type": "session_heartbeat"},
+            "/create_session": lambda: s.create_session(j),
+            "/session_heartbeat": lambda: s.heartbeat(j),
             "/telemetry": lambda: {"status": "accepted"},
             "/healthz": lambda: {"status": "ok"},
             "/get_server_capabilities": s.capabilities,
@@ -418,11 +549,19 @@ class Handler(BaseHTTPRequestHandler):
             "/weights_info": lambda: s.weights_info(j["tinker_path"]),
             "/training_runs": s.training_runs,
             "/checkpoints": s.checkpoints,
+            "/sessions": lambda: s.list_sessions(query),
+            "/sessions/search": lambda: s.search_sessions(j),
         }
         if path in simple:
             return simple[path]()
-        if path.startswith("/sessions/") and path.endswith("/finish"):
-            return {}
+        if path.startswith("/sessions/"):
+            session_id, _, rest = path[len("/sessions/"):].partition("/")
+            if rest == "finish":
+                if session_id in s.sessions:
+                    s.sessions[session_id].finish(j)
+                return {}
+            if rest == "" and verb == "GET":
+                return s.session(session_id)
         if path.startswith("/samplers/"):
             return {"sampler_id": path[len("/samplers/"):], "base_model": s.name}
         if path.startswith("/training_runs/"):
@@ -434,8 +573,10 @@ class Handler(BaseHTTPRequestHandler):
             if verb == "GET" and rest == "":
                 return s.checkpoints(run)
             if verb == "DELETE" and rest.startswith("/") and rest.count("/") == 2:  # /weights/<name>
-                s.models[run].checkpoints.pop(rest[1:], None)
+                s.remove(f"tinker://{run}{rest}", "was deleted")
                 return {}
+            if verb == "PUT" and rest.endswith("/ttl") and rest.count("/") == 3:  # /weights/<name>/ttl
+                return s.set_ttl(f"tinker://{run}{rest.removesuffix('/ttl')}", j)
         return None
 
 
@@ -451,7 +592,8 @@ def serve(state: LocalTinker, port: int = 0, host: str = "127.0.0.1") -> Threadi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="hub id or local folder of a causal LM")
     parser.add_argument("--tokenizer", help="the tokenizer's folder (default: the model's)")
-    parser.add_argument("--name", default="rltrainer/local", help="the base_model name clients ask for")
+    parser.add_argument("--name", help="the base_model name clients ask for (default: the tokenizer's absolute "
+                        "folder, or its hub id: the SDK's SamplingClient.get_tokenizer loads the tokenizer by this name)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--root", help="where save_state writes (default: a temporary folder per client)")
     parser.add_argument("--full", action="store_true", help="train every parameter for the SDK's LoRA clients")
@@ -468,8 +610,11 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_id)
     state = LocalTinker(args.model, tokenizer, name=args.name, tokenizer_id=tokenizer_id, root=args.root, full=args.full,
                         strategy="single", device=args.device)
+    if args.name is not None and args.name != sdk_tokenizer_name(tokenizer_id):
+        log.info("SamplingClient.get_tokenizer() loads the tokenizer by the served name %r, not from %s; "
+                 "leave --name out to serve under the tokenizer's folder", args.name, tokenizer_id)
     server = serve(state, args.port)
-    print(f"Serving {args.name} on http://127.0.0.1:{server.server_address[1]} "
+    print(f"Serving {state.name} on http://127.0.0.1:{server.server_address[1]} "
           "(TINKER_API_KEY=tml-local; Ctrl-C stops)", flush=True)
     try:
         threading.Event().wait()

@@ -26,7 +26,8 @@ def datums(seed: int = 0) -> list[Datum]:
         out.append(Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:]),
                                      "weights": torch.tensor([0.0] + [1.0] * (n - 1)),
                                      "advantages": torch.randn(n, generator=g),
-                                     "logprobs": -torch.rand(n, generator=g) * 8}))
+                                     "logprobs": -torch.rand(n, generator=g) * 8,
+                                     "sequence_ratio_mask": torch.tensor([0.0] + [1.0] * (n - 1))}))
     return out
 
 
@@ -49,6 +50,10 @@ def direct_loss(name: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor]) ->
         return -(ratio.clamp(0.8, 1.2).detach() * lp * adv).sum()
     if name == "dro":
         return -(lp * adv - 0.5 * 0.05 * (lp - inputs["logprobs"]) ** 2).sum()
+    if name == "gspo":  # /losses/gspo: the masked tokens' mean log-ratio, each token's own gradient
+        in_ratio = inputs["sequence_ratio_mask"] != 0
+        s = torch.exp((lp.detach() - inputs["logprobs"])[in_ratio].mean() + lp - lp.detach())
+        return -torch.minimum(s * adv, s.clamp(0.8, 1.2) * adv).sum()
     raise AssertionError(name)
 
 
@@ -56,7 +61,7 @@ def grads_of(client: TrainingClient) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in client.strategy.module.policy.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"])
 def test_each_loss_value_and_gradient_match_the_documented_sum(client, loss_fn):
     reference = copy.deepcopy(client.strategy.module.policy)
     data = datums()
@@ -161,6 +166,19 @@ def test_the_sampling_client_sees_the_pushed_weights(client):
     out = sampler.sample(seq[:3], 3, SamplingParams(max_tokens=4, seed=0, stop=[])).result()
     assert [len(s.tokens) for s in out.sequences] == [4, 4, 4]
     assert all(len(s.logprobs) == 4 and s.stop_reason == "length" for s in out.sequences)
+
+
+def test_a_stop_string_of_several_tokens_ends_the_sample_where_it_completes(client, bpe_tokenizer):
+    sampler = client.save_weights_and_get_sampling_client().result()
+    params = SamplingParams(max_tokens=12, seed=0, stop=[])
+    free = sampler.sample(SEQS[0][:3], 1, params).result().sequences[0]  # a seeded sample with no stop
+    k = next(k for k in range(3, 12) if len(bpe_tokenizer.encode(bpe_tokenizer.decode(free.tokens[k - 2:k]),
+                                                                    add_special_tokens=False)) > 1)
+    stop = bpe_tokenizer.decode(free.tokens[k - 2:k])  # two of its tokens, a string of several tokens
+    params.stop = [stop]
+    cut = sampler.sample(SEQS[0][:3], 1, params).result().sequences[0]  # the same sample, cut at the stop
+    end = next(j for j in range(1, 13) if stop in bpe_tokenizer.decode(free.tokens[:j]))
+    assert (cut.tokens, cut.logprobs, cut.stop_reason) == (free.tokens[:end], free.logprobs[:end], "stop")
 
 
 def test_plain_tensors_are_datums_too(client):
