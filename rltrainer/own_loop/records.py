@@ -1,4 +1,4 @@
-"""What the local server (:mod:`rltrainer.own_loop.server`) records besides the models it runs:
+"""What the local server (:mod:`rltrainer.own_loop.service`) records besides the models it runs:
 sessions and checkpoints (with their expiry), answered in the shapes of the tinker SDK's REST types
 (0.38: ``types/get_session_response.py``, ``session_summary.py``, ``session_search_request.py``,
 ``checkpoint.py``).

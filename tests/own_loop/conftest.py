@@ -9,7 +9,7 @@ from rltrainer.testing import data_path
 
 @pytest.fixture
 def server(bpe_tokenizer, tiny_config, tmp_path, monkeypatch):
-    """``(state, url)``: a :class:`~rltrainer.own_loop.server.LocalTinker` serving a tiny Qwen2 under
+    """``(state, url)``: a :class:`~rltrainer.own_loop.service.LocalTinker` serving a tiny Qwen2 under
     its default name (``state.name``: the tokenizer's folder), with the SDK's environment set (a
     ``tml-`` key, no telemetry, the hub offline)."""
     pytest.importorskip("tinker", reason="the server's tests drive the tinker SDK: pip install tinker==0.38.0")

@@ -117,7 +117,7 @@ def test_a_folder_is_named_so_that_the_sdk_loads_its_tokenizer(bpe_tokenizer, mo
     import huggingface_hub.constants
     from tinker.lib.public_interfaces.sampling_client import _load_tokenizer_from_model_info
 
-    from rltrainer.own_loop.server import sdk_tokenizer_name
+    from rltrainer.own_loop.service import sdk_tokenizer_name
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     folder = Path(tempfile.mkdtemp(dir="/tmp")).resolve()  # /tmp/tmpXXXX: the SDK reads two '/' as org/model/variant
