@@ -128,7 +128,8 @@ def warm_up(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed + 2)
     for step in range(args.warmup_steps):
         data = []
-        for a, b in rng.sample(train, 16):
+        draw = rng.sample if args.warmup_batch <= len(train) else lambda pairs, k: rng.choices(pairs, k=k)
+        for a, b in draw(train, args.warmup_batch):
             ids = prompt(renderer, gsm8k_row(a, b)["question"]).to_ints()
             answer = tokenizer.encode(f" \\boxed{{{a + b}}}\n\nUser:", add_special_tokens=False)
             full, n = ids + answer, len(ids) - 1
@@ -137,7 +138,7 @@ def warm_up(args: argparse.Namespace) -> None:
         out = client.forward_backward(data, "cross_entropy")
         client.optim_step(AdamParams(learning_rate=args.warmup_lr)).result()
         if step % 20 == 0 or step == args.warmup_steps - 1:
-            print(f"warm-up step {step}: loss {out.result().metrics['loss:sum'] / 16:.3f}", flush=True)
+            print(f"warm-up step {step}: loss {out.result().metrics['loss:sum'] / args.warmup_batch:.3f}", flush=True)
     client.strategy.module.policy.save_pretrained(NAME)
 
 
@@ -217,6 +218,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="gsm8k-bpe4k", help="a shipped tokenizer (qwen2.5-instruct: slower)")
     parser.add_argument("--warmup-steps", type=int, default=60)
     parser.add_argument("--warmup-lr", type=float, default=1e-2)
+    parser.add_argument("--warmup-batch", type=int, default=16)
     parser.add_argument("--part", choices=["all", "warm-up", "evaluate"], default="all", help=argparse.SUPPRESS)
     parser.add_argument("--base-url", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -236,7 +238,8 @@ def main() -> None:
               "--max-tokens", str(args.max_tokens)]
     me = [sys.executable, str(Path(__file__).resolve())]
     run([*me, "--part", "warm-up", *common, "--rows", str(args.rows), "--hidden", str(args.hidden), "--tokenizer", args.tokenizer,
-         "--warmup-steps", str(args.warmup_steps), "--warmup-lr", str(args.warmup_lr)], cwd=work, env=env)
+         "--warmup-steps", str(args.warmup_steps), "--warmup-lr", str(args.warmup_lr),
+         "--warmup-batch", str(args.warmup_batch)], cwd=work, env=env)
     loop = patched_loop(cache, work)
     log = work / f"log-seed{args.seed}"
     if log.exists():  # the cookbook resumes from a log folder's checkpoints: start afresh
