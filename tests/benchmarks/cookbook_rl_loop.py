@@ -155,7 +155,8 @@ def evaluate(args: argparse.Namespace) -> None:
         sampler = service.create_sampling_client(base_model=NAME)
     stop = renderer.get_stop_sequences()
     greedy = tinker.types.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop=stop)
-    hot = tinker.types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=stop)
+    hot = tinker.types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=stop,
+                                     seed=args.seed)  # the same samples for the same weights
     rows = [gsm8k_row(a, b) for a, b in held_out]
     futures = [(sampler.sample(prompt(renderer, r["question"]), 1, greedy),
                 sampler.sample(prompt(renderer, r["question"]), 8, hot)) for r in rows]
