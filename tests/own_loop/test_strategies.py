@@ -1,5 +1,5 @@
 """The primitives on every strategy against ``single``: ``megatron`` (one megatron-core rank in this
-process, CPU) and ``fsdp2`` (2 ranks on Ray, gloo) take each ``optim_step``'s ``AdamParams``
+process, CPU; two on Ray, data- or tensor-parallel) and ``fsdp2`` (2 ranks on Ray, gloo) take each ``optim_step``'s ``AdamParams``
 (learning rate, betas, eps, weight decay and ``grad_clip_norm``, changed between steps), and
 ``load_state`` (weights only: a fresh optimizer) / ``load_state_with_optimizer`` resume as
 ``single`` does.
@@ -110,6 +110,33 @@ def test_megatron_takes_each_steps_adam_params_as_single(tiny_config, bpe_tokeni
                     {(adam.learning_rate, (adam.beta1, adam.beta2), adam.eps, adam.weight_decay)}
             assert metrics[1]["loss:sum"] == pytest.approx(metrics[0]["loss:sum"], rel=1e-5)
             assert_same_weights(*map(weights, clients), f"after step {i + 1}")
+
+
+@needs_megatron
+@pytest.mark.parametrize("layout", [{}, {"tensor_model_parallel_size": 2}], ids=["dp2", "tp2"])
+def test_two_megatron_ranks_take_each_steps_adam_params_and_clip_as_single(layout, tiny_config, bpe_tokenizer,
+                                                                           tmp_path, ray_session):
+    """Two megatron-core ranks on Ray: data-parallel (the distributed optimizer: each rank steps its
+    shard of the parameters, so each rank's ``on_before_optimizer_step`` must set its own groups)
+    and tensor-parallel (each rank steps its slices; the clip is over the global norm). ``A``, then
+    ``B`` with a clip that binds: the same loss, gradient norm and weights as ``single``."""
+    data = datums()
+    clipped = AdamParams(learning_rate=B.learning_rate, beta1=B.beta1, beta2=B.beta2, eps=B.eps, grad_clip_norm=0.5)
+    single = TrainingClient(tiny_config, bpe_tokenizer, root=tmp_path / "single", device="cpu")
+    megatron = None
+    try:
+        megatron = TrainingClient(tiny_config, bpe_tokenizer, strategy=MegatronStrategy(devices=2, **layout),
+                                  root=tmp_path / "megatron")
+        for i, adam in enumerate((A, clipped)):
+            metrics = step([single, megatron], data, adam)
+            assert_stepped_with(single, adam, metrics[0]["grad_norm:mean"])
+            assert metrics[1]["loss:sum"] == pytest.approx(metrics[0]["loss:sum"], rel=1e-5)
+            assert metrics[1]["grad_norm:mean"] == pytest.approx(metrics[0]["grad_norm:mean"], rel=1e-4)
+            assert_same_weights(weights(single), weights(megatron), f"after step {i + 1}")
+    finally:
+        single.close()
+        if megatron is not None:
+            megatron.close()
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
