@@ -301,6 +301,14 @@ class LocalTinker:
         session = self.samplers.get(j.get("sampling_session_id", ""))
         if session is None:
             return self.failed(KeyError(f"no sampling session {j.get('sampling_session_id')!r}"))
+        unserved = {k: j[k] for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
+                                      "record_stability_info") if j.get(k)}
+        unserved.update({k: j[k] for k in ("target_prompt_logprobs", "prompt_logprobs_last_n") if j.get(k) is not None})
+        if unserved:
+            return self.failed(ValueError(f"sample options {sorted(unserved)} are not served (top-k and alternative "
+                                          "log-probs, target prompt log-probs, the last-n prompt window and "
+                                          "stability records): this server returns the sampled tokens' log-probs, "
+                                          "and with include_prompt_logprobs=True every prompt token's"))
         prompt = [t for chunk in j["prompt"]["chunks"] for t in chunk.get("tokens", [])]
         params = SamplingParams(**{k: v for k, v in (j.get("sampling_params") or {}).items()
                                    if k in SamplingParams.__dataclass_fields__})

@@ -99,6 +99,21 @@ def test_a_failed_call_reaches_the_sdk_as_an_error(server):
             training.forward_backward([datum], "ppo").result()
 
 
+def test_sample_options_the_server_does_not_serve_are_refused_by_name(server):
+    """Top-k log-probs and the other sampling extras are refused, naming the option, not answered
+    without them."""
+    state, url = server
+    with tinker.ServiceClient(base_url=url) as service:
+        sampler = service.create_sampling_client(base_model=state.name)
+        prompt, params = tinker.types.ModelInput.from_ints([1, 2, 3]), tinker.types.SamplingParams(max_tokens=2)
+        for option in ({"topk_sample_logprobs": 2}, {"topk_prompt_logprobs": 2, "include_prompt_logprobs": True},
+                       {"prompt_alt_tokens_k": 2, "include_prompt_logprobs": True}):
+            name = next(k for k in option if k != "include_prompt_logprobs")
+            with pytest.raises(Exception, match=f"sample options .*'{name}'.* are not served"):
+                sampler.sample(prompt, 1, params, **option).result()
+        assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) == 2  # the plain call works
+
+
 def test_both_clients_load_the_tokenizer_offline_under_the_default_name(server, bpe_tokenizer):
     state, url = server
     assert state.name == str(data_path("tokenizers", "gsm8k-bpe4k").resolve())  # no --name: the tokenizer's folder
