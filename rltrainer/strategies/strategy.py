@@ -332,10 +332,12 @@ def load_local_training_state(module: RLModule, optimizers: list[Any], scheduler
                               f"returned {len(optimizers)}.")
     for name, m in models.items():
         m.load_state_dict(saved[name])
-    for opt, s in zip(optimizers, state["optimizers"] if optimizer else []):
-        opt.load_state_dict(s)
-    for opt in optimizers if not optimizer else []:
-        reset_optimizer(opt)
+    if optimizer:
+        for opt, s in zip(optimizers, state["optimizers"]):
+            opt.load_state_dict(s)
+    else:
+        for opt in optimizers:
+            reset_optimizer(opt)
     for sched, s in zip(schedulers, state["schedulers"]):
         sched.load_state_dict(s)
 

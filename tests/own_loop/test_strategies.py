@@ -48,10 +48,12 @@ def datums() -> list[Datum]:
 def client(name: str, config, tokenizer, root, request) -> TrainingClient:
     """``name``'s client, built with the strategy's own ``gradient_clip_val`` (1.0): each step's
     ``grad_clip_norm`` must override it. fsdp2's ranks join the session's Ray."""
-    if name == "fsdp2":
+    if name in ("fsdp2", "megatron-dp2", "megatron-tp2"):
         request.getfixturevalue("ray_session")
     strategy = {"single": lambda: "single", "fsdp2": lambda: FSDP2Strategy(devices=2),
-                "megatron": lambda: MegatronStrategy(devices=1)}[name]()
+                "megatron": lambda: MegatronStrategy(devices=1),
+                "megatron-dp2": lambda: MegatronStrategy(devices=2),
+                "megatron-tp2": lambda: MegatronStrategy(devices=2, tensor_model_parallel_size=2)}[name]()
     kwargs = {"device": "cpu"} if name == "single" else {}
     return TrainingClient(config, tokenizer, strategy=strategy, root=root / name, **kwargs)
 
@@ -113,30 +115,22 @@ def test_megatron_takes_each_steps_adam_params_as_single(tiny_config, bpe_tokeni
 
 
 @needs_megatron
-@pytest.mark.parametrize("layout", [{}, {"tensor_model_parallel_size": 2}], ids=["dp2", "tp2"])
-def test_two_megatron_ranks_take_each_steps_adam_params_and_clip_as_single(layout, tiny_config, bpe_tokenizer,
-                                                                           tmp_path, ray_session):
+@pytest.mark.parametrize("name", ["megatron-dp2", "megatron-tp2"])
+def test_two_megatron_ranks_take_each_steps_adam_params_and_clip_as_single(name, tiny_config, bpe_tokenizer,
+                                                                           tmp_path, request):
     """Two megatron-core ranks on Ray: data-parallel (the distributed optimizer: each rank steps its
     shard of the parameters, so each rank's ``on_before_optimizer_step`` must set its own groups)
     and tensor-parallel (each rank steps its slices; the clip is over the global norm). ``A``, then
     ``B`` with a clip that binds: the same loss, gradient norm and weights as ``single``."""
     data = datums()
     clipped = AdamParams(learning_rate=B.learning_rate, beta1=B.beta1, beta2=B.beta2, eps=B.eps, grad_clip_norm=0.5)
-    single = TrainingClient(tiny_config, bpe_tokenizer, root=tmp_path / "single", device="cpu")
-    megatron = None
-    try:
-        megatron = TrainingClient(tiny_config, bpe_tokenizer, strategy=MegatronStrategy(devices=2, **layout),
-                                  root=tmp_path / "megatron")
+    with opened(("single", name), tiny_config, bpe_tokenizer, tmp_path, request) as clients:
         for i, adam in enumerate((A, clipped)):
-            metrics = step([single, megatron], data, adam)
-            assert_stepped_with(single, adam, metrics[0]["grad_norm:mean"])
+            metrics = step(clients, data, adam)
+            assert_stepped_with(clients[0], adam, metrics[0]["grad_norm:mean"])
             assert metrics[1]["loss:sum"] == pytest.approx(metrics[0]["loss:sum"], rel=1e-5)
             assert metrics[1]["grad_norm:mean"] == pytest.approx(metrics[0]["grad_norm:mean"], rel=1e-4)
-            assert_same_weights(weights(single), weights(megatron), f"after step {i + 1}")
-    finally:
-        single.close()
-        if megatron is not None:
-            megatron.close()
+            assert_same_weights(*map(weights, clients), f"after step {i + 1}")
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
